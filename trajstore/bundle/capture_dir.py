@@ -1,0 +1,93 @@
+"""Capture directories: ``replay-<R>-<S>/`` and ``replay-rollout-<R>/`` children.
+
+A capture directory is what a training run writes: one step-level bundle per
+actor step and one rollout-level bundle per rollout, each either a plain
+bundle or a multi-rank cohort. ``--step R:S`` / ``--rollout R`` pick one.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from trajstore.bundle.reader import is_bundle_dir, is_cohort_dir
+from trajstore.errors import BundleError, UsageError
+
+STEP_DIR = re.compile(r"^replay-(\d+)-(\d+)$")
+ROLLOUT_DIR = re.compile(r"^replay-rollout-(\d+)$")
+_STEP_ARG = re.compile(r"^(\d+):(\d+)$")
+
+
+def parse_step(text: str) -> tuple[int, int]:
+    """Parse an actor step id ``R:S`` (non-negative ints)."""
+    m = _STEP_ARG.match(text.strip()) if isinstance(text, str) else None
+    if not m:
+        raise UsageError(f"step id {text!r} is not ROLLOUT:STEP with non-negative integers (e.g. 120:0)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_rollout(text: str) -> int:
+    if not isinstance(text, str) or not text.strip().isdigit():
+        raise UsageError(f"rollout id {text!r} is not a non-negative integer")
+    return int(text)
+
+
+def step_dir_name(rollout_id: int, step_id: int) -> str:
+    return f"replay-{rollout_id}-{step_id}"
+
+
+def rollout_dir_name(rollout_id: int) -> str:
+    return f"replay-rollout-{rollout_id}"
+
+
+def is_target_dir(path: Path) -> bool:
+    """A bundle or a cohort (something `open_target` opens)."""
+    return is_bundle_dir(path) or is_cohort_dir(path)
+
+
+def list_capture(path: Path) -> list[Path]:
+    """The step and rollout bundle directories directly under a capture directory."""
+    out = []
+    for child in sorted(path.iterdir()) if path.is_dir() else []:
+        if child.is_dir() and not child.is_symlink() and (STEP_DIR.match(child.name) or ROLLOUT_DIR.match(child.name)):
+            out.append(child)
+    return out
+
+
+def resolve_target(path: Path | str, *, step: tuple[int, int] | None = None, rollout: int | None = None) -> Path:
+    """The bundle/cohort directory a CLI target plus ``--step``/``--rollout`` names."""
+    path = Path(path)
+    if step is not None and rollout is not None:
+        raise UsageError("--step and --rollout are mutually exclusive")
+    if not path.exists():
+        raise BundleError(f"{path}: no such file or directory")
+    if is_target_dir(path):
+        return path
+    children = list_capture(path)
+    if not children:
+        raise BundleError(f"{path}: not a bundle, cohort or capture directory")
+    if step is None and rollout is None:
+        raise UsageError(
+            f"{path} is a capture directory with {len(children)} bundle(s); pick one with --step R:S or --rollout R"
+        )
+    name = step_dir_name(*step) if step is not None else rollout_dir_name(rollout)
+    target = path / name
+    if not target.is_dir():
+        have = ", ".join(c.name for c in children[:8])
+        what = f"step {step[0]}:{step[1]}" if step is not None else f"rollout {rollout}"
+        raise BundleError(f"{path}: no bundle for {what} (expected {name}/; have {have})")
+    return target
+
+
+def discover_targets(path: Path | str) -> list[Path]:
+    """Every bundle/cohort directory at or below ``path`` (for ingest and validate)."""
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"{path}: no such file or directory")
+    if is_target_dir(path):
+        return [path]
+    found: list[Path] = []
+    for child in sorted(path.iterdir()):
+        if child.is_dir() and not child.is_symlink() and not child.name.startswith("."):
+            found.extend(discover_targets(child) if not is_target_dir(child) else [child])
+    return found

@@ -1,0 +1,118 @@
+"""Content checks of an opened bundle that need no replay math.
+
+`trajstore validate` runs these after the integrity gate: sample records,
+payload lengths against the sample layout, non-finite values, semantic-group
+closure. Each problem is one line naming the sample, field or payload.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from trajstore.bundle.reader import Bundle
+from trajstore.errors import TrajstoreError
+
+#: Payloads laid out flat over the response tokens of every sample.
+PER_TOKEN_PAYLOADS = frozenset(
+    {
+        "old_log_probs",
+        "log_probs",
+        "ref_log_probs",
+        "entropy",
+        "kl",
+        "advantages",
+        "returns",
+        "rollout_log_probs",
+        "train_log_probs",
+        "loss_mask",
+    }
+)
+#: Payloads laid out over every token (prompt + response) of every sample.
+ROUTE_PAYLOADS = frozenset(
+    {"rollout_routed_experts", "train_routed_experts", "train_natural_routed_experts"}
+)
+
+
+def sample_problems(bundle: Bundle) -> list[str]:
+    """Per-sample integrity: unique ids, lengths, masks, group membership."""
+    out: list[str] = []
+    ids = Counter(s.sample_id for s in bundle.index.samples)
+    out += [f"sample id '{sid}' appears {n} times" for sid, n in ids.items() if n > 1]
+    for s in bundle.index.samples:
+        where = f"sample '{s.sample_id}'"
+        if not (0 < s.response_length <= s.total_length):
+            out.append(
+                f"{where}: response_length {s.response_length} not in (0, total_length {s.total_length}]"
+            )
+        if len(s.loss_mask) != s.response_length:
+            out.append(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {s.response_length}")
+        if any(v not in (0, 1) or isinstance(v, bool) for v in s.loss_mask):
+            out.append(f"{where}: loss_mask values must be 0 or 1")
+        if isinstance(s.reward, list) and len(s.reward) != s.response_length:
+            out.append(f"{where}: per-token reward has {len(s.reward)} entries, response_length is {s.response_length}")
+    return out
+
+
+def group_problems(bundle: Bundle) -> list[str]:
+    """Semantic-group closure: every sample has a group, groups are whole."""
+    out: list[str] = []
+    samples = bundle.index.samples
+    missing = [s.sample_id for s in samples if s.group_index is None]
+    if missing:
+        out.append(f"sample(s) {', '.join(missing[:5])} have no group_index (semantic group unknown)")
+    sizes = Counter(s.group_index for s in samples if s.group_index is not None)
+    n = bundle.index.config.get("n_samples_per_prompt")
+    if isinstance(n, int) and bundle.index.identity.kind == "rollout":
+        for g, size in sorted(sizes.items()):
+            if size != n:
+                out.append(f"group g-{g} has {size} sample(s), n_samples_per_prompt is {n}")
+    declared = bundle.index.identity.get("semantic_group_ids")
+    if declared:
+        present = {f"g-{g}" for g in sizes}
+        undeclared = sorted(present - set(declared))
+        if undeclared:
+            out.append(f"group(s) {', '.join(undeclared)} not listed in identity.semantic_group_ids")
+    return out
+
+
+def payload_problems(bundle: Bundle) -> list[str]:
+    """Payload layout against the samples, and non-finite values."""
+    out: list[str] = []
+    samples = bundle.index.samples
+    n_resp = sum(s.response_length for s in samples)
+    n_total = sum(s.total_length for s in samples)
+    for name in bundle.payload_names():
+        try:
+            t = bundle.load_payload(name)
+        except TrajstoreError as exc:
+            out.append(str(exc))
+            continue
+        if name in PER_TOKEN_PAYLOADS and t.shape != (n_resp,):
+            out.append(f"payload '{name}': shape {list(t.shape)}, samples have {n_resp} response tokens")
+        if name in ROUTE_PAYLOADS and (len(t.shape) != 3 or t.shape[0] != n_total):
+            out.append(f"payload '{name}': shape {list(t.shape)}, expected [{n_total}, L, K]")
+        arr = t.array
+        if arr.dtype.kind == "f" and t.dtype != "torch.bfloat16":
+            bad = ~np.isfinite(arr)
+            if bad.any():
+                first = int(np.flatnonzero(bad.reshape(-1))[0])
+                out.append(f"payload '{name}': {int(bad.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}")
+        elif t.dtype == "torch.bfloat16":
+            exp_all_ones = (arr.reshape(-1) & 0x7F80) == 0x7F80
+            if exp_all_ones.any():
+                first = int(np.flatnonzero(exp_all_ones)[0])
+                out.append(f"payload '{name}': {int(exp_all_ones.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}")
+    return out
+
+
+def bundle_problems(bundle: Bundle) -> list[str]:
+    return sample_problems(bundle) + group_problems(bundle) + payload_problems(bundle)
+
+
+def bundle_warnings(bundle: Bundle) -> list[str]:
+    out = list(bundle.warnings)
+    if bundle.index.identity.cp != 1:
+        out.append(f"identity.rank.cp = {bundle.index.identity.cp}: replay supports cp=1 only")
+    return out

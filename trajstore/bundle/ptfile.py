@@ -1,0 +1,241 @@
+"""Read `torch.save` files without torch and without running their pickle.
+
+`torch.load(weights_only=True)` costs a 1.4 s torch import here and still
+runs an unpickler over untrusted bytes. This reader parses the zip container
+that `torch.save` writes (``<archive>/data.pkl`` + ``<archive>/data/<key>``)
+with an unpickler that resolves only the handful of globals a plain tensor
+needs; anything else (a class, a function, a non-tensor result) is refused
+before any object is built, so a malicious payload's code never runs.
+
+The result is a NumPy array plus the torch dtype name, bit-identical to what
+``torch.load`` returns. bfloat16 has no NumPy dtype: its bits come back as
+uint16 with ``dtype == "torch.bfloat16"``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from trajstore.errors import BundleError
+
+# torch storage class name -> (torch dtype name, numpy dtype)
+_STORAGES: dict[str, tuple[str, str]] = {
+    "FloatStorage": ("torch.float32", "<f4"),
+    "DoubleStorage": ("torch.float64", "<f8"),
+    "HalfStorage": ("torch.float16", "<f2"),
+    "BFloat16Storage": ("torch.bfloat16", "<u2"),
+    "LongStorage": ("torch.int64", "<i8"),
+    "IntStorage": ("torch.int32", "<i4"),
+    "ShortStorage": ("torch.int16", "<i2"),
+    "CharStorage": ("torch.int8", "i1"),
+    "ByteStorage": ("torch.uint8", "u1"),
+    "BoolStorage": ("torch.bool", "?"),
+    "UInt16Storage": ("torch.uint16", "<u2"),
+    "UInt32Storage": ("torch.uint32", "<u4"),
+    "UInt64Storage": ("torch.uint64", "<u8"),
+}
+
+#: torch dtype name -> numpy dtype used to hold its bits.
+TORCH_TO_NUMPY: dict[str, np.dtype] = {t: np.dtype(n) for t, n in _STORAGES.values()}
+NUMPY_TO_TORCH: dict[str, str] = {
+    "float32": "torch.float32",
+    "float64": "torch.float64",
+    "float16": "torch.float16",
+    "int64": "torch.int64",
+    "int32": "torch.int32",
+    "int16": "torch.int16",
+    "int8": "torch.int8",
+    "uint8": "torch.uint8",
+    "bool": "torch.bool",
+    "uint16": "torch.uint16",
+    "uint32": "torch.uint32",
+    "uint64": "torch.uint64",
+}
+
+#: Refuse absurd declared sizes before allocating anything.
+MAX_ELEMENTS = 1 << 34
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    torch_dtype: str
+    np_dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    stype: _StorageType
+    numel: int
+
+
+@dataclass
+class _TensorSpec:
+    storage: _StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PtTensor:
+    """A tensor read from a .pt file: torch dtype name, shape and values."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    array: np.ndarray
+    #: byte range of the tensor's data inside the file (contiguous tensors only)
+    data_span: tuple[int, int] | None
+
+    def to_torch(self):  # noqa: ANN201 - torch is optional at import time
+        """Convert to a torch tensor (imports torch)."""
+        import torch
+
+        arr = np.ascontiguousarray(self.array)
+        if self.dtype == "torch.bfloat16":
+            return torch.from_numpy(arr.copy()).view(torch.bfloat16)
+        return torch.from_numpy(arr.copy())
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):  # noqa: ANN001
+    if not isinstance(storage, _StorageRef):
+        raise pickle.UnpicklingError("tensor storage is not a storage reference")
+    if backward_hooks:
+        raise pickle.UnpicklingError("tensor carries backward hooks")
+    return _TensorSpec(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only what a plain tensor needs; refuses every other global."""
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor_v2
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch" and name in _STORAGES:
+            tname, npname = _STORAGES[name]
+            return _StorageType(tname, np.dtype(npname))
+        raise pickle.UnpicklingError(f"refused pickle global {module}.{name}")
+
+    def persistent_load(self, pid):  # noqa: ANN001, ANN201
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r:.60}")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, _StorageType):
+            raise pickle.UnpicklingError("storage type is not a known tensor storage")
+        return _StorageRef(str(key), stype, int(numel))
+
+
+def _local_data_offset(raw: bytes, info: zipfile.ZipInfo) -> int:
+    """Offset of a stored member's bytes: local header + name + extra."""
+    start = info.header_offset
+    if raw[start : start + 4] != b"PK\x03\x04":
+        raise BundleError("bad zip local header")
+    name_len, extra_len = struct.unpack("<HH", raw[start + 26 : start + 30])
+    return start + 30 + name_len + extra_len
+
+
+def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
+    """Parse the bytes of a `torch.save` file holding exactly one plain tensor."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(raw))
+        names = zf.namelist()
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise BundleError(f"{label}: not a torch.save zip file ({exc})") from None
+    pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkl) != 1:
+        raise BundleError(f"{label}: not a torch.save file (no single <archive>/data.pkl)")
+    root = pkl[0][: -len("data.pkl")]
+    byteorder = root + "byteorder"
+    if byteorder in names and zf.read(byteorder).strip() not in (b"little", b""):
+        raise BundleError(f"{label}: big-endian torch files are not supported")
+    try:
+        obj = _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError) as exc:
+        raise BundleError(f"{label}: unsafe or unreadable pickle: {exc}") from None
+    if not isinstance(obj, _TensorSpec):
+        raise BundleError(f"{label}: does not hold a plain tensor (got {type(obj).__name__})")
+    st = obj.storage
+    numel = 1
+    for s in obj.size:
+        if s < 0:
+            raise BundleError(f"{label}: negative dimension in shape {obj.size}")
+        numel *= s
+    if numel > MAX_ELEMENTS or st.numel > MAX_ELEMENTS:
+        raise BundleError(f"{label}: declared size {numel} elements is beyond the limit")
+    member = f"{root}data/{st.key}"
+    try:
+        info = zf.getinfo(member)
+    except KeyError:
+        raise BundleError(f"{label}: storage record {member!r} missing") from None
+    itemsize = st.stype.np_dtype.itemsize
+    if info.file_size != st.numel * itemsize:
+        raise BundleError(
+            f"{label}: storage holds {info.file_size} bytes, declared {st.numel * itemsize}"
+        )
+    if info.compress_type == zipfile.ZIP_STORED:
+        off = _local_data_offset(raw, info)
+        data = np.frombuffer(raw, dtype=st.stype.np_dtype, count=st.numel, offset=off)
+    else:
+        off = None
+        data = np.frombuffer(zf.read(member), dtype=st.stype.np_dtype)
+    contiguous = _is_contiguous(obj.size, obj.stride)
+    if numel == 0:
+        arr = np.zeros(obj.size, dtype=st.stype.np_dtype)
+        span = None
+    elif contiguous:
+        if obj.offset < 0 or obj.offset + numel > st.numel:
+            raise BundleError(f"{label}: tensor view exceeds its storage")
+        arr = data[obj.offset : obj.offset + numel].reshape(obj.size)
+        span = (off + obj.offset * itemsize, numel * itemsize) if off is not None else None
+    else:
+        last = obj.offset + sum((s - 1) * abs(t) for s, t in zip(obj.size, obj.stride, strict=True))
+        if obj.offset < 0 or last >= st.numel or any(t < 0 for t in obj.stride):
+            raise BundleError(f"{label}: tensor view exceeds its storage")
+        arr = np.lib.stride_tricks.as_strided(
+            data[obj.offset :], shape=obj.size, strides=[t * itemsize for t in obj.stride]
+        ).copy()
+        span = None
+    return PtTensor(st.stype.torch_dtype, tuple(obj.size), arr, span)
+
+
+def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for s, t in zip(reversed(size), reversed(stride), strict=True):
+        if s != 1 and t != expected:
+            return False
+        expected *= s
+    return True
+
+
+def tensor_to_numpy(value) -> tuple[np.ndarray, str]:  # noqa: ANN001
+    """(numpy bits, torch dtype name) of a torch tensor or numpy array."""
+    if isinstance(value, np.ndarray):
+        name = NUMPY_TO_TORCH.get(value.dtype.name)
+        if name is None:
+            raise BundleError(f"unsupported numpy dtype {value.dtype}")
+        return value, name
+    import torch
+
+    t = value.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy(), "torch.bfloat16"
+    return t.numpy(), str(t.dtype)
+
+
+def as_torch(value):  # noqa: ANN001, ANN201
+    """A detached, contiguous CPU torch tensor from a torch tensor or numpy array."""
+    import torch
+
+    if isinstance(value, np.ndarray):
+        tensor_to_numpy(value)  # refuses unsupported dtypes
+        return torch.from_numpy(np.ascontiguousarray(value).copy())
+    return value.detach().cpu().contiguous().clone()

@@ -1,0 +1,69 @@
+"""The `trajstore` command line.
+
+Each command group lives in its own module with ``register(subparsers)``;
+modules import only argparse-level things at the top, so ``trajstore
+--help`` does not pay for torch, zarr or duckdb. Every TrajstoreError becomes
+one line on stderr and its exit code; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from trajstore import __version__
+from trajstore.errors import TrajstoreError
+
+#: command modules, in the order their commands appear in --help
+COMMAND_MODULES = [
+    "trajstore.cli.bundle_cmds",
+]
+
+EXIT_CODES_HELP = """exit codes:
+  0  success / every requested stage passes
+  1  a divergence was found, or a requested stage is unsupported
+  2  invalid input, integrity failure, refused selection or usage error
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trajstore",
+        description="Store and replay what asynchronous RL training actually consumed.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"trajstore {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def default_store() -> str | None:
+    """`TRAJSTORE_STORE` may stand for --store."""
+    return os.environ.get("TRAJSTORE_STORE") or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except TrajstoreError as exc:
+        print(f"trajstore: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("trajstore: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

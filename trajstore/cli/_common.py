@@ -1,0 +1,30 @@
+"""Argument helpers shared by command modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """A bundle/cohort/capture directory plus --step/--rollout."""
+    p.add_argument("target", help="bundle, cohort or capture directory")
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument("--step", metavar="R:S", help="actor step id, in a capture directory")
+    sel.add_argument("--rollout", metavar="R", help="rollout id, in a capture directory")
+
+
+def target_selector(args: argparse.Namespace) -> dict[str, Any]:
+    from trajstore.bundle.capture_dir import parse_rollout, parse_step
+
+    return {
+        "step": parse_step(args.step) if args.step is not None else None,
+        "rollout": parse_rollout(args.rollout) if args.rollout is not None else None,
+    }
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
+    sys.stdout.write("\n")
