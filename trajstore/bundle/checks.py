@@ -13,6 +13,7 @@ import numpy as np
 
 from trajstore.bundle.reader import Bundle
 from trajstore.errors import TrajstoreError
+from trajstore.schema import Sample
 
 #: Payloads laid out flat over the response tokens of every sample.
 PER_TOKEN_PAYLOADS = frozenset(
@@ -37,10 +38,15 @@ ROUTE_PAYLOADS = frozenset(
 
 def sample_problems(bundle: Bundle) -> list[str]:
     """Per-sample integrity: unique ids, lengths, masks, group membership."""
+    return sample_record_problems(bundle.index.samples)
+
+
+def sample_record_problems(samples: list[Sample]) -> list[str]:
+    """`sample_problems` over any list of sample records (e.g. a selection)."""
     out: list[str] = []
-    ids = Counter(s.sample_id for s in bundle.index.samples)
+    ids = Counter(s.sample_id for s in samples)
     out += [f"sample id '{sid}' appears {n} times" for sid, n in ids.items() if n > 1]
-    for s in bundle.index.samples:
+    for s in samples:
         where = f"sample '{s.sample_id}'"
         if not (0 < s.response_length <= s.total_length):
             out.append(

@@ -19,6 +19,7 @@ from trajstore.errors import TrajstoreError
 #: command modules, in the order their commands appear in --help
 COMMAND_MODULES = [
     "trajstore.cli.bundle_cmds",
+    "trajstore.cli.replay_cmd",
 ]
 
 EXIT_CODES_HELP = """exit codes:

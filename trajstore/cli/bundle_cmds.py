@@ -36,7 +36,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     infos = [inspect_target(t) for t in _targets(args)]
     if args.json:
-        print_json(infos if len(infos) > 1 else infos[0])
+        print_json(infos if len(infos) != 1 else infos[0])
     else:
         print("\n\n".join(format_inspect(i) for i in infos))
     return 0
@@ -48,7 +48,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     reports = [validate_path(t) for t in _targets(args)]
     ok = all(r["valid"] for r in reports)
     if args.json:
-        print_json(reports if len(reports) > 1 else reports[0])
+        print_json(reports if len(reports) != 1 else reports[0])
     else:
         for r in reports:
             print(f"{r['path']}: {'valid' if r['valid'] else 'INVALID'}")

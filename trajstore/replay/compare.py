@@ -1,0 +1,108 @@
+"""Compare recomputed values with what the producer recorded.
+
+``|actual - expected| <= atol + rtol * |expected|`` per element; exact fields
+compare with ``==``; a non-finite actual where the expected is finite is a
+mismatch. Per-token mismatches are located as (sample_id, token offset in
+that sample's response); the first 10 are kept as concrete examples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+MAX_EXAMPLES = 10
+
+
+@dataclass
+class Divergence:
+    """One concrete mismatch: where, and both values."""
+
+    stage: str
+    sample_id: str | None
+    field: str
+    token_offset: int | None
+    expected: float | None
+    actual: float | None
+    abs_err: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def where(self) -> str:
+        if self.sample_id is None:
+            return self.field
+        if self.token_offset is None:
+            return f"{self.field} {self.sample_id}"
+        return f"{self.field} {self.sample_id}@{self.token_offset}"
+
+
+@dataclass
+class Comparison:
+    max_abs_error: float
+    mismatch_count: int
+    divergences: list[Divergence]
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatch_count == 0
+
+
+def _num(x: float) -> float | None:
+    x = float(x)
+    return x if np.isfinite(x) else (None if np.isnan(x) else x)
+
+
+def compare_arrays(
+    stage: str,
+    field: str,
+    expected: np.ndarray,
+    actual: np.ndarray,
+    *,
+    atol: float,
+    rtol: float,
+    exact: bool = False,
+    sample_ids: list[str] | None = None,
+    offsets: np.ndarray | None = None,
+) -> Comparison:
+    """Elementwise comparison.
+
+    ``offsets`` (N+1 segment starts) marks a per-token array: mismatches are
+    reported as sample@offset. Without it, element i belongs to sample i
+    (per-sample values) or, with no sample_ids, to the field itself.
+    """
+    e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    if e.shape != a.shape:
+        return Comparison(
+            float("inf"),
+            max(e.size, a.size),
+            [Divergence(stage, None, field, None, None, None, None)],
+        )
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a - e)
+        both_nan = np.isnan(a) & np.isnan(e)
+        if exact:
+            bad = (a != e) & ~both_nan
+        else:
+            bad = ~(diff <= atol + rtol * np.abs(e)) & ~both_nan
+            same_inf = np.isinf(a) & np.isinf(e) & (np.sign(a) == np.sign(e))
+            bad &= ~same_inf
+    idx = np.flatnonzero(bad)
+    finite = diff[np.isfinite(diff)]
+    max_err = float(finite.max()) if finite.size else 0.0
+    if idx.size and not np.all(np.isfinite(diff[idx])):
+        max_err = float("inf")
+    examples: list[Divergence] = []
+    for i in idx[:MAX_EXAMPLES]:
+        i = int(i)
+        if offsets is not None:
+            pos = int(np.searchsorted(offsets, i, side="right") - 1)
+            sid, off = sample_ids[pos], i - int(offsets[pos])
+        elif sample_ids is not None:
+            sid, off = sample_ids[i], None
+        else:
+            sid, off = None, None
+        examples.append(Divergence(stage, sid, field, off, _num(e[i]), _num(a[i]), _num(diff[i])))
+    return Comparison(max_err, int(idx.size), examples)

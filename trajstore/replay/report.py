@@ -1,0 +1,64 @@
+"""Render a replay report as text (the CLI's default) or JSON."""
+
+from __future__ import annotations
+
+from trajstore.replay.compare import Divergence
+from trajstore.replay.runner import BundleReport, ReplayReport
+
+
+def _fmt(x: float | None) -> str:
+    return "null" if x is None else f"{x:.6g}"
+
+
+def _divergence_line(d: Divergence) -> str:
+    if d.expected is None and d.abs_err is None:
+        return f"{d.where()}: actual={_fmt(d.actual)}"
+    return f"{d.where()}: expected={_fmt(d.expected)} actual={_fmt(d.actual)} abs_err={_fmt(d.abs_err)}"
+
+
+def format_bundle(report: BundleReport, header: str) -> list[str]:
+    lines = [header]
+    if report.selection.partial:
+        n = len(report.selection.positions)
+        extra = (
+            f" (group closure added {', '.join(report.selection.closure_added)})"
+            if report.selection.closure_added
+            else ""
+        )
+        lines.append(f"  selection: {n} sample(s){extra}")
+    for s in report.stages:
+        if s.reason == "not requested":
+            continue
+        line = f"[{s.status:>7}] {s.stage}"
+        if s.reason:
+            line += f" — {s.reason}"
+        if not s.requested and s.status in ("pass", "fail"):
+            line += "  (input only)"
+        lines.append(line)
+        for d in s.divergences:
+            lines.append(" " * 10 + _divergence_line(d))
+    return lines
+
+
+def format_report(report: ReplayReport) -> str:
+    out: list[str] = []
+    multi = len(report.bundles) > 1
+    for b in report.bundles:
+        fds = b.first_divergent_stage
+        verdict = f"first divergent stage: {fds}" if fds else "all requested stages pass"
+        name = f"bundle {b.bundle_id}" + (f" rank {b.rank}" if b.rank is not None else "")
+        out += format_bundle(b, f"{name} — {verdict}")
+        out.append("")
+    if multi:
+        fds = report.first_divergent_stage
+        if fds:
+            out.append(
+                f"cohort {report.label} — first divergent stage: {fds} (rank {report.first_divergent_rank})"
+            )
+        else:
+            out.append(
+                f"cohort {report.label} — all requested stages pass on {len(report.bundles)} rank(s)"
+            )
+    if report.root_bundle_key:
+        out.append(f"divergence rooted in bundle {report.root_bundle_key}")
+    return "\n".join(out).rstrip("\n")

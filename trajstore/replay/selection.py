@@ -1,0 +1,108 @@
+"""Sample selection with semantic-group closure.
+
+`--sample`, `--group` and `--batch` pick samples; the selection is then
+closed over semantic groups (every member of every touched group joins), so
+group-level stages see whole groups. Missing membership refuses; a group is
+never inferred from a batch size or a position.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trajstore.errors import SelectionError
+from trajstore.schema import Index
+
+_GROUP = re.compile(r"^g-(\d+)$")
+
+
+@dataclass(frozen=True)
+class SelectionRequest:
+    samples: tuple[str, ...] = ()
+    groups: tuple[str, ...] = ()
+    batches: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.samples or self.groups or self.batches)
+
+    def describe(self) -> dict[str, list[str]]:
+        return {
+            "samples": list(self.samples),
+            "groups": list(self.groups),
+            "batches": list(self.batches),
+        }
+
+
+@dataclass
+class Selection:
+    """Sample positions (bundle order) a replay runs on."""
+
+    positions: np.ndarray | None  # None: every sample
+    partial: bool = False
+    closure_added: list[str] = field(default_factory=list)
+
+
+def parse_group(text: str) -> int:
+    m = _GROUP.match(text)
+    if not m:
+        raise SelectionError(f"group id {text!r} is not of the form g-N")
+    return int(m.group(1))
+
+
+def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> Selection | None:
+    """Resolve a request against one bundle's samples.
+
+    Returns None when nothing in this bundle matches and ``strict`` is False
+    (a rank of a cohort that holds none of the requested samples).
+    """
+    if request.empty:
+        return Selection(None, False)
+    samples = index.samples
+    by_id = {s.sample_id: i for i, s in enumerate(samples)}
+    chosen: set[int] = set()
+    unknown: list[str] = []
+    for sid in request.samples:
+        if sid in by_id:
+            chosen.add(by_id[sid])
+        else:
+            unknown.append(f"sample {sid}")
+    for g in request.groups:
+        gi = parse_group(g)
+        members = [i for i, s in enumerate(samples) if s.group_index == gi]
+        if members:
+            chosen.update(members)
+        else:
+            unknown.append(f"group {g}")
+    for mb in request.batches:
+        if not re.match(r"^mb-\d+$", mb):
+            raise SelectionError(f"micro-batch id {mb!r} is not of the form mb-NNNN")
+        members = [i for i, s in enumerate(samples) if s.micro_batch_id == mb]
+        if not members:
+            lacking = [s.sample_id for s in samples if s.micro_batch_id is None]
+            if lacking:
+                raise SelectionError(
+                    f"cannot select micro-batch {mb}: sample(s) {', '.join(lacking[:5])} have no micro_batch_id"
+                )
+            unknown.append(f"micro-batch {mb}")
+        chosen.update(members)
+    if unknown and strict:
+        raise SelectionError(f"{', '.join(unknown)} not found in bundle {index.bundle_id}")
+    if not chosen:
+        return None
+    # Semantic-group closure.
+    closed = set(chosen)
+    for i in chosen:
+        g = samples[i].group_index
+        if g is None:
+            raise SelectionError(
+                f"sample {samples[i].sample_id} has no group_index; its semantic group is unknown, refusing to guess"
+            )
+        closed.update(j for j, s in enumerate(samples) if s.group_index == g)
+    added = [samples[j].sample_id for j in sorted(closed - chosen)]
+    positions = np.array(sorted(closed), dtype=np.int64)
+    partial = len(positions) != len(samples)
+    return Selection(positions if partial else None, partial, added)
