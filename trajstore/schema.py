@@ -9,6 +9,7 @@ format is refused.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -30,11 +31,15 @@ DEFAULT_ATOL = 1e-6
 DEFAULT_RTOL = 1e-5
 
 
+_VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:[-+.][0-9A-Za-z.+-]*)?$")
+
+
 def format_major(version: Any) -> int:
     """Major of a ``format_version`` string; refuses anything but 1.x.y / 2.x.y."""
-    if not isinstance(version, str) or not version.split(".")[0].isdigit():
+    m = _VERSION.match(version) if isinstance(version, str) else None
+    if m is None:
         raise BundleError(f"format_version {version!r} is not a 'MAJOR.MINOR.PATCH' string")
-    major = int(version.split(".")[0])
+    major = int(m.group(1))
     if major not in SUPPORTED_MAJORS:
         raise BundleError(
             f"unsupported format major {major} (format_version {version!r}); "
@@ -182,6 +187,10 @@ class Manifest(Doc):
             if v is not None and not isinstance(v, str):
                 raise BundleError(f"{where}: producer.{k} must be a string")
         policy = self.raw.get("comparison_policy", {})
+        if not isinstance(policy.get("tolerances", {}), dict):
+            raise BundleError(f"{where}: comparison_policy.tolerances must be an object keyed by stage")
+        if not isinstance(policy.get("exact_fields", []), list):
+            raise BundleError(f"{where}: comparison_policy.exact_fields must be a list")
         for stage, tol in policy.get("tolerances", {}).items():
             if not isinstance(tol, dict) or not all(
                 isinstance(tol.get(k, 0.0), (int, float)) for k in ("atol", "rtol")
@@ -221,6 +230,10 @@ class Sample(Doc):
         "micro_batch_id": (_STR, True, False),
     }
     WHERE: ClassVar[str] = "index.json sample"
+
+    def _validate(self, where: str) -> None:
+        if not all(isinstance(v, int) for v in self.raw["loss_mask"]):
+            raise BundleError(f"{where} '{self.raw['sample_id']}': loss_mask entries must be integers")
 
     sample_id = property(lambda self: self.raw["sample_id"])
     group_index = property(lambda self: self.raw.get("group_index"))

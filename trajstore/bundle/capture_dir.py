@@ -89,5 +89,7 @@ def discover_targets(path: Path | str) -> list[Path]:
     found: list[Path] = []
     for child in sorted(path.iterdir()):
         if child.is_dir() and not child.is_symlink() and not child.name.startswith("."):
-            found.extend(discover_targets(child) if not is_target_dir(child) else [child])
+            # A replay-* child is a target even when broken, so that it is reported, not skipped.
+            named = STEP_DIR.match(child.name) or ROLLOUT_DIR.match(child.name)
+            found.extend([child] if is_target_dir(child) or named else discover_targets(child))
     return found

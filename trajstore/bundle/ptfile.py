@@ -163,6 +163,7 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
         raise BundleError(f"{label}: unsafe or unreadable pickle: {exc}") from None
     if not isinstance(obj, _TensorSpec):
         raise BundleError(f"{label}: does not hold a plain tensor (got {type(obj).__name__})")
+    _check_spec(obj, label)
     st = obj.storage
     numel = 1
     for s in obj.size:
@@ -205,6 +206,30 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
         ).copy()
         span = None
     return PtTensor(st.stype.torch_dtype, tuple(obj.size), arr, span)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_spec(obj: _TensorSpec, label: str) -> None:
+    """Refuse a tensor record whose fields a crafted pickle (BUILD) made odd."""
+    st = obj.storage
+    ok = (
+        isinstance(st, _StorageRef)
+        and isinstance(st.stype, _StorageType)
+        and isinstance(st.stype.np_dtype, np.dtype)
+        and isinstance(st.key, str)
+        and _is_int(st.numel)
+        and st.numel >= 0
+        and _is_int(obj.offset)
+        and isinstance(obj.size, tuple)
+        and isinstance(obj.stride, tuple)
+        and len(obj.size) == len(obj.stride)
+        and all(_is_int(s) for s in obj.size + obj.stride)
+    )
+    if not ok:
+        raise BundleError(f"{label}: malformed tensor record (storage, offset, size or stride)")
 
 
 def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:

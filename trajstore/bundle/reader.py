@@ -193,14 +193,20 @@ def open_bundle(path: Path | str, *, verify_payloads: bool = False) -> Bundle:
     expected_ranks = complete.expected_ranks
     if m:
         rank = int(m.group(1))
-    elif len(complete.ranks) == 1:
-        rank = None
-    if len(expected_ranks) > 1:
-        if not m:
+    if m and len(expected_ranks) > 1:
+        # A cohort member: only the cohort COMPLETE makes it readable.
+        cc = _require_cohort_complete(path.parent, expected_ranks)
+        cshard = cc.shards.get(rank)
+        if cshard is None or cshard.metadata != complete.metadata:
             raise BundleError(
-                f"{path}: expects ranks {expected_ranks} but is not a rank-<r> member of a cohort"
+                f"{path}: rank {rank} metadata hashes differ from the cohort COMPLETE's shard {rank}"
             )
-        _require_cohort_complete(path.parent, expected_ranks)
+    elif sorted(set(complete.ranks)) != sorted(set(expected_ranks)):
+        # A single-directory bundle is complete only when every expected rank signed it.
+        raise BundleError(
+            f"{path}: COMPLETE lists ranks {sorted(complete.ranks)} but expects ranks "
+            f"{sorted(expected_ranks)} (bundle incomplete; a rank member belongs in rank-<r>/ of a cohort)"
+        )
     bundle = Bundle(
         path=path,
         manifest=manifest,

@@ -105,12 +105,20 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
         path.write_bytes(data)
         dtype, shape = t.dtype, list(t.shape)
     else:
+        import numpy as np
         import torch
 
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise BundleError(
+                f"payload '{name}': unsupported value type {type(value).__name__} "
+                "(a torch tensor, a NumPy array or torch.save bytes)"
+            )
         tensor = as_torch(value)
         torch.save(tensor, path)
         data = path.read_bytes()
-        dtype, shape = str(tensor.dtype), list(tensor.shape)
+        # Never write what the reader refuses (e.g. complex dtypes).
+        t = read_pt_bytes(data, label=f"payload '{name}'")
+        dtype, shape = t.dtype, list(t.shape)
     return {"bytes": len(data), "dtype": dtype, "name": name, "sha256": sha256_bytes(data), "shape": shape}
 
 
