@@ -1,0 +1,131 @@
+"""Replay straight from the store, record results, query them, diff bundles."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, copy_fixture, resign_bundle
+from replay_builders import Faults, consistent_contents, write_consistent
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.replay.from_store import Target, replay_stored
+from trajstore.store import Store
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trajstore", *args], capture_output=True, text=True)
+
+
+def _verdict(report: dict) -> list[tuple]:
+    """What must match between store and directory replays (labels aside)."""
+    return [
+        (b["rank"], s["stage"], s["status"], s["mismatch_count"], [(d["sample_id"], d["token_offset"]) for d in s["divergences"]])
+        for b in report["bundles"]
+        for s in b["stages"]
+    ]
+
+
+@pytest.fixture
+def fixture_store(tmp_path: Path) -> Path:
+    root = tmp_path / "store"
+    with Store.open(root) as store:
+        store.ingest([FIXTURES / "example_capture_dir"], run="r1")
+        store.ingest([FIXTURES / "example_bundle_divergent"], run="r2")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("directory", "selector", "run"),
+    [
+        ("example_capture_dir", ["--step", "120:0"], "r1"),
+        ("example_capture_dir", ["--rollout", "120"], "r1"),
+        ("example_bundle_divergent", ["--step", "120:0"], "r2"),
+    ],
+)
+def test_store_replay_gives_the_directory_report(fixture_store: Path, directory: str, selector: list[str], run: str) -> None:
+    dir_args = [str(FIXTURES / directory)] + (selector if directory == "example_capture_dir" else [])
+    from_dir = run_cli("replay", *dir_args, "--json")
+    from_store = run_cli("replay", "--store", str(fixture_store), "--run", run, *selector, "--json", "--no-link")
+    assert from_dir.returncode == from_store.returncode
+    assert _verdict(json.loads(from_dir.stdout)) == _verdict(json.loads(from_store.stdout))
+
+
+def test_recorded_results_are_queryable_by_first_divergent_stage(fixture_store: Path) -> None:
+    assert run_cli("replay", "--store", str(fixture_store), "--all", "--record").returncode == 1
+    out = run_cli("query", "steps", "--store", str(fixture_store), "--first-divergent-stage", "advantage.estimate", "--format", "json")
+    rows = json.loads(out.stdout)
+    assert [(r["run"], r["rollout_id"], r["step_id"]) for r in rows] == [("r2", 120, 0)]
+
+
+def test_replay_all_resumes_without_redoing_recorded_work(fixture_store: Path) -> None:
+    run_cli("replay", "--store", str(fixture_store), "--all", "--record")
+    again = run_cli("replay", "--store", str(fixture_store), "--all", "--record", "--json")
+    summary = json.loads(again.stdout)
+    assert summary["skipped_already_recorded"] == summary["total"] == 3
+
+
+def test_divergences_query_names_sample_and_token(fixture_store: Path) -> None:
+    run_cli("replay", "--store", str(fixture_store), "--all", "--record")
+    out = run_cli("query", "divergences", "--store", str(fixture_store), "--stage", "advantage.estimate", "--format", "json")
+    rows = json.loads(out.stdout)
+    assert {(r["sample_id"], r["token_offset"]) for r in rows} == {("s-0", 0), ("s-0", 1), ("s-0", 2)}
+
+
+def test_rollout_fault_is_rooted_in_the_rollout_bundle(tmp_path: Path) -> None:
+    faulty = Faults(physical_batch_norm=12)
+    write_consistent(tmp_path / "cap" / "replay-rollout-7", kind="rollout", rollout_id=7, faults=faulty, bundle_id="ro-7")
+    # The step consumed the faulty rewards; on its own it is self-consistent (no reward stages).
+    step = consistent_contents(
+        kind="step", rollout_id=7, step_id=0, faults=faulty,
+        drop_expected=("reward.raw", "reward.post_process"), bundle_id="st-7-0",
+    ).contents
+    for stage in ("reward.raw", "reward.post_process"):
+        step.stage_contracts.pop(stage)
+    write_bundle(tmp_path / "cap" / "replay-7-0", step)
+    assert run_cli("replay", str(tmp_path / "cap"), "--step", "7:0").returncode == 0
+    with Store.open(tmp_path / "s") as store:
+        store.ingest([tmp_path / "cap"], run="x")
+        report = replay_stored(store, Target(run="x", step=(7, 0)))
+    assert report.first_divergent_stage == "reward.post_process"
+    assert report.root_bundle_key == "x/rollout-7/a1"
+    assert report.first.first_divergent_stage == "advantage.estimate"
+
+
+def test_diff_of_two_attempts_names_the_changed_token(tmp_path: Path) -> None:
+    b = copy_fixture("example_bundle", tmp_path)
+    with Store.open(tmp_path / "s") as store:
+        store.ingest([b], run="r")
+        import torch
+
+        lp = torch.load(b / "payloads" / "log_probs.pt", weights_only=True)
+        lp[5] += 0.5  # s-2's first token
+        (b / "payloads" / "log_probs.pt").chmod(0o644)
+        torch.save(lp, b / "payloads" / "log_probs.pt")
+        resign_bundle(b)
+        store.ingest([b], run="r")
+        assert store.attempts("r", "step", 120, 0) == [1, 2]
+    out = run_cli("diff", "--store", str(tmp_path / "s"), "r/120:0@1", "r/120:0@2", "--json")
+    assert out.returncode == 1
+    first = json.loads(out.stdout)["first_payload_difference"]
+    assert (first["what"], first["sample_id"], first["token_offset"]) == ("log_probs", "s-2", 0)
+    assert np.isclose(first["b"] - first["a"], 0.5)
+
+
+def test_diff_of_identical_bundles_exits_0(fixture_store: Path) -> None:
+    out = run_cli("diff", str(FIXTURES / "example_bundle"), "--store", str(fixture_store), "r2/120:0")
+    assert out.returncode == 1  # the divergent bundle differs in s-0's reward
+    same = run_cli("diff", str(FIXTURES / "example_bundle"), str(FIXTURES / "example_bundle"))
+    assert same.returncode == 0, same.stderr
+
+
+def test_sql_refuses_a_write_statement(fixture_store: Path) -> None:
+    out = run_cli("sql", "--store", str(fixture_store), "DELETE FROM bundles")
+    assert out.returncode == 2
+    assert "read-only" in out.stderr
+    ok = run_cli("sql", "--store", str(fixture_store), "SELECT count(*) AS n FROM bundles", "--format", "json")
+    assert json.loads(ok.stdout) == [{"n": 4}]

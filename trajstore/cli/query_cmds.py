@@ -1,0 +1,198 @@
+"""`trajstore query`, `trajstore sql`, `trajstore diff`: asking across steps."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trajstore.cli import default_store
+from trajstore.cli._common import print_json
+
+FORMATS = ("table", "json", "csv")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("query", help="steps, bundles, divergences or routes across a store")
+    p.add_argument("what", choices=["steps", "bundles", "divergences", "routes"])
+    p.add_argument("--store", metavar="DIR", default=default_store(), help="store directory (env TRAJSTORE_STORE)")
+    p.add_argument("--run", help="only this run")
+    p.add_argument("--rollout-from", type=int, metavar="R")
+    p.add_argument("--rollout-to", type=int, metavar="R")
+    p.add_argument("--first-divergent-stage", metavar="S", help="steps: whose latest verdict diverged first at S")
+    p.add_argument("--status", choices=["pass", "diverged", "unsupported", "refused", "unreplayed"], help="steps: latest verdict")
+    p.add_argument("--stage", metavar="S", help="divergences: at this stage")
+    p.add_argument("--min-abs-err", type=float, metavar="X", help="divergences: abs_err >= X")
+    p.add_argument("--sample", metavar="ID", help="divergences: of this sample")
+    p.add_argument("--kind", choices=["step", "rollout"], help="bundles: only this kind")
+    p.add_argument("--all-attempts", action="store_true", help="bundles: every attempt, not only the latest")
+    p.add_argument("--limit", type=int, help="at most this many rows")
+    p.add_argument("--format", choices=FORMATS, default="table")
+    p.set_defaults(func=cmd_query)
+
+    p = sub.add_parser("sql", help="read-only SQL over the catalog (docs/catalog.md lists the tables)")
+    p.add_argument("sql", help="one SELECT / WITH / DESCRIBE / SHOW statement")
+    p.add_argument("--store", metavar="DIR", default=default_store())
+    p.add_argument("--format", choices=FORMATS, default="table")
+    p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser(
+        "diff",
+        help="first differing payload, sample and token between two bundles",
+        description=(
+            "Each side is a bundle/cohort directory, or with --store a stored step: "
+            "RUN/R:S[@ATTEMPT], RUN/rollout-R[@ATTEMPT] or a bundle key."
+        ),
+    )
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--store", metavar="DIR", default=default_store())
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_diff)
+
+
+def _need_store(args: argparse.Namespace):  # noqa: ANN202
+    from trajstore.errors import UsageError
+    from trajstore.store import Store
+
+    if not args.store:
+        raise UsageError("--store DIR is required (or set TRAJSTORE_STORE)")
+    return Store.open(args.store, create=False)
+
+
+def emit_rows(rows: list[dict[str, Any]], columns: list[str], fmt: str) -> None:
+    if fmt == "json":
+        print_json(rows)
+        return
+    if fmt == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(columns)
+        for r in rows:
+            w.writerow(["" if r.get(c) is None else _cell(r.get(c)) for c in columns])
+        return
+    if not rows:
+        print("(no rows)")
+        return
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return str(v)
+
+
+STEP_COLUMNS = ["run", "rollout_id", "step_id", "attempt", "ranks", "status", "first_divergent_stage", "first_divergent_rank", "root_bundle_key", "recorded_at"]
+BUNDLE_COLUMNS = ["key", "run", "kind", "rollout_id", "step_id", "rank", "attempt", "num_samples", "logical_bytes", "published_at"]
+DIVERGENCE_COLUMNS = ["run", "rollout_id", "step_id", "bundle_key", "stage", "sample_id", "field", "token_offset", "expected", "actual", "abs_err"]
+ROUTE_COLUMNS = ["run", "rollout_id", "step_id", "route_mismatch_rate", "token_any_mismatch", "f_tau_2", "kl_k3", "logprob_abs_diff", "valid_token_layers", "metric_error"]
+
+
+def _all_pages(fn, limit: int | None, **kw: Any) -> list[dict]:  # noqa: ANN001
+    from trajstore.catalog import MAX_PAGE_SIZE
+
+    out: list[dict] = []
+    cursor = None
+    while True:
+        page = fn(limit=MAX_PAGE_SIZE if limit is None else min(limit - len(out), MAX_PAGE_SIZE), cursor=cursor, **kw)
+        out += page["items"]
+        cursor = page.get("next_cursor")
+        if not cursor or (limit is not None and len(out) >= limit):
+            return out
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from trajstore.catalog import queries as q
+    from trajstore.errors import UsageError
+
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be >= 1")
+    if args.rollout_from is not None and args.rollout_to is not None and args.rollout_from > args.rollout_to:
+        raise UsageError("--rollout-from is after --rollout-to")
+    store = _need_store(args)
+    rng = {"rollout_from": args.rollout_from, "rollout_to": args.rollout_to}
+    with store.catalog() as cat:
+        if args.what == "steps":
+            rows = _all_pages(partial(q.query_steps, cat), args.limit, run=args.run,
+                              first_divergent_stage=args.first_divergent_stage, status=args.status, **rng)
+            cols = STEP_COLUMNS
+        elif args.what == "bundles":
+            rows = _all_pages(partial(q.list_bundles, cat), args.limit, run=args.run, kind=args.kind,
+                              include_all_attempts=args.all_attempts, **rng)
+            cols = BUNDLE_COLUMNS
+        elif args.what == "divergences":
+            rows = _all_pages(partial(q.query_divergences, cat), args.limit, run=args.run, stage=args.stage,
+                              min_abs_err=args.min_abs_err, sample_id=args.sample, **rng)
+            cols = DIVERGENCE_COLUMNS
+        else:
+            rows = _all_pages(partial(q.query_router_metrics, cat), args.limit, run=args.run, **rng)
+            cols = ROUTE_COLUMNS
+    emit_rows(rows, [c for c in cols if not rows or c in rows[0]] or cols, args.format)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from trajstore.catalog import run_readonly_sql
+
+    store = _need_store(args)
+    with store.catalog() as cat:
+        columns, rows = run_readonly_sql(cat, args.sql)
+    emit_rows([dict(zip(columns, r, strict=True)) for r in rows], columns, args.format)
+    return 0
+
+
+def _side(spec: str, args: argparse.Namespace) -> tuple[list[Any], str]:
+    """Sources of one diff side and its label."""
+    import re
+
+    from trajstore.bundle.reader import open_target
+    from trajstore.errors import UsageError
+
+    path = Path(spec)
+    if path.exists():
+        bset = open_target(path)
+        return bset.bundles, spec
+    if not args.store:
+        raise UsageError(f"{spec!r} is not a directory; a stored side needs --store DIR")
+    store = _need_store(args)
+    m = re.match(r"^([A-Za-z0-9._-]+)/(?:(\d+):(\d+)|rollout-(\d+))(?:@(\d+))?$", spec)
+    if m:
+        run, r, s, rollout, attempt = m.groups()
+        att = int(attempt) if attempt else None
+        if r is not None:
+            return store.step(run, int(r), int(s), attempt=att), spec
+        return store.rollout(run, int(rollout), attempt=att), spec
+    return [store.bundle(spec)], spec
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from trajstore.diff import DiffReport, diff_sources
+    from trajstore.errors import UsageError
+
+    a, la = _side(args.a, args)
+    b, lb = _side(args.b, args)
+    if len(a) != len(b):
+        raise UsageError(f"{la} has {len(a)} rank(s), {lb} has {len(b)}; cannot pair them")
+    reports: list[DiffReport] = [
+        diff_sources(x, y, a_label=f"{la}" + (f"[rank {x.rank}]" if len(a) > 1 else ""),
+                     b_label=f"{lb}" + (f"[rank {y.rank}]" if len(b) > 1 else ""))
+        for x, y in zip(a, b, strict=True)
+    ]
+    if args.json:
+        print_json(reports[0].to_dict() if len(reports) == 1 else [r.to_dict() for r in reports])
+    else:
+        print("\n".join(r.format() for r in reports))
+    return 0 if all(r.same for r in reports) else 1
