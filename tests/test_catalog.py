@@ -1,0 +1,635 @@
+"""Catalog: indexing refs/results, latest attempts, tombstones, migrations,
+read-only SQL, concurrency through the file lock, in-memory snapshots."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from trajstore.catalog import (
+    CATALOG_FILE,
+    get_bundle,
+    list_bundles,
+    list_runs,
+    lookup_rollout,
+    lookup_step,
+    migrate,
+    open_catalog,
+    payloads_of,
+    provenance_of,
+    query_divergences,
+    query_steps,
+    recorded_result_exists,
+    reindex,
+    results_of,
+    run_readonly_sql,
+    samples_of,
+    stats,
+    sync_catalog,
+)
+from trajstore.catalog import tables as t
+from trajstore.errors import StoreError, UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fixture_dir() -> Path:
+    for base in (REPO / "shared", REPO.parent / "shared"):
+        path = base / "fixtures" / "relax-v2" / "example_bundle"
+        if path.is_dir():
+            return path
+    pytest.skip("shared/fixtures/relax-v2 not found")
+
+
+class FakeStore:
+    """Writes refs, tombstones and results the way the object store does, and
+    keeps the documents as JSON files a subprocess can load too."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.objects = root / "test-objects"
+        self.objects.mkdir(parents=True, exist_ok=True)
+        self.clock = itertools.count(1)
+        fixture = _fixture_dir()
+        self.manifest = json.loads((fixture / "manifest.json").read_text())
+        self.index = json.loads((fixture / "index.json").read_text())
+        self.expected = json.loads((fixture / "expected.json").read_text())
+
+    def load(self, digest: str) -> dict:
+        return json.loads((self.objects / f"{digest}.json").read_text())
+
+    def _put(self, doc: dict) -> str:
+        data = json.dumps(doc, sort_keys=True).encode()
+        digest = hashlib.sha256(data).hexdigest()
+        (self.objects / f"{digest}.json").write_bytes(data)
+        return digest
+
+    def _name(self) -> str:
+        return f"{1_800_000_000_000_000_000 + next(self.clock) * 1000:020d}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def _write(self, directory: str, doc: dict) -> str:
+        path = self.root / directory
+        path.mkdir(parents=True, exist_ok=True)
+        name = self._name()
+        tmp = path / f".{name}.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.link(tmp, path / f"{name}.json")  # atomic create
+        tmp.unlink()
+        return name
+
+    def publish(
+        self,
+        rollout_id: int = 120,
+        step_id: int | None = 0,
+        *,
+        run: str = "default",
+        rank: int | None = None,
+        attempt: int = 1,
+        cohort_ranks: list[int] | None = None,
+        router: dict | None = None,
+        consistency: dict | None = None,
+    ) -> str:
+        kind = "rollout" if step_id is None else "step"
+        index = copy.deepcopy(self.index)
+        identity = index["identity"]
+        if kind == "step":
+            identity["actor_step_id"] = {"rollout_id": rollout_id, "step_id": step_id}
+            identity["rollout_id"] = None
+        else:
+            identity["actor_step_id"] = None
+            identity["rollout_id"] = rollout_id
+        if router is not None:
+            index["config"]["router"] = router
+        expected = copy.deepcopy(self.expected)
+        if consistency is not None:
+            expected["router.consistency"] = consistency
+        where = f"step-{rollout_id}-{step_id}" if kind == "step" else f"rollout-{rollout_id}"
+        key = f"{run}/{where}/rank-{rank}/a{attempt}"
+        ref = {
+            "ref_version": 1,
+            "key": key,
+            "run": run,
+            "kind": kind,
+            "rollout_id": rollout_id,
+            "step_id": step_id,
+            "rank": rank,
+            "cohort_ranks": cohort_ranks or ([] if rank is None else [rank]),
+            "attempt": attempt,
+            "bundle_id": index["bundle_id"],
+            "format_version": self.manifest["format_version"],
+            "content_digest": hashlib.sha256(key.encode()).hexdigest(),
+            "published_at": "2026-11-30T01:02:03.123456Z",
+            "documents": {
+                "manifest": self._put(self.manifest),
+                "index": self._put(index),
+                "expected": self._put(expected),
+            },
+            "payloads": {
+                name: {
+                    "record": hashlib.sha256(name.encode()).hexdigest(),
+                    "dtype": p["dtype"],
+                    "shape": p["shape"],
+                    "logical_bytes": 40,
+                }
+                for name, p in self.manifest["payloads"].items()
+            },
+            "physical_bytes": 1234,
+        }
+        self._write("refs/bundles", ref)
+        return key
+
+    def tombstone(self, key: str) -> None:
+        self._write(
+            "refs/tombstones",
+            {"tombstone_version": 1, "key": key, "removed_at": "2026-12-01T00:00:00Z"},
+        )
+
+    def record(
+        self,
+        bundle_key: str,
+        rollout_id: int = 120,
+        step_id: int | None = 0,
+        *,
+        run: str = "default",
+        status: str = "diverged",
+        stage: str | None = "advantage.estimate",
+        recorded_at: str = "2026-11-30T02:00:00Z",
+        version: str = "0.1.0",
+        divergences: list[dict] | None = None,
+    ) -> None:
+        if divergences is None:
+            divergences = (
+                [
+                    {
+                        "stage": stage,
+                        "sample_id": f"s-{i}",
+                        "field": "advantages",
+                        "token_offset": i,
+                        "expected": 0.7,
+                        "actual": 2.0 + i,
+                        "abs_err": 1.3 + i,
+                    }
+                    for i in range(3)
+                ]
+                if stage
+                else []
+            )
+        self._write(
+            "results",
+            {
+                "result_version": 1,
+                "bundle_key": bundle_key,
+                "run": run,
+                "rollout_id": rollout_id,
+                "step_id": step_id,
+                "trajstore_version": version,
+                "recorded_at": recorded_at,
+                "status": status,
+                "first_divergent_stage": stage,
+                "first_divergent_rank": 0 if stage else None,
+                "root_bundle_key": bundle_key if stage else None,
+                "selection": None,
+                "stages": [
+                    {
+                        "stage": "advantage.estimate",
+                        "status": "fail" if stage else "pass",
+                        "reason": "",
+                        "max_abs_error": 3.3 if stage else None,
+                        "mismatch_count": 3 if stage else None,
+                        "first_sample": "s-0" if stage else None,
+                        "first_field": "advantages" if stage else None,
+                        "first_token": 0 if stage else None,
+                    }
+                ],
+                "divergences": divergences,
+            },
+        )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FakeStore:
+    return FakeStore(tmp_path / "store")
+
+
+def _sync(store: FakeStore):
+    with open_catalog(store.root) as cat:
+        return sync_catalog(cat, store.root, store.load)
+
+
+def _answers(cat) -> dict:
+    """Every query's answer, to compare two catalogs."""
+    return {
+        "runs": list_runs(cat),
+        "bundles": list_bundles(cat, include_all_attempts=True, limit=1000),
+        "steps": query_steps(cat, limit=1000),
+        "divergences": query_divergences(cat, limit=1000),
+        "stats": stats(cat),
+        "lookup": lookup_step(cat, "default", 120, 0),
+        "samples": [samples_of(cat, b["key"]) for b in list_bundles(cat, limit=1000)["items"]],
+    }
+
+
+def test_index_bundle_from_ref_and_documents(store):
+    key = store.publish(120, 0)
+    with open_catalog(store.root) as cat:
+        assert sync_catalog(cat, store.root, store.load).new_refs == 1
+        (row,) = lookup_step(cat, "default", 120, 0)
+        samples = samples_of(cat, key)
+        payloads = payloads_of(cat, key)
+        provenance = provenance_of(cat, key)
+    assert row["key"] == key and row["kind"] == "step" and row["is_latest"]
+    assert row["bundle_id"] == "b-example" and row["format_version"] == "2.0.0"
+    assert (row["rollout_weight"], row["actor_weight"]) == ("w-119", "w-120")
+    assert row["num_samples"] == len(store.index["samples"]) == len(samples)
+    assert row["num_response_tokens"] == sum(s["response_length"] for s in store.index["samples"])
+    assert [s["sample_id"] for s in samples] == [s["sample_id"] for s in store.index["samples"]]
+    assert samples[0]["semantic_group"] == "g-0" and samples[0]["micro_batch_id"] == "mb-0000"
+    assert samples[1]["masked_tokens"] == 1
+    assert {p["name"] for p in payloads} == set(store.manifest["payloads"])
+    assert payloads[0]["shape"] == [10]
+    assert provenance["rollout_partition"] == ["rollout-119"]
+    assert provenance["micro_batch"] == ["mb-0000", "mb-0001"]
+
+
+def test_sync_is_incremental_and_idempotent(store):
+    store.publish(120, 0)
+    store.record("default/step-120-0/rank-None/a1")
+    first = _sync(store)
+    again = _sync(store)
+    store.publish(121, 0)
+    third = _sync(store)
+    assert (first.new_refs, first.new_results) == (1, 1)
+    assert (again.new_refs, again.new_tombstones, again.new_results) == (0, 0, 0)
+    assert third.new_refs == 1
+    with open_catalog(store.root) as cat:
+        assert stats(cat)["bundles"] == 2
+        assert stats(cat)["results"] == 1
+
+
+def test_latest_attempt_is_the_highest(store):
+    store.publish(120, 0, attempt=1)
+    store.publish(120, 0, attempt=2)
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        latest = lookup_step(cat, "default", 120, 0)
+        first = lookup_step(cat, "default", 120, 0, attempt=1)
+        every = list_bundles(cat, include_all_attempts=True)["items"]
+    assert [r["attempt"] for r in latest] == [2]
+    assert [r["attempt"] for r in first] == [1] and not first[0]["is_latest"]
+    assert [r["attempt"] for r in every] == [1, 2]
+
+
+def test_lookup_step_returns_every_rank(store):
+    for rank in (1, 0):
+        store.publish(120, 0, rank=rank, cohort_ranks=[0, 1])
+    store.publish(120, None)
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        ranks = [r["rank"] for r in lookup_step(cat, "default", 120, 0)]
+        rollout = lookup_rollout(cat, "default", 120)
+        steps = query_steps(cat)["items"]
+    assert ranks == [0, 1]
+    assert [r["kind"] for r in rollout] == ["rollout"]
+    assert [(s["ranks"], s["num_bundles"]) for s in steps] == [([0, 1], 2)]
+
+
+def test_tombstone_hides_bundle_and_uncovers_previous_attempt(store):
+    store.publish(120, 0, attempt=1)
+    second = store.publish(120, 0, attempt=2)
+    _sync(store)
+    store.tombstone(second)
+    assert _sync(store).new_tombstones == 1
+    with open_catalog(store.root) as cat:
+        assert [r["attempt"] for r in lookup_step(cat, "default", 120, 0)] == [1]
+        assert get_bundle(cat, second) is None
+        assert get_bundle(cat, second, include_removed=True)["removed_at"] is not None
+
+
+def test_tombstone_synced_before_its_ref_still_hides_it(store):
+    key = store.publish(120, 0)
+    store.tombstone(key)
+    ref = next((store.root / "refs/bundles").iterdir())
+    hidden = ref.rename(store.root / "held-back.json")
+    _sync(store)  # sees only the tombstone
+    hidden.rename(ref)
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        assert lookup_step(cat, "default", 120, 0) == []
+
+
+def test_query_steps_filters_by_latest_first_divergent_stage(store):
+    a = store.publish(120, 0)
+    b = store.publish(121, 0)
+    c = store.publish(122, 0)
+    store.record(a, 120, 0, stage="advantage.estimate")
+    store.record(b, 121, 0, stage="loss.policy")
+    store.record(c, 122, 0, stage="advantage.estimate", recorded_at="2026-11-30T01:00:00Z")
+    store.record(c, 122, 0, status="pass", stage=None, recorded_at="2026-11-30T03:00:00Z")
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        hits = query_steps(cat, first_divergent_stage="advantage.estimate")["items"]
+        passed = query_steps(cat, status="pass")["items"]
+    assert [(h["rollout_id"], h["result_bundle_key"]) for h in hits] == [(120, a)]
+    assert [p["rollout_id"] for p in passed] == [122]
+
+
+def test_query_divergences_filters(store):
+    key = store.publish(120, 0)
+    store.record(key)
+    other = store.publish(130, 0, run="fix")
+    store.record(other, 130, 0, run="fix", stage="loss.policy")
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        big = query_divergences(cat, run="default", min_abs_err=2.0)["items"]
+        one = query_divergences(cat, sample_id="s-0", stage="loss.policy")["items"]
+    assert [(d["sample_id"], d["abs_err"]) for d in big] == [("s-1", 2.3), ("s-2", 3.3)]
+    assert [(d["run"], d["bundle_key"], d["field"]) for d in one] == [("fix", other, "advantages")]
+
+
+def test_recorded_result_exists_per_version(store):
+    key = store.publish(120, 0)
+    store.record(key, version="0.1.0")
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        assert recorded_result_exists(cat, key, "0.1.0")
+        assert not recorded_result_exists(cat, key, "0.2.0")
+        assert results_of(cat, key)[0]["stages"][0]["stage"] == "advantage.estimate"
+
+
+def test_router_lineage_and_producer_metrics_indexed(store):
+    router = {"num_experts": 128, "num_layers": 48, "top_k": 8, "mode": "r3",
+              "rollout_engine": "sglang-0.5.4", "train_engine": "megatron-core-0.14",
+              "rollout_weight": "w-120", "train_weight": "w-121"}  # fmt: skip
+    store.publish(
+        120, 0, router=router, consistency={"route_mismatch_rate": 0.01, "f_tau_2": 0.002}
+    )
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        columns, rows = run_readonly_sql(
+            cat,
+            "SELECT l.mode, l.num_layers, m.source, m.route_mismatch_rate, m.f_tau_2, m.kl_k1 "
+            "FROM router_lineage l JOIN router_metrics m USING (bundle_key)",
+        )
+    assert columns == ["mode", "num_layers", "source", "route_mismatch_rate", "f_tau_2", "kl_k1"]
+    assert rows == [["r3", 48, "producer", 0.01, 0.002, None]]
+
+
+def test_pagination_walks_everything_exactly_once(store):
+    for rollout in range(5):
+        for step in range(3):
+            key = store.publish(rollout, step, attempt=1)
+            store.record(key, rollout, step)
+        store.publish(rollout, None)
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        seen, cursor = [], None
+        while True:
+            page = list_bundles(cat, limit=4, cursor=cursor)
+            seen += [b["key"] for b in page["items"]]
+            if not (cursor := page["next_cursor"]):
+                break
+        steps, cursor = [], None
+        while True:
+            page = query_steps(cat, limit=2, cursor=cursor)
+            steps += [(s["rollout_id"], s["step_id"]) for s in page["items"]]
+            if not (cursor := page["next_cursor"]):
+                break
+        divs, cursor = [], None
+        while True:
+            page = query_divergences(cat, limit=7, cursor=cursor)
+            divs += [(d["result_id"], d["position"]) for d in page["items"]]
+            if not (cursor := page["next_cursor"]):
+                break
+        everything = list_bundles(cat, limit=1000)["items"]
+    assert seen == [b["key"] for b in everything] and len(set(seen)) == 20
+    assert steps == [(r, s) for r in range(5) for s in range(3)]
+    assert len(divs) == len(set(divs)) == 45
+
+
+def test_page_size_is_bounded(store):
+    with open_catalog(store.root) as cat, pytest.raises(UsageError, match="1000"):
+        list_bundles(cat, limit=1001)
+
+
+def test_bad_cursor_is_a_usage_error(store):
+    with open_catalog(store.root) as cat, pytest.raises(UsageError, match="cursor"):
+        query_steps(cat, cursor="not-a-cursor")
+
+
+def test_migration_from_0001_keeps_rows(tmp_path):
+    path = tmp_path / "store" / CATALOG_FILE
+    path.parent.mkdir()
+    engine = sa.create_engine(f"duckdb:///{path}")
+    migrate(engine, "0001")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO bundles (key, run, kind, rollout_id, step_id, attempt, is_latest, ref_name)"
+            " VALUES ('k', 'default', 'step', 120, 0, 1, true, 'r1')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO replay_results (result_name, bundle_key, status) VALUES ('x', 'k', 'pass')"
+        )
+    engine.dispose()
+    with open_catalog(tmp_path / "store") as cat:
+        assert cat.revision() == t.HEAD_REVISION
+        assert [r["key"] for r in lookup_step(cat, "default", 120, 0)] == ["k"]
+        _, rows = run_readonly_sql(cat, "SELECT id, status, selection FROM replay_results")
+        _, metrics = run_readonly_sql(cat, "SELECT count(*) FROM router_metrics")
+    assert rows == [[1, "pass", None]] and metrics == [[0]]
+
+
+def test_migrations_build_exactly_the_declared_tables(tmp_path):
+    with open_catalog(tmp_path) as cat, cat.connect() as conn:
+        got = {
+            (table, column)
+            for table, column in conn.exec_driver_sql(
+                "SELECT table_name, column_name FROM information_schema.columns"
+                " WHERE table_name <> 'alembic_version'"
+            )
+        }
+        indexes = {r[0] for r in conn.exec_driver_sql("SELECT index_name FROM duckdb_indexes()")}
+    want = {(table.name, c.name) for table in t.metadata.tables.values() for c in table.columns}
+    want_indexes = {i.name for table in t.metadata.tables.values() for i in table.indexes}
+    assert got == want
+    assert want_indexes <= indexes
+
+
+def test_newer_catalog_is_refused(tmp_path):
+    with open_catalog(tmp_path) as cat, cat.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
+    with pytest.raises(StoreError, match="newer than this trajstore.*upgrade trajstore"):
+        open_catalog(tmp_path)
+
+
+def test_reindex_after_deleting_catalog_gives_identical_answers(store):
+    first = store.publish(120, 0, attempt=1)
+    store.record(first)
+    _sync(store)
+    store.publish(120, 0, attempt=2)
+    gone = store.publish(121, 0)
+    store.publish(121, None)
+    _sync(store)
+    store.tombstone(gone)
+    store.record(store.publish(122, 0, rank=0, cohort_ranks=[0, 1]), 122, 0, stage="loss.policy")
+    store.publish(122, 0, rank=1, cohort_ranks=[0, 1])
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        before = _answers(cat)
+    (store.root / CATALOG_FILE).unlink()
+    stats_ = reindex(store.root / CATALOG_FILE, store.root, store.load)
+    with open_catalog(store.root) as cat:
+        after = _answers(cat)
+    assert (stats_.new_refs, stats_.new_tombstones, stats_.new_results) == (6, 1, 2)
+    assert after == before
+
+
+def test_reindex_of_a_corrupt_catalog_file_rebuilds_it(store):
+    store.publish(120, 0)
+    (store.root / CATALOG_FILE).write_bytes(b"not a duckdb file" * 100)
+    reindex(store.root / CATALOG_FILE, store.root, store.load)
+    with open_catalog(store.root) as cat:
+        assert len(lookup_step(cat, "default", 120, 0)) == 1
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "INSERT INTO runs VALUES ('x', NULL)",
+        "UPDATE bundles SET attempt = 9",
+        "DELETE FROM bundles",
+        "CREATE TABLE evil (a INT)",
+        "DROP TABLE bundles",
+        "ATTACH '/tmp/evil.duckdb' AS evil",
+        "COPY bundles TO '/tmp/evil.csv'",
+        "SELECT 1; DROP TABLE bundles",
+        "WITH x AS (SELECT 1) INSERT INTO runs SELECT 'x', NULL",
+        "EXPLAIN ANALYZE DELETE FROM bundles",
+        "PRAGMA enable_profiling",
+        "SET threads = 1",
+        "SELECT * FROM read_csv('/etc/passwd')",
+    ],
+)
+def test_readonly_sql_refuses_writes(store, sql):
+    store.publish(120, 0)
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        with pytest.raises(UsageError):
+            run_readonly_sql(cat, sql)
+        assert stats(cat)["bundles"] == 1
+        assert not sa.inspect(cat.engine).has_table("evil")
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT key, attempt FROM bundles",
+        "WITH b AS (SELECT * FROM bundles) SELECT count(*) FROM b",
+        "DESCRIBE bundles",
+        "SHOW TABLES",
+        "PRAGMA table_info('bundles')",
+        "EXPLAIN SELECT * FROM samples",
+        "SUMMARIZE samples",
+    ],
+)
+def test_readonly_sql_allows_reads(store, sql):
+    store.publish(120, 0)
+    _sync(store)
+    with open_catalog(store.root) as cat:
+        columns, rows = run_readonly_sql(cat, sql)
+    assert columns and rows
+    json.dumps(rows)
+
+
+def test_sync_still_works_after_readonly_sql(store):
+    store.publish(120, 0)
+    with open_catalog(store.root) as cat:
+        run_readonly_sql(cat, "SELECT 1")
+        store.publish(121, 0)
+        assert sync_catalog(cat, store.root, store.load).new_refs == 2
+
+
+SYNCER = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from trajstore.catalog import open_catalog, sync_catalog
+    store = Path(sys.argv[1])
+    load = lambda h: json.loads((store / "test-objects" / f"{h}.json").read_text())
+    with open_catalog(store, lock_timeout=120) as cat:
+        sync_catalog(cat, store, load)
+        if len(sys.argv) > 2:  # hold the catalog until told to let go
+            print("holding", flush=True)
+            sys.stdin.readline()
+    """
+)
+
+
+def _spawn(store: FakeStore, *, hold: bool = False) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, "-c", SYNCER, str(store.root)] + (["hold"] if hold else []),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_concurrent_syncers_retry_the_lock_and_index_everything(store):
+    keys = {store.publish(r, 0) for r in range(10)}
+    holder = _spawn(store, hold=True)
+    assert holder.stdout.readline().strip() == "holding"
+    keys |= {store.publish(r, 0) for r in range(10, 20)}
+    syncers = [_spawn(store), _spawn(store)]
+    assert all(p.poll() is None for p in syncers)  # blocked on the lock, not failed
+    holder.communicate("go\n")
+    results = [p.communicate() for p in syncers]
+    assert holder.returncode == 0
+    assert [p.returncode for p in syncers] == [0, 0], results
+    with open_catalog(store.root) as cat:
+        indexed = {b["key"] for b in list_bundles(cat, limit=1000)["items"]}
+    assert indexed == keys
+
+
+def test_lock_timeout_names_the_lock(store):
+    holder = _spawn(store, hold=True)
+    assert holder.stdout.readline().strip() == "holding"
+    try:
+        with pytest.raises(StoreError, match="locked by another process"):
+            open_catalog(store.root, lock_timeout=0.2)
+    finally:
+        holder.communicate("go\n")
+
+
+def test_snapshot_answers_while_file_is_held_and_refreshes(store):
+    store.publish(120, 0)
+    with open_catalog(store.root) as cat:
+        sync_catalog(cat, store.root, store.load)
+        snap = cat.snapshot_in_memory()
+    try:
+        store.publish(121, 0)
+        writer = _spawn(store, hold=True)  # another process writes the file catalog
+        assert writer.stdout.readline().strip() == "holding"
+        try:
+            assert len(lookup_step(snap, "default", 120, 0)) == 1
+            assert lookup_step(snap, "default", 121, 0) == []
+            store.publish(122, 0)
+            assert sync_catalog(snap, store.root, store.load).new_refs == 2
+            assert len(lookup_step(snap, "default", 122, 0)) == 1
+        finally:
+            writer.communicate("go\n")
+        assert writer.returncode == 0
+    finally:
+        snap.close()

@@ -1,0 +1,247 @@
+"""Opening the catalog: lock retry, migrations, in-memory snapshots.
+
+DuckDB lets one process hold a database file. Every process that needs the
+catalog therefore holds it briefly (open -> sync -> work -> close) and retries
+the lock with backoff; writers of refs and results never touch it. A
+long-running reader (the REST server) takes an in-memory snapshot once and
+then syncs new documents into the snapshot itself, never holding the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from trajstore.catalog.tables import HEAD_REVISION, KNOWN_REVISIONS
+from trajstore.errors import StoreError, UsageError
+
+CATALOG_FILE = "catalog.duckdb"
+DEFAULT_LOCK_TIMEOUT = 30.0
+_LOCK_MARKER = "Could not set lock"
+
+
+def catalog_url(store_dir: Path | str | None, url: str | None = None) -> str:
+    """The SQLAlchemy URL of a store's catalog (an explicit url wins)."""
+    if url:
+        return url
+    if store_dir is None:
+        raise UsageError("no catalog: pass a store directory (--store) or a catalog URL")
+    return f"duckdb:///{Path(store_dir).resolve() / CATALOG_FILE}"
+
+
+def _duckdb_file(url: sa.engine.URL) -> str | None:
+    """The database file of a DuckDB URL; None for other backends and :memory:."""
+    if url.get_backend_name() != "duckdb":
+        return None
+    db = url.database or ":memory:"
+    return None if db.startswith(":memory:") else db
+
+
+def _is_lock_error(exc: BaseException) -> bool:
+    return _LOCK_MARKER in str(exc)
+
+
+def _retry_lock(action, what: str, timeout: float):
+    """Run action(), retrying DuckDB's file-lock error with backoff until timeout."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        try:
+            return action()
+        except Exception as exc:  # duckdb.IOException, maybe wrapped by SQLAlchemy
+            if not _is_lock_error(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise StoreError(
+                    f"catalog {what} is locked by another process ({_LOCK_MARKER}) for more "
+                    f"than {timeout:g}s; wait for it to finish or raise the lock timeout"
+                ) from None
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.6, 0.5)
+
+
+class Catalog:
+    """An open catalog. Holds its DuckDB file (if any) until close().
+
+    `engine` and `connect()` re-take the file lock (with retry) if
+    snapshot_in_memory() released it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        store_dir: Path | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ) -> None:
+        self.url = url
+        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.lock_timeout = lock_timeout
+        self._sa_url = sa.engine.make_url(url)
+        self.file = _duckdb_file(self._sa_url)
+        self._engine: sa.Engine | None = None
+        self._keeper = None  # a checked-out DBAPI connection: holds the file / memory db
+        self._closed = False
+
+    # -- lifetime ---------------------------------------------------------
+    @property
+    def is_duckdb(self) -> bool:
+        return self._sa_url.get_backend_name() == "duckdb"
+
+    @property
+    def engine(self) -> sa.Engine:
+        self._ensure_open()
+        assert self._engine is not None
+        return self._engine
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"catalog {self.url} is closed")
+        if self._engine is not None:
+            return
+        engine = sa.create_engine(self.url)
+        try:
+            self._keeper = _retry_lock(
+                engine.raw_connection, self.file or self.url, self.lock_timeout
+            )
+        except BaseException:
+            engine.dispose()
+            raise
+        self._engine = engine
+
+    def _release(self) -> None:
+        if self._keeper is not None:
+            with contextlib.suppress(Exception):
+                self._keeper.close()
+            self._keeper = None
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    def close(self) -> None:
+        """Release the catalog (and with it DuckDB's file lock)."""
+        self._release()
+        self._closed = True
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- use --------------------------------------------------------------
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[sa.Connection]:
+        """A connection; commit explicitly or use begin() for a transaction."""
+        with self.engine.connect() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def begin(self) -> Iterator[sa.Connection]:
+        """A connection inside one transaction, committed on success."""
+        with self.engine.begin() as conn:
+            yield conn
+
+    def revision(self) -> str | None:
+        """The catalog's Alembic revision (None for an empty database)."""
+        with self.connect() as conn:
+            return _current_revision(conn)
+
+    def snapshot_in_memory(self) -> Catalog:
+        """Copy this DuckDB file catalog into a private in-memory DuckDB.
+
+        Releases this catalog's file lock (it is re-taken on next use) so the
+        copy can attach the file read-only; the snapshot never holds the file.
+        Keep it current with sync_catalog(snapshot, store_dir, ...).
+        """
+        if not self.is_duckdb or self.file is None:
+            raise UsageError(
+                "an in-memory snapshot needs a DuckDB file catalog; a server catalog on "
+                "another backend can be used directly"
+            )
+        self._release()
+        snap = Catalog(
+            f"duckdb:///:memory:trajstore-snapshot-{uuid.uuid4().hex}",
+            store_dir=self.store_dir,
+            lock_timeout=self.lock_timeout,
+        )
+        snap._ensure_open()
+        raw = snap._keeper.driver_connection
+        path = self.file.replace("'", "''")
+
+        def attach():
+            raw.execute(f"ATTACH '{path}' AS trajstore_src (READ_ONLY)")
+
+        _retry_lock(attach, self.file, self.lock_timeout)
+        try:
+            raw.execute("COPY FROM DATABASE trajstore_src TO memory")
+        finally:
+            raw.execute("DETACH trajstore_src")
+        return snap
+
+
+def _current_revision(conn: sa.Connection) -> str | None:
+    if not sa.inspect(conn).has_table("alembic_version"):
+        return None
+    return conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def migrations_dir() -> Path:
+    """The packaged `migrations/` directory (found by import, not by cwd)."""
+    import migrations
+
+    path = Path(migrations.__file__).resolve().parent
+    if not (path / "env.py").is_file():
+        raise StoreError(f"trajstore installation is broken: {path}/env.py is missing; reinstall")
+    return path
+
+
+def migrate(engine: sa.Engine, revision: str = "head") -> None:
+    """Run the hand-written Alembic revisions up to `revision` on `engine`."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+def open_catalog(
+    store_dir: Path | str | None,
+    url: str | None = None,
+    *,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+) -> Catalog:
+    """Open (creating or upgrading as needed) the catalog of a store.
+
+    Refuses a catalog written by a newer trajstore. The caller should close()
+    it promptly (or use it as a context manager): a DuckDB file admits one
+    process at a time.
+    """
+    catalog = Catalog(
+        catalog_url(store_dir, url),
+        store_dir=Path(store_dir) if store_dir is not None else None,
+        lock_timeout=lock_timeout,
+    )
+    try:
+        if catalog.file is not None:
+            Path(catalog.file).parent.mkdir(parents=True, exist_ok=True)
+        current = catalog.revision()
+        if current is not None and current not in KNOWN_REVISIONS:
+            raise StoreError(
+                f"catalog is at revision {current}, newer than this trajstore "
+                f"({HEAD_REVISION}); upgrade trajstore"
+            )
+        if current != HEAD_REVISION:
+            migrate(catalog.engine, "head")
+    except BaseException:
+        catalog.close()
+        raise
+    return catalog

@@ -1,0 +1,701 @@
+"""Catalog queries shared by the CLI and the REST API.
+
+Every function returns plain JSON-able dicts whose keys are the table column
+names (one name per number). Lists are paged by keyset cursors: an opaque
+string encoding the last sort key; pages hold at most MAX_PAGE_SIZE rows.
+Hidden from every query: tombstoned bundles and superseded attempts (unless
+asked for), and the results of either.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import json
+import re
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+
+from trajstore.catalog import tables as t
+from trajstore.catalog.db import Catalog
+from trajstore.errors import UsageError
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+JSON_COLUMNS = frozenset(
+    {"cohort_ranks", "shape", "per_layer_mismatch", "metric_error", "selection"}
+)
+
+
+# -- row conversion and paging --------------------------------------------------
+
+
+def _value(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name in JSON_COLUMNS and isinstance(value, str):
+        return json.loads(value)
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+        return value.isoformat() + "Z"
+    if isinstance(value, dt.date):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    return value
+
+
+def _row(row: Any) -> dict:
+    return {k: _value(k, v) for k, v in row._mapping.items()}
+
+
+def _limit(limit: int | None) -> int:
+    if limit is None:
+        return DEFAULT_PAGE_SIZE
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_SIZE:
+        raise UsageError(f"limit must be an integer from 1 to {MAX_PAGE_SIZE}, got {limit!r}")
+    return limit
+
+
+def _encode_cursor(tag: str, values: list) -> str:
+    raw = json.dumps([tag, values], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(tag: str, cursor: str | None, width: int) -> list | None:
+    if cursor is None:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        got_tag, values = json.loads(raw)
+    except (ValueError, TypeError):
+        raise UsageError("invalid cursor; pass the next_cursor of a previous page") from None
+    if got_tag != tag or not isinstance(values, list) or len(values) != width:
+        raise UsageError(f"invalid cursor for this query ({tag})")
+    return values
+
+
+def _page(rows: list, limit: int, tag: str, key_of) -> dict:
+    """{"items": [...], "next_cursor": str | None} from limit + 1 fetched rows."""
+    more = len(rows) > limit
+    rows = rows[:limit]
+    items = [_row(r) for r in rows]
+    cursor = _encode_cursor(tag, key_of(rows[-1])) if more else None
+    return {"items": items, "next_cursor": cursor}
+
+
+def _after(sort_exprs: list, values: list | None):
+    if values is None:
+        return sa.true()
+    return sa.tuple_(*sort_exprs) > sa.tuple_(*[sa.literal(v) for v in values])
+
+
+def _rollout_range(col, rollout_from: int | None, rollout_to: int | None) -> list:
+    clauses = []
+    if rollout_from is not None:
+        clauses.append(col >= rollout_from)
+    if rollout_to is not None:
+        clauses.append(col <= rollout_to)
+    return clauses
+
+
+# -- bundles -----------------------------------------------------------------
+
+_B = t.bundles
+_BUNDLE_SORT = [
+    _B.c.run,
+    _B.c.rollout_id,
+    sa.func.coalesce(_B.c.step_id, -1),
+    sa.func.coalesce(_B.c.rank, -1),
+    _B.c.attempt,
+    _B.c.key,
+]
+
+
+def _bundle_key(row) -> list:
+    step = -1 if row.step_id is None else row.step_id
+    rank = -1 if row.rank is None else row.rank
+    return [row.run, row.rollout_id, step, rank, row.attempt, row.key]
+
+
+def list_runs(catalog: Catalog) -> list[dict]:
+    """Every run with counts over its visible (latest, not removed) bundles."""
+    b = _B
+    visible = (
+        sa.select(
+            b.c.run,
+            sa.func.count().label("num_bundles"),
+            sa.func.count().filter(b.c.kind == "step").label("num_step_bundles"),
+            sa.func.count().filter(b.c.kind == "rollout").label("num_rollout_bundles"),
+            sa.func.min(b.c.rollout_id).label("min_rollout_id"),
+            sa.func.max(b.c.rollout_id).label("max_rollout_id"),
+            sa.func.max(b.c.published_at).label("last_published_at"),
+        )
+        .where(b.c.is_latest)
+        .group_by(b.c.run)
+        .subquery()
+    )
+    q = (
+        sa.select(
+            t.runs.c.run,
+            t.runs.c.first_published_at,
+            visible.c.last_published_at,
+            sa.func.coalesce(visible.c.num_bundles, 0).label("num_bundles"),
+            sa.func.coalesce(visible.c.num_step_bundles, 0).label("num_step_bundles"),
+            sa.func.coalesce(visible.c.num_rollout_bundles, 0).label("num_rollout_bundles"),
+            visible.c.min_rollout_id,
+            visible.c.max_rollout_id,
+        )
+        .select_from(t.runs.outerjoin(visible, visible.c.run == t.runs.c.run))
+        .order_by(t.runs.c.run)
+    )
+    with catalog.connect() as conn:
+        return [_row(r) for r in conn.execute(q)]
+
+
+def list_bundles(
+    catalog: Catalog,
+    run: str | None = None,
+    kind: str | None = None,
+    rollout_from: int | None = None,
+    rollout_to: int | None = None,
+    include_all_attempts: bool = False,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> dict:
+    """Bundles ordered by (run, rollout_id, step_id, rank, attempt); a page."""
+    limit = _limit(limit)
+    after = _decode_cursor("bundles", cursor, len(_BUNDLE_SORT))
+    q = sa.select(_B).where(_after(_BUNDLE_SORT, after))
+    q = q.where(_B.c.removed_at.is_(None))
+    if not include_all_attempts:
+        q = q.where(_B.c.is_latest)
+    if run is not None:
+        q = q.where(_B.c.run == run)
+    if kind is not None:
+        q = q.where(_B.c.kind == kind)
+    q = q.where(*_rollout_range(_B.c.rollout_id, rollout_from, rollout_to))
+    q = q.order_by(*_BUNDLE_SORT).limit(limit + 1)
+    with catalog.connect() as conn:
+        rows = conn.execute(q).all()
+    return _page(rows, limit, "bundles", _bundle_key)
+
+
+def get_bundle(catalog: Catalog, key: str, *, include_removed: bool = False) -> dict | None:
+    """One bundle row by key (None if unknown, or tombstoned unless include_removed)."""
+    q = sa.select(_B).where(_B.c.key == key)
+    if not include_removed:
+        q = q.where(_B.c.removed_at.is_(None))
+    with catalog.connect() as conn:
+        row = conn.execute(q).first()
+    return None if row is None else _row(row)
+
+
+def _lookup(catalog: Catalog, kind: str, run: str, rollout_id: int, step_id, attempt):
+    q = sa.select(_B).where(
+        _B.c.run == run,
+        _B.c.rollout_id == rollout_id,
+        _B.c.kind == kind,
+        _B.c.step_id.is_not_distinct_from(step_id),
+        _B.c.removed_at.is_(None),
+    )
+    q = q.where(_B.c.is_latest) if attempt is None else q.where(_B.c.attempt == attempt)
+    q = q.order_by(sa.func.coalesce(_B.c.rank, -1), _B.c.key)
+    with catalog.connect() as conn:
+        return [_row(r) for r in conn.execute(q)]
+
+
+def lookup_step(
+    catalog: Catalog, run: str, rollout_id: int, step_id: int, attempt: int | None = None
+) -> list[dict]:
+    """Bundle rows of every rank of actor step (rollout_id, step_id); [] if none.
+
+    The latest attempt per rank, or exactly `attempt` when given.
+    """
+    return _lookup(catalog, "step", run, rollout_id, step_id, attempt)
+
+
+def lookup_rollout(
+    catalog: Catalog, run: str, rollout_id: int, attempt: int | None = None
+) -> list[dict]:
+    """Bundle rows of the rollout-level bundle(s) of `rollout_id`; [] if none."""
+    return _lookup(catalog, "rollout", run, rollout_id, None, attempt)
+
+
+def samples_of(
+    catalog: Catalog,
+    bundle_key: str,
+    group: str | int | None = None,
+    micro_batch: str | None = None,
+) -> list[dict]:
+    """Samples of a bundle in bundle order; group is "g-<i>" or the group_index."""
+    s = t.samples
+    q = sa.select(s).where(s.c.bundle_key == bundle_key)
+    if isinstance(group, int) and not isinstance(group, bool):
+        q = q.where(s.c.group_index == group)
+    elif group is not None:
+        q = q.where(s.c.semantic_group == str(group))
+    if micro_batch is not None:
+        q = q.where(s.c.micro_batch_id == micro_batch)
+    with catalog.connect() as conn:
+        return [_row(r) for r in conn.execute(q.order_by(s.c.position))]
+
+
+def payloads_of(catalog: Catalog, bundle_key: str) -> list[dict]:
+    """Payload records of a bundle, by name."""
+    p = t.payloads
+    q = sa.select(p).where(p.c.bundle_key == bundle_key).order_by(p.c.name)
+    with catalog.connect() as conn:
+        return [_row(r) for r in conn.execute(q)]
+
+
+def provenance_of(catalog: Catalog, bundle_key: str) -> dict[str, list[str]]:
+    """Physical/semantic provenance of a bundle: {kind: [value, ...]}."""
+    p = t.provenance
+    q = sa.select(p.c.kind, p.c.value).where(p.c.bundle_key == bundle_key)
+    out: dict[str, list[str]] = {}
+    with catalog.connect() as conn:
+        for kind, value in conn.execute(q.order_by(p.c.kind, p.c.position)):
+            out.setdefault(kind, []).append(value)
+    return out
+
+
+def router_lineage_of(catalog: Catalog, bundle_key: str) -> dict | None:
+    """config.router of a bundle, or None when it has no routes."""
+    r = t.router_lineage
+    with catalog.connect() as conn:
+        row = conn.execute(sa.select(r).where(r.c.bundle_key == bundle_key)).first()
+    return None if row is None else _row(row)
+
+
+# -- results -----------------------------------------------------------------
+
+
+def _latest_results(run: str | None, kind: str | None = "step"):
+    """Per cohort (run, kind, rollout, step, attempt) of visible bundles, its result
+    with the latest recorded_at: a subquery with the bundle's identity columns."""
+    bb = _B.alias("rb")
+    r = t.replay_results
+    q = (
+        sa.select(
+            bb.c.run,
+            bb.c.kind,
+            bb.c.rollout_id,
+            bb.c.step_id,
+            bb.c.attempt,
+            r.c.id.label("result_id"),
+            r.c.bundle_key,
+            r.c.status,
+            r.c.first_divergent_stage,
+            r.c.first_divergent_rank,
+            r.c.root_bundle_key,
+            r.c.recorded_at,
+            r.c.trajstore_version,
+            sa.func.row_number()
+            .over(
+                partition_by=[bb.c.run, bb.c.kind, bb.c.rollout_id, bb.c.step_id, bb.c.attempt],
+                order_by=[r.c.recorded_at.desc().nulls_last(), r.c.id.desc()],
+            )
+            .label("rn"),
+        )
+        .select_from(r.join(bb, bb.c.key == r.c.bundle_key))
+        .where(bb.c.is_latest)
+    )
+    if kind is not None:
+        q = q.where(bb.c.kind == kind)
+    if run is not None:
+        q = q.where(bb.c.run == run)
+    ranked = q.subquery("ranked")
+    return sa.select(ranked).where(ranked.c.rn == 1).subquery("latest")
+
+
+def query_steps(
+    catalog: Catalog,
+    run: str | None = None,
+    first_divergent_stage: str | None = None,
+    rollout_from: int | None = None,
+    rollout_to: int | None = None,
+    status: str | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> dict:
+    """Actor steps (latest attempt) with their latest replay verdict; a page.
+
+    One item per (run, rollout_id, step_id): its ranks and bundle keys, and
+    the most recently recorded result of any of its rank bundles (result
+    columns are null when none was recorded). Filters on the verdict apply to
+    that latest result only.
+    """
+    limit = _limit(limit)
+    after = _decode_cursor("steps", cursor, 4)
+    b = _B
+    steps_q = (
+        sa.select(
+            b.c.run,
+            b.c.rollout_id,
+            b.c.step_id,
+            b.c.attempt,
+            sa.func.count().label("num_bundles"),
+            sa.func.sum(b.c.num_samples).label("num_samples"),
+            sa.func.sum(b.c.num_tokens).label("num_tokens"),
+            sa.func.max(b.c.published_at).label("published_at"),
+        )
+        .where(b.c.kind == "step", b.c.is_latest)
+        .where(*_rollout_range(b.c.rollout_id, rollout_from, rollout_to))
+        .group_by(b.c.run, b.c.rollout_id, b.c.step_id, b.c.attempt)
+    )
+    if run is not None:
+        steps_q = steps_q.where(b.c.run == run)
+    steps = steps_q.subquery("steps")
+    latest = _latest_results(run)
+    sort = [steps.c.run, steps.c.rollout_id, steps.c.step_id, steps.c.attempt]
+    q = (
+        sa.select(
+            steps,
+            latest.c.result_id,
+            latest.c.bundle_key.label("result_bundle_key"),
+            latest.c.status,
+            latest.c.first_divergent_stage,
+            latest.c.first_divergent_rank,
+            latest.c.root_bundle_key,
+            latest.c.recorded_at,
+            latest.c.trajstore_version,
+        )
+        .select_from(
+            steps.outerjoin(
+                latest,
+                sa.and_(
+                    latest.c.run == steps.c.run,
+                    latest.c.rollout_id == steps.c.rollout_id,
+                    latest.c.step_id == steps.c.step_id,
+                    latest.c.attempt == steps.c.attempt,
+                ),
+            )
+        )
+        .where(_after(sort, after))
+        .order_by(*sort)
+        .limit(limit + 1)
+    )
+    if first_divergent_stage is not None:
+        q = q.where(latest.c.first_divergent_stage == first_divergent_stage)
+    if status is not None:
+        q = q.where(latest.c.status == status)
+    # The page joined with its rank bundles, in one statement: ranks and keys
+    # are gathered for this page only (aggregating every step costs more).
+    page_q = q.subquery("page")
+    m = b.alias("member")
+    full = (
+        sa.select(page_q, m.c.rank.label("member_rank"), m.c.key.label("member_key"))
+        .select_from(
+            page_q.join(
+                m,
+                sa.and_(
+                    m.c.kind == "step",
+                    m.c.is_latest,
+                    m.c.run == page_q.c.run,
+                    m.c.rollout_id == page_q.c.rollout_id,
+                    m.c.step_id == page_q.c.step_id,
+                    m.c.attempt == page_q.c.attempt,
+                ),
+            )
+        )
+        .order_by(
+            page_q.c.run,
+            page_q.c.rollout_id,
+            page_q.c.step_id,
+            page_q.c.attempt,
+            sa.func.coalesce(m.c.rank, -1),
+            m.c.key,
+        )
+    )
+    with catalog.connect() as conn:
+        rows = conn.execute(full).all()
+    items: list[dict] = []
+    last_ident = None
+    for row in rows:
+        ident = (row.run, row.rollout_id, row.step_id, row.attempt)
+        if ident != last_ident:
+            item = _row(row)
+            del item["member_rank"], item["member_key"]
+            item["ranks"], item["bundle_keys"] = [], []
+            items.append(item)
+            last_ident = ident
+        if row.member_rank is not None:
+            items[-1]["ranks"].append(row.member_rank)
+        items[-1]["bundle_keys"].append(row.member_key)
+    more = len(items) > limit
+    items = items[:limit]
+    last = items[-1] if items else None
+    cursor = (
+        _encode_cursor("steps", [last["run"], last["rollout_id"], last["step_id"], last["attempt"]])
+        if more
+        else None
+    )
+    return {"items": items, "next_cursor": cursor}
+
+
+def query_divergences(
+    catalog: Catalog,
+    run: str | None = None,
+    stage: str | None = None,
+    min_abs_err: float | None = None,
+    sample_id: str | None = None,
+    rollout_from: int | None = None,
+    rollout_to: int | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> dict:
+    """Divergences of each visible step's or rollout's latest result; a page.
+
+    Ordered by (run, rollout_id, step_id, result_id, position).
+    """
+    limit = _limit(limit)
+    after = _decode_cursor("divergences", cursor, 5)
+    d = t.divergences
+    latest = _latest_results(run, kind=None)
+    sort = [
+        latest.c.run,
+        latest.c.rollout_id,
+        sa.func.coalesce(latest.c.step_id, -1),
+        d.c.result_id,
+        d.c.position,
+    ]
+    q = (
+        sa.select(
+            latest.c.run,
+            latest.c.kind,
+            latest.c.rollout_id,
+            latest.c.step_id,
+            latest.c.attempt,
+            latest.c.bundle_key,
+            latest.c.trajstore_version,
+            latest.c.recorded_at,
+            d,
+        )
+        .select_from(d.join(latest, latest.c.result_id == d.c.result_id))
+        .where(_after(sort, after))
+        .where(*_rollout_range(latest.c.rollout_id, rollout_from, rollout_to))
+        .order_by(*sort)
+        .limit(limit + 1)
+    )
+    if stage is not None:
+        q = q.where(d.c.stage == stage)
+    if min_abs_err is not None:
+        q = q.where(d.c.abs_err >= float(min_abs_err))
+    if sample_id is not None:
+        q = q.where(d.c.sample_id == sample_id)
+    with catalog.connect() as conn:
+        rows = conn.execute(q).all()
+    return _page(
+        rows,
+        limit,
+        "divergences",
+        lambda r: [
+            r.run,
+            r.rollout_id,
+            -1 if r.step_id is None else r.step_id,
+            r.result_id,
+            r.position,
+        ],
+    )
+
+
+def results_of(catalog: Catalog, bundle_key: str) -> list[dict]:
+    """Every recorded result of one bundle, newest first, each with its "stages"."""
+    r, s = t.replay_results, t.stage_results
+    with catalog.connect() as conn:
+        results = [
+            _row(x)
+            for x in conn.execute(
+                sa.select(r)
+                .where(r.c.bundle_key == bundle_key)
+                .order_by(r.c.recorded_at.desc().nulls_last(), r.c.id.desc())
+            )
+        ]
+        for res in results:
+            res["stages"] = [
+                _row(x)
+                for x in conn.execute(
+                    sa.select(s).where(s.c.result_id == res["id"]).order_by(s.c.position)
+                )
+            ]
+    return results
+
+
+def recorded_result_exists(catalog: Catalog, bundle_key: str, trajstore_version: str) -> bool:
+    """Whether this trajstore version already recorded a result for the bundle
+    (replay --all --record skips it, so an interrupted run resumes)."""
+    r = t.replay_results
+    q = sa.select(sa.literal(1)).where(
+        r.c.bundle_key == bundle_key, r.c.trajstore_version == trajstore_version
+    )
+    with catalog.connect() as conn:
+        return conn.execute(q.limit(1)).first() is not None
+
+
+def query_router_metrics(
+    catalog: Catalog,
+    run: str | None = None,
+    rollout_from: int | None = None,
+    rollout_to: int | None = None,
+    source: str | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> dict:
+    """Router consistency metrics of visible bundles (router-metrics.md names), with
+    each bundle's router mode; ordered by (run, rollout_id, step_id, id)."""
+    limit = _limit(limit)
+    after = _decode_cursor("router_metrics", cursor, 4)
+    m, lin = t.router_metrics, t.router_lineage
+    sort = [m.c.run, m.c.rollout_id, sa.func.coalesce(m.c.step_id, -1), m.c.id]
+    q = (
+        sa.select(m, lin.c.mode, _B.c.rank, _B.c.attempt)
+        .select_from(
+            m.join(_B, _B.c.key == m.c.bundle_key).outerjoin(
+                lin, lin.c.bundle_key == m.c.bundle_key
+            )
+        )
+        .where(_B.c.is_latest, _after(sort, after))
+        .where(*_rollout_range(m.c.rollout_id, rollout_from, rollout_to))
+        .order_by(*sort)
+        .limit(limit + 1)
+    )
+    if run is not None:
+        q = q.where(m.c.run == run)
+    if source is not None:
+        q = q.where(m.c.source == source)
+    with catalog.connect() as conn:
+        rows = conn.execute(q).all()
+    return _page(
+        rows,
+        limit,
+        "router_metrics",
+        lambda r: [r.run, r.rollout_id, -1 if r.step_id is None else r.step_id, r.id],
+    )
+
+
+def stats(catalog: Catalog, run: str | None = None) -> dict:
+    """Counts and sizes over the catalog (or one run)."""
+    b, r = _B, t.replay_results
+    run_filter = [b.c.run == run] if run is not None else []
+    visible = b.c.is_latest
+    with catalog.connect() as conn:
+        row = conn.execute(
+            sa.select(
+                sa.func.count(sa.distinct(b.c.run)).label("runs"),
+                sa.func.count().filter(visible).label("bundles"),
+                sa.func.count().filter(visible, b.c.kind == "step").label("step_bundles"),
+                sa.func.count().filter(visible, b.c.kind == "rollout").label("rollout_bundles"),
+                sa.func.count().filter(b.c.removed_at.is_not(None)).label("removed_bundles"),
+                sa.func.count()
+                .filter(b.c.removed_at.is_(None), sa.not_(visible))
+                .label("superseded_bundles"),
+                sa.func.coalesce(sa.func.sum(b.c.num_samples).filter(visible), 0).label("samples"),
+                sa.func.coalesce(sa.func.sum(b.c.num_tokens).filter(visible), 0).label(
+                    "num_tokens"
+                ),
+                sa.func.coalesce(sa.func.sum(b.c.logical_bytes), 0).label("logical_bytes"),
+                sa.func.coalesce(sa.func.sum(b.c.physical_bytes), 0).label("physical_bytes"),
+            ).where(*run_filter)
+        ).one()
+        out = _row(row)
+        rq = sa.select(r.c.status, sa.func.count()).group_by(r.c.status)
+        if run is not None:
+            rq = rq.where(r.c.run == run)
+        by_status = {status: n for status, n in conn.execute(rq)}
+    out["results"] = sum(by_status.values())
+    out["results_by_status"] = dict(sorted((k or "", v) for k, v in by_status.items()))
+    return out
+
+
+# -- read-only SQL -----------------------------------------------------------
+
+_READ_TYPES = {"SELECT"}
+_SAFE_PRAGMAS = {
+    "table_info",
+    "show_tables",
+    "show_tables_expanded",
+    "database_size",
+    "storage_info",
+    "version",
+    "show",
+}
+_PRAGMA_RE = re.compile(r"^\s*pragma\s+([a-z_]+)", re.IGNORECASE)
+_EXPLAIN_RE = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?", re.IGNORECASE)
+MAX_SQL_ROWS = 100_000
+
+
+def _check_readonly(sql: str) -> None:
+    """Refuse anything but one read-only statement, using DuckDB's own parser."""
+    import duckdb
+
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise UsageError(f"SQL does not parse: {str(exc).splitlines()[0]}") from None
+    if len(statements) != 1:
+        raise UsageError(f"give exactly one SQL statement, got {len(statements)}")
+    (stmt,) = statements
+    kind = stmt.type.name
+    if kind in _READ_TYPES:
+        return
+    if kind == "EXPLAIN":
+        _check_readonly(_EXPLAIN_RE.sub("", stmt.query, count=1))
+        return
+    if kind == "PRAGMA":
+        m = _PRAGMA_RE.match(stmt.query)
+        if m and m.group(1).lower() in _SAFE_PRAGMAS:
+            return
+    raise UsageError(f"only read-only SQL is allowed (SELECT, WITH, EXPLAIN, ...), not {kind}")
+
+
+def run_readonly_sql(
+    catalog: Catalog, sql: str, *, max_rows: int = MAX_SQL_ROWS
+) -> tuple[list[str], list[list]]:
+    """Run one read-only statement; returns (column names, rows as lists).
+
+    Refused unless DuckDB's parser sees exactly one SELECT-like statement, and
+    run inside a READ ONLY transaction that is rolled back. On DuckDB, file
+    access from SQL (read_csv, ...) is switched off for the catalog's database
+    (for the rest of this process: the setting cannot be switched back on).
+    """
+    _check_readonly(sql)
+    if catalog.is_duckdb:
+        raw = catalog.engine.raw_connection()
+        try:
+            cur = raw.driver_connection.cursor()
+            try:
+                cur.execute("SET enable_external_access = false")
+                cur.execute("BEGIN TRANSACTION READ ONLY")
+                try:
+                    cur.execute(sql)
+                    columns = [d[0] for d in (cur.description or [])]
+                    rows = cur.fetchmany(max_rows) if columns else []
+                finally:
+                    cur.execute("ROLLBACK")
+            except UsageError:
+                raise
+            except Exception as exc:
+                raise UsageError(f"SQL failed: {str(exc).splitlines()[0]}") from None
+        finally:
+            raw.close()
+    else:
+        with catalog.connect() as conn:
+            try:
+                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+                result = conn.exec_driver_sql(sql)
+                columns = list(result.keys())
+                rows = result.fetchmany(max_rows)
+            except sa.exc.DBAPIError as exc:
+                raise UsageError(f"SQL failed: {str(exc.orig).splitlines()[0]}") from None
+            finally:
+                conn.rollback()
+    return columns, [[_value("", v) for v in row] for row in rows]

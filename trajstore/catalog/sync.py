@@ -1,0 +1,670 @@
+"""Incremental sync of the catalog from the store's refs and results.
+
+The refs (`refs/bundles`, `refs/tombstones`) and results (`results/`) are the
+truth; the catalog only indexes them. A sync lists the three directories
+(cheap), applies the file names not yet in `synced_documents`, and records
+them in the same transaction. Applying a document is idempotent and its
+effect does not depend on the order documents arrive in, so a rebuild from
+scratch (`reindex`) answers every query exactly as the incremental catalog.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from trajstore.catalog import tables as t
+from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
+from trajstore.errors import StoreError
+
+LoadDocument = Callable[[str], dict]
+Group = tuple  # (run, kind, rollout_id, step_id, rank)
+
+REF_VERSION = 1
+TOMBSTONE_VERSION = 1
+RESULT_VERSION = 1
+BATCH_SIZE = 256  # documents per transaction
+
+# directory in synced_documents -> path under the store
+DIRECTORIES = {
+    "bundles": Path("refs") / "bundles",
+    "tombstones": Path("refs") / "tombstones",
+    "results": Path("results"),
+}
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    new_refs: int = 0
+    new_tombstones: int = 0
+    new_results: int = 0
+
+
+# -- small converters ------------------------------------------------------
+
+
+def _ts(value: Any) -> datetime | None:
+    """ISO-8601 (with Z or an offset) -> naive UTC datetime."""
+    if value in (None, ""):
+        return None
+    text = str(value)
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(timezone.utc).replace(tzinfo=None)
+    return parsed
+
+
+def _name_time(name: str) -> datetime:
+    """Creation time encoded in a document name (`<time_ns:020d>-<pid>-<hex>`)."""
+    try:
+        ns = int(name.split("-", 1)[0])
+    except ValueError:
+        ns = 0
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).replace(tzinfo=None)
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"{what} {path} is unreadable ({exc}); run trajstore fsck") from None
+    if not isinstance(doc, dict):
+        raise StoreError(f"{what} {path} is not a JSON object; run trajstore fsck")
+    return doc
+
+
+def _check_version(doc: dict, field: str, supported: int, path: Path) -> None:
+    version = doc.get(field)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise StoreError(f"{path} has no integer {field}; run trajstore fsck")
+    if version > supported:
+        raise StoreError(
+            f"{path} has {field} {version}, newer than this trajstore ({supported}); "
+            "upgrade trajstore"
+        )
+
+
+def _list_names(store_dir: Path, directory: str) -> list[str]:
+    """Published document names (finished atomic creates only), sorted."""
+    try:
+        entries = os.scandir(store_dir / DIRECTORIES[directory])
+    except FileNotFoundError:
+        return []
+    with entries:
+        return sorted(
+            e.name
+            for e in entries
+            if e.name.endswith(".json") and not e.name.startswith(".") and e.is_file()
+        )
+
+
+def _group_clause(table: sa.Table, group: Group):
+    run, kind, rollout_id, step_id, rank = group
+    return sa.and_(
+        table.c.run == run,
+        table.c.kind == kind,
+        table.c.rollout_id == rollout_id,
+        table.c.step_id.is_not_distinct_from(step_id),
+        table.c.rank.is_not_distinct_from(rank),
+    )
+
+
+# -- applying documents, a batch at a time -----------------------------------
+# DuckDB pays ~0.5 ms per statement, so a batch of documents costs a handful of
+# statements per table, not a handful per document.
+
+
+def _insert(conn: sa.Connection, table: sa.Table, rows: list[dict]) -> None:
+    """Insert many rows; on DuckDB as one statement over list parameters."""
+    if not rows:
+        return
+    if conn.dialect.name != "duckdb" or len(rows) == 1:
+        conn.execute(table.insert(), rows)
+        return
+    cols = [c for c in table.columns if c.name in rows[0]]
+    quote = conn.dialect.identifier_preparer.quote
+    sql = "INSERT INTO {} ({}) SELECT {}".format(
+        quote(table.name),
+        ", ".join(quote(c.name) for c in cols),
+        ", ".join(f"unnest(${i}::{c.type.compile(conn.dialect)}[])" for i, c in enumerate(cols, 1)),
+    )
+    params = [[row[c.name] for row in rows] for c in cols]
+    conn.connection.driver_connection.execute(sql, params)
+
+
+def _delete_bundles(conn: sa.Connection, keys: list[str]) -> None:
+    if not keys:
+        return
+    for table in (t.samples, t.provenance, t.payloads, t.router_lineage):
+        conn.execute(table.delete().where(table.c.bundle_key.in_(keys)))
+    m = t.router_metrics
+    conn.execute(m.delete().where(m.c.bundle_key.in_(keys), m.c.source == "producer"))
+    conn.execute(t.bundles.delete().where(t.bundles.c.key.in_(keys)))
+
+
+def _metric_row(metrics: dict, **ids: Any) -> dict:
+    row = dict(ids)
+    for name in t.ROUTER_METRIC_NAMES:
+        value = metrics.get(name)
+        if name == "per_layer_mismatch":
+            row[name] = _json(value) if isinstance(value, list) else None
+        elif name in ("valid_tokens", "valid_token_layers"):
+            row[name] = _int(value)
+        else:
+            row[name] = _float(value)
+    errors = metrics.get("metric_error")
+    if isinstance(errors, str):
+        errors = [errors]
+    row["metric_error"] = _json(list(errors)) if errors else None
+    return row
+
+
+_PROVENANCE_FIELDS = (
+    ("rollout_partition", "rollout_partition_ids"),
+    ("consumer_batch", "consumer_batch_ids"),
+    ("micro_batch", "micro_batch_ids"),
+    ("semantic_group", "semantic_group_ids"),
+    ("normalization_cohort", "normalization_cohort_ids"),
+)
+
+
+def _parse_ref(name: str, path: Path) -> tuple[str, dict]:
+    doc = _read_json(path, "bundle ref")
+    _check_version(doc, "ref_version", REF_VERSION, path)
+    try:
+        doc["key"] = str(doc["key"])
+        doc["run"] = str(doc["run"])
+        doc["kind"] = str(doc["kind"])
+        doc["rollout_id"] = int(doc["rollout_id"])
+        doc["attempt"] = int(doc["attempt"])
+        if not isinstance(doc["documents"], dict):
+            raise TypeError("documents")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreError(f"bundle ref {path} lacks a valid {exc}; run trajstore fsck") from None
+    return name[: -len(".json")], doc
+
+
+def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: dict) -> dict:
+    """Append the rows of one bundle to `rows` (table name -> list); returns its bundle row."""
+    key, run, rank = doc["key"], doc["run"], _int(doc.get("rank"))
+    step_id = _int(doc.get("step_id"))
+    documents = doc["documents"]
+
+    def fetch(role: str) -> dict:
+        digest = documents.get(role)
+        return (load_document(digest) or {}) if digest else {}
+
+    manifest, index, expected = fetch("manifest"), fetch("index"), fetch("expected")
+    identity = index.get("identity") or {}
+    lineage = identity.get("weight_lineage") or {}
+    world = identity.get("rank") or {}
+    producer = manifest.get("producer") or {}
+    ref_payloads = doc.get("payloads") or {}
+    cohorts = identity.get("normalization_cohort_ids") or []
+
+    samples = []
+    for position, s in enumerate(index.get("samples") or []):
+        group_index = _int(s.get("group_index"))
+        cohort = s.get("normalization_cohort_id") or (cohorts[0] if len(cohorts) == 1 else None)
+        samples.append(
+            {
+                "bundle_key": key,
+                "position": position,
+                "sample_id": str(s.get("sample_id")),
+                "group_index": group_index,
+                "semantic_group": None if group_index is None else f"g-{group_index}",
+                "normalization_cohort": _str(cohort),
+                "micro_batch_id": _str(s.get("micro_batch_id")),
+                "rank": rank,
+                "response_length": _int(s.get("response_length")),
+                "total_length": _int(s.get("total_length")),
+                "reward": _float(s.get("reward")),
+                "raw_reward": _float(s.get("raw_reward")),
+                "masked_tokens": sum(1 for m in (s.get("loss_mask") or []) if m == 0),
+                "label_hash": _str(s.get("label_hash")),
+            }
+        )
+    rows["samples"] += samples
+    for kind, field in _PROVENANCE_FIELDS:
+        rows["provenance"] += [
+            {"bundle_key": key, "kind": kind, "position": i, "value": str(v)}
+            for i, v in enumerate(identity.get(field) or [])
+        ]
+    rows["payloads"] += [
+        {
+            "bundle_key": key,
+            "name": str(pname),
+            "dtype": _str(p.get("dtype")),
+            "shape": _json(p.get("shape")),
+            "logical_bytes": _int(p.get("logical_bytes")),
+            "record": _str(p.get("record")),
+        }
+        for pname, p in sorted(ref_payloads.items())
+    ]
+    router = (index.get("config") or {}).get("router")
+    if isinstance(router, dict):
+        rows["router_lineage"].append(
+            {
+                "bundle_key": key,
+                "num_layers": _int(router.get("num_layers")),
+                "top_k": _int(router.get("top_k")),
+                "num_experts": _int(router.get("num_experts")),
+                "mode": _str(router.get("mode")),
+                "rollout_engine": _str(router.get("rollout_engine")),
+                "train_engine": _str(router.get("train_engine")),
+                "rollout_weight": _str(router.get("rollout_weight")),
+                "train_weight": _str(router.get("train_weight")),
+            }
+        )
+    consistency = expected.get("router.consistency")
+    if isinstance(consistency, dict):
+        rows["router_metrics"].append(
+            _metric_row(
+                consistency,
+                source="producer",
+                bundle_key=key,
+                result_id=None,
+                run=run,
+                rollout_id=doc["rollout_id"],
+                step_id=step_id,
+            )
+        )
+    bundle = {
+        "key": key,
+        "run": run,
+        "kind": doc["kind"],
+        "bundle_id": _str(doc.get("bundle_id")),
+        "rollout_id": doc["rollout_id"],
+        "step_id": step_id,
+        "rank": rank,
+        "cohort_ranks": _json(doc.get("cohort_ranks")),
+        "attempt": doc["attempt"],
+        "is_latest": False,
+        "removed_at": None,
+        "format_version": _str(doc.get("format_version") or manifest.get("format_version")),
+        "producer_commit": _str(producer.get("commit")),
+        "producer_torch_version": _str(producer.get("torch_version")),
+        "content_digest": _str(doc.get("content_digest")),
+        "num_samples": len(samples),
+        "num_tokens": sum(r["total_length"] or 0 for r in samples),
+        "num_response_tokens": sum(r["response_length"] or 0 for r in samples),
+        "logical_bytes": sum(int(p.get("logical_bytes") or 0) for p in ref_payloads.values()),
+        "physical_bytes": _int(doc.get("physical_bytes")),
+        "rollout_weight": _str(lineage.get("rollout_weight")),
+        "actor_weight": _str(lineage.get("actor_weight")),
+        "dp_size": _int(world.get("dp")),
+        "tp_size": _int(world.get("tp")),
+        "pp_size": _int(world.get("pp")),
+        "cp_size": _int(world.get("cp")),
+        "manifest_hash": _str(documents.get("manifest")),
+        "index_hash": _str(documents.get("index")),
+        "expected_hash": _str(documents.get("expected")),
+        "published_at": _ts(doc.get("published_at")),
+        "ref_name": ref_name,
+    }
+    rows["bundles"].append(bundle)
+    return bundle
+
+
+def _group(row: Any) -> Group:
+    get = row.get if isinstance(row, dict) else row._mapping.get
+    return (get("run"), get("kind"), get("rollout_id"), get("step_id"), get("rank"))
+
+
+def _set_latest(conn: sa.Connection, new: list[dict]) -> None:
+    """Mark is_latest on new bundle rows (before insert) and flip existing rows:
+    per (run, kind, rollout_id, step_id, rank), the highest attempt not removed."""
+    b = t.bundles
+    groups = {_group(r) for r in new}
+    old = [
+        r
+        for r in conn.execute(
+            sa.select(
+                b.c.key, b.c.run, b.c.kind, b.c.rollout_id, b.c.step_id, b.c.rank,
+                b.c.attempt, b.c.removed_at, b.c.is_latest,
+            ).where(
+                b.c.run.in_({g[0] for g in groups}),
+                b.c.rollout_id.in_({g[2] for g in groups}),
+            )
+        )
+        if _group(r) in groups
+    ]  # fmt: skip
+    best: dict[Group, tuple] = {}
+    for r in [*old, *new]:
+        get = r.get if isinstance(r, dict) else r._mapping.get
+        if get("removed_at") is None:
+            rank_key = (get("attempt"), get("key"))
+            g = _group(r)
+            if g not in best or rank_key > best[g]:
+                best[g] = rank_key
+    for r in new:
+        r["is_latest"] = best.get(_group(r), (None, None))[1] == r["key"]
+    flips = [
+        {"k": r.key, "v": not r.is_latest}
+        for r in old
+        if bool(r.is_latest) != (best.get(_group(r), (None, None))[1] == r.key)
+    ]
+    if flips:
+        conn.execute(
+            b.update().where(b.c.key == sa.bindparam("k")).values(is_latest=sa.bindparam("v")),
+            flips,
+        )
+
+
+def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document) -> None:
+    """Index a batch of bundle refs (file name, path). Idempotent; for a key
+    published twice the later ref (by name) wins whatever the apply order."""
+    parsed: dict[str, tuple[str, dict]] = {}
+    for name, path in items:
+        ref_name, doc = _parse_ref(name, path)
+        prev = parsed.get(doc["key"])
+        if prev is None or prev[0] < ref_name:
+            parsed[doc["key"]] = (ref_name, doc)
+    if not parsed:
+        return
+    b, tb = t.bundles, t.tombstones
+    existing = dict(
+        conn.execute(sa.select(b.c.key, b.c.ref_name).where(b.c.key.in_(list(parsed)))).all()
+    )
+    keys = [k for k, (ref_name, _) in parsed.items() if existing.get(k, "") <= ref_name]
+    _delete_bundles(conn, [k for k in keys if k in existing])
+    tombs: dict[str, list] = {}
+    for key, tname, removed_at in conn.execute(
+        sa.select(tb.c.bundle_key, tb.c.tombstone_name, tb.c.removed_at).where(
+            tb.c.bundle_key.in_(keys)
+        )
+    ):
+        tombs.setdefault(key, []).append((tname, removed_at))
+
+    rows: dict[str, list[dict]] = {
+        n: [] for n in ("bundles", "samples", "provenance", "payloads", "router_lineage")
+    }
+    rows["router_metrics"] = []
+    for key in keys:
+        ref_name, doc = parsed[key]
+        bundle = _bundle_rows(ref_name, doc, load_document, rows)
+        later = [r for name, r in tombs.get(key, []) if name > ref_name]
+        if later:
+            bundle["removed_at"] = min(later)
+    _set_latest(conn, rows["bundles"])
+    for name, table_rows in rows.items():
+        _insert(conn, t.metadata.tables[name], table_rows)
+
+    first: dict[str, datetime | None] = {}  # run -> earliest published_at in the batch
+    for r in rows["bundles"]:
+        run, when = r["run"], r["published_at"]
+        if run not in first or when is not None and (first[run] is None or when < first[run]):
+            first[run] = when
+    known = dict(
+        conn.execute(
+            sa.select(t.runs.c.run, t.runs.c.first_published_at).where(t.runs.c.run.in_(first))
+        ).all()
+    )
+    _insert(
+        conn,
+        t.runs,
+        [{"run": r, "first_published_at": w} for r, w in first.items() if r not in known],
+    )
+    for run, when in first.items():
+        if run in known and when is not None and (known[run] is None or when < known[run]):
+            conn.execute(t.runs.update().where(t.runs.c.run == run).values(first_published_at=when))
+
+
+def apply_tombstone(conn: sa.Connection, name: str, path: Path):
+    """Record a tombstone; hides the bundle if its ref predates the tombstone."""
+    doc = _read_json(path, "tombstone")
+    _check_version(doc, "tombstone_version", TOMBSTONE_VERSION, path)
+    key = doc.get("key")
+    if not isinstance(key, str):
+        raise StoreError(f"tombstone {path} has no key; run trajstore fsck")
+    tname = name[: -len(".json")]
+    removed_at = _ts(doc.get("removed_at")) or _name_time(tname)
+    conn.execute(t.tombstones.delete().where(t.tombstones.c.tombstone_name == tname))
+    conn.execute(
+        t.tombstones.insert().values(tombstone_name=tname, bundle_key=key, removed_at=removed_at)
+    )
+    b = t.bundles
+    row = conn.execute(
+        sa.select(b.c.run, b.c.kind, b.c.rollout_id, b.c.step_id, b.c.rank, b.c.removed_at).where(
+            b.c.key == key, b.c.ref_name < tname
+        )
+    ).first()
+    if row is None:
+        return None
+    if row.removed_at is None or removed_at < row.removed_at:
+        conn.execute(b.update().where(b.c.key == key).values(removed_at=removed_at))
+    return tuple(row[:5])
+
+
+def apply_results(conn: sa.Connection, items: list[tuple[str, Path]]) -> None:
+    """Index a batch of replay-result documents (replacing earlier applies of them)."""
+    docs = []
+    for name, path in items:
+        doc = _read_json(path, "replay result")
+        _check_version(doc, "result_version", RESULT_VERSION, path)
+        if not isinstance(doc.get("bundle_key"), str):
+            raise StoreError(f"replay result {path} has no bundle_key; run trajstore fsck")
+        docs.append((name[: -len(".json")], doc))
+    if not docs:
+        return
+    r = t.replay_results
+    old = list(
+        conn.execute(sa.select(r.c.id).where(r.c.result_name.in_([n for n, _ in docs]))).scalars()
+    )
+    if old:
+        for table in (t.stage_results, t.divergences, t.router_metrics):
+            conn.execute(table.delete().where(table.c.result_id.in_(old)))
+        conn.execute(r.delete().where(r.c.id.in_(old)))
+    ids = list(
+        conn.execute(
+            sa.select(t.REPLAY_RESULTS_ID_SEQ.next_value()).select_from(
+                sa.func.generate_series(1, len(docs))
+            )
+        ).scalars()
+    )
+    results, stages, divs, metrics = [], [], [], []
+    for result_id, (rname, doc) in zip(ids, docs, strict=True):
+        run = _str(doc.get("run"))
+        rollout_id = _int(doc.get("rollout_id"))
+        step_id = _int(doc.get("step_id"))
+        results.append(
+            {
+                "id": result_id,
+                "result_name": rname,
+                "bundle_key": doc["bundle_key"],
+                "run": run,
+                "rollout_id": rollout_id,
+                "step_id": step_id,
+                "trajstore_version": _str(doc.get("trajstore_version")),
+                "recorded_at": _ts(doc.get("recorded_at")),
+                "status": _str(doc.get("status")),
+                "first_divergent_stage": _str(doc.get("first_divergent_stage")),
+                "first_divergent_rank": _int(doc.get("first_divergent_rank")),
+                "root_bundle_key": _str(doc.get("root_bundle_key")),
+                "selection": _json(doc.get("selection")),
+            }
+        )
+        stages += [
+            {
+                "result_id": result_id,
+                "position": i,
+                "stage": str(s.get("stage")),
+                "status": _str(s.get("status")),
+                "reason": _str(s.get("reason")),
+                "max_abs_error": _float(s.get("max_abs_error")),
+                "mismatch_count": _int(s.get("mismatch_count")),
+                "first_sample": _str(s.get("first_sample")),
+                "first_field": _str(s.get("first_field")),
+                "first_token": _int(s.get("first_token")),
+            }
+            for i, s in enumerate(doc.get("stages") or [])
+        ]
+        divs += [
+            {
+                "result_id": result_id,
+                "position": i,
+                "stage": str(d.get("stage")),
+                "sample_id": _str(d.get("sample_id")),
+                "field": _str(d.get("field")),
+                "token_offset": _int(d.get("token_offset")),
+                "expected": _float(d.get("expected")),
+                "actual": _float(d.get("actual")),
+                "abs_err": _float(d.get("abs_err")),
+            }
+            for i, d in enumerate(doc.get("divergences") or [])
+        ]
+        if isinstance(doc.get("router_metrics"), dict):
+            metrics.append(
+                _metric_row(
+                    doc["router_metrics"],
+                    source="replay",
+                    bundle_key=doc["bundle_key"],
+                    result_id=result_id,
+                    run=run,
+                    rollout_id=rollout_id,
+                    step_id=step_id,
+                )
+            )
+    _insert(conn, r, results)
+    _insert(conn, t.stage_results, stages)
+    _insert(conn, t.divergences, divs)
+    _insert(conn, t.router_metrics, metrics)
+
+
+def recompute_latest(conn: sa.Connection, groups: Iterable[Group]) -> None:
+    """is_latest = the highest attempt not tombstoned, per (run, kind, rollout, step, rank)."""
+    b = t.bundles
+    for group in set(groups):
+        rows = conn.execute(
+            sa.select(b.c.key, b.c.attempt, b.c.removed_at, b.c.is_latest).where(
+                _group_clause(b, group)
+            )
+        ).all()
+        live = [r for r in rows if r.removed_at is None]
+        best = max(live, key=lambda r: (r.attempt, r.key)).key if live else None
+        for r in rows:
+            want = r.key == best
+            if bool(r.is_latest) != want:
+                conn.execute(b.update().where(b.c.key == r.key).values(is_latest=want))
+
+
+# -- sync / reindex ----------------------------------------------------------
+
+
+def sync_catalog(
+    catalog: Catalog,
+    store_dir: Path | str | None = None,
+    load_document: LoadDocument | None = None,
+    *,
+    batch_size: int = BATCH_SIZE,
+) -> SyncStats:
+    """Apply refs, tombstones and results not yet in the catalog.
+
+    Works the same on the file catalog and on an in-memory snapshot.
+    """
+    store = Path(store_dir) if store_dir is not None else catalog.store_dir
+    if store is None:
+        raise StoreError("sync needs the store directory (--store)")
+    counts = {}
+    for directory in ("bundles", "tombstones", "results"):
+        names = _list_names(store, directory)
+        with catalog.connect() as conn:
+            done = set(
+                conn.execute(
+                    sa.select(t.synced_documents.c.name).where(
+                        t.synced_documents.c.directory == directory
+                    )
+                ).scalars()
+            )
+        new = [n for n in names if n not in done]
+        base = store / DIRECTORIES[directory]
+        for start in range(0, len(new), batch_size):
+            batch = new[start : start + batch_size]
+            with catalog.begin() as conn:
+                items = [(name, base / name) for name in batch]
+                if directory == "bundles":
+                    if load_document is None:
+                        raise StoreError("sync of bundle refs needs a document loader")
+                    apply_refs(conn, items, load_document)
+                elif directory == "tombstones":
+                    groups = [apply_tombstone(conn, name, path) for name, path in items]
+                    recompute_latest(conn, (g for g in groups if g is not None))
+                else:
+                    apply_results(conn, items)
+                _insert(
+                    conn,
+                    t.synced_documents,
+                    [{"directory": directory, "name": n} for n in batch],
+                )
+        counts[directory] = len(new)
+    return SyncStats(
+        new_refs=counts["bundles"],
+        new_tombstones=counts["tombstones"],
+        new_results=counts["results"],
+    )
+
+
+def reindex(
+    catalog_path_or_url: Path | str,
+    store_dir: Path | str,
+    load_document: LoadDocument,
+    *,
+    lock_timeout: float | None = None,
+) -> SyncStats:
+    """Rebuild the catalog from refs and results alone.
+
+    A DuckDB file that cannot be opened (corrupt) is deleted and recreated; a
+    readable catalog is emptied and refilled under its lock. A catalog newer
+    than this trajstore is refused, never rebuilt.
+    """
+    target = str(catalog_path_or_url)
+    url = target if "://" in target else f"duckdb:///{Path(target).resolve()}"
+    kwargs = {} if lock_timeout is None else {"lock_timeout": lock_timeout}
+    try:
+        catalog = open_catalog(store_dir, url, **kwargs)
+    except StoreError:
+        raise
+    except Exception as exc:
+        path = _duckdb_file(sa.engine.make_url(url))
+        if path is None or _is_lock_error(exc):
+            raise StoreError(f"cannot open catalog {url} for reindex: {exc}") from None
+        for stale in (Path(path), Path(path + ".wal")):
+            stale.unlink(missing_ok=True)
+        catalog = open_catalog(store_dir, url, **kwargs)
+    with catalog:
+        with catalog.begin() as conn:
+            for table in t.INDEX_TABLES:
+                conn.execute(table.delete())
+        return sync_catalog(catalog, store_dir, load_document)
