@@ -20,12 +20,17 @@ from trajstore.errors import TrajstoreError
 COMMAND_MODULES = [
     "trajstore.cli.bundle_cmds",
     "trajstore.cli.replay_cmd",
+    "trajstore.cli.store_cmds",
+    "trajstore.cli.query_cmds",
+    "trajstore.cli.router_cmd",
+    "trajstore.cli.serve_cmd",
 ]
 
 EXIT_CODES_HELP = """exit codes:
   0  success / every requested stage passes
   1  a divergence was found, or a requested stage is unsupported
   2  invalid input, integrity failure, refused selection or usage error
+     (also an internal error; TRAJSTORE_DEBUG=1 shows its traceback)
 """
 
 
@@ -64,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # a bug, not bad input: still one line unless asked
+        if os.environ.get("TRAJSTORE_DEBUG"):
+            raise
+        print(
+            f"trajstore: internal error: {type(exc).__name__}: {exc} "
+            "(rerun with TRAJSTORE_DEBUG=1 for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

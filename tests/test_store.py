@@ -1,0 +1,258 @@
+"""The store: ingest, export, dedup, attempts, integrity, maintenance (trajstore.store)."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import CAPTURE_DIR, FIXTURES, make_contents
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.errors import IntegrityError, NotFoundError, UsageError
+from trajstore.store import Store, export_bundles
+from trajstore.store.maintenance import fsck, gc, stats
+
+FIXTURE_TARGETS = [
+    FIXTURES / "example_bundle",
+    FIXTURES / "example_bundle_divergent",
+    CAPTURE_DIR / "replay-120-0",
+    CAPTURE_DIR / "replay-rollout-120",
+]
+
+
+def cli(*args: str | Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *map(str, args)],
+        capture_output=True, text=True, env={**os.environ, **(env or {})},
+    )
+
+
+def tree_equal(a: Path, b: Path) -> bool:
+    cmp = filecmp.dircmp(a, b)
+    if cmp.left_only or cmp.right_only or cmp.funny_files:
+        return False
+    _, mismatch, errors = filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)
+    return not mismatch and not errors and all(tree_equal(a / d, b / d) for d in cmp.common_dirs)
+
+
+def verdict(target: Path) -> tuple[int, dict]:
+    proc = cli("replay", target, "--json")
+    report = json.loads(proc.stdout)
+    report.pop("label", None)
+    return proc.returncode, report
+
+
+def stored_bytes(store: Store) -> int:
+    return stats(store)["stored_bytes"]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    with Store.open(tmp_path / "store", durable=False) as s:
+        yield s
+
+
+def _selector(target: Path) -> list[str]:
+    index = json.loads(next(target.rglob("index.json")).read_text())
+    ident = index["identity"]
+    if ident.get("actor_step_id"):
+        return ["--step", f"{ident['actor_step_id']['rollout_id']}:{ident['actor_step_id']['step_id']}"]
+    return ["--rollout", str(ident["rollout_id"])]
+
+
+@pytest.mark.parametrize("target", FIXTURE_TARGETS + ["cohort3"], ids=lambda t: getattr(t, "name", t))
+def test_round_trip_is_byte_identical_and_replays_the_same(tmp_path: Path, target, make_cohort) -> None:
+    if target == "cohort3":
+        target = make_cohort(tmp_path / "replay-7-0", ranks=3, lengths=[3, 5, 2, 7])
+    st = tmp_path / "st"
+    assert cli("ingest", target, "--store", st, "--run", "r").returncode == 0
+    out = tmp_path / "out" / target.name
+    proc = cli("export", "--store", st, "--run", "r", *_selector(target), out)
+    assert proc.returncode == 0, proc.stderr
+    assert tree_equal(target, out)
+    assert verdict(target) == verdict(out)
+
+
+def test_stored_bundle_reads_tensors_bit_identical(store: Store, tmp_path: Path) -> None:
+    c = make_contents(lengths=[4, 9, 1, 6], dtype=torch.bfloat16)
+    src = write_bundle(tmp_path / "b", c)
+    store.ingest([src], run="r")
+    (sb,) = store.step("r", 7, 0)
+    for name, t in c.payloads.items():
+        got = sb.payload_tensor(name)
+        assert got.dtype == t.dtype and torch.equal(got.view(torch.uint16), t.view(torch.uint16))
+    rows = sb.payload_rows("log_probs", np.array([3, 1]))
+    flat = c.payloads["log_probs"].view(torch.uint16).numpy()
+    assert np.array_equal(rows, np.concatenate([flat[14:20], flat[4:13]]))
+
+
+def test_stock_zarr_open_array_equals_ingested_tensor(store: Store, tmp_path: Path) -> None:
+    import zarr
+
+    from trajstore.cas import CASZarrStore
+
+    c = make_contents(lengths=[5, 2, 8, 3])
+    store.ingest([write_bundle(tmp_path / "b", c)], run="r")
+    (sb,) = store.step("r", 7, 0)
+    z = zarr.open_array(store=CASZarrStore(store.objs, {"log_probs": sb.record("log_probs")}), path="log_probs", mode="r")
+    lengths = z.attrs["trajstore"]["row_lengths"]
+    got = np.concatenate([z[i, :n] for i, n in enumerate(lengths)])
+    assert got.dtype == np.float32 and np.array_equal(got, c.payloads["log_probs"].numpy())
+
+
+def test_reingest_is_a_noop_and_another_run_adds_no_bytes(store: Store, tmp_path: Path) -> None:
+    src = write_bundle(tmp_path / "b", make_contents(lengths=50))
+    assert store.ingest([src], run="a")[0].status == "published"
+    before = stored_bytes(store)
+    assert store.ingest([src], run="a")[0].status == "unchanged"
+    assert store.ingest([src], run="b")[0].status == "published"
+    assert stored_bytes(store) == before
+
+
+def _rollout_and_subset(tmp_path: Path) -> tuple[Path, Path, int]:
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(50, 600, 128)]
+    c = make_contents(groups=16, samples_per_group=8, lengths=lengths, kind="rollout")
+    rollout = write_bundle(tmp_path / "replay-rollout-7", c)
+    picks = [int(i) for i in rng.permutation(128)[:32][::-1]]
+    offs = np.concatenate([[0], np.cumsum(lengths)])
+    s = make_contents(groups=4, samples_per_group=8, lengths=[lengths[i] for i in picks])
+    s.samples = [c.samples[i] for i in picks]
+    s.payloads = {
+        n: torch.cat([t[offs[i] : offs[i + 1]] for i in picks]) for n, t in c.payloads.items()
+    }
+    s.identity["semantic_group_ids"] = sorted({f"g-{x['group_index']}" for x in s.samples})
+    s.identity["micro_batch_ids"] = sorted({x["micro_batch_id"] for x in s.samples})
+    s.expected.pop("reward.raw")
+    s.expected.pop("reward.post_process")
+    step = write_bundle(tmp_path / "replay-7-0", s)
+    return rollout, step, sum(t.numel() * t.element_size() for t in s.payloads.values())
+
+
+def test_subset_step_bundle_adds_at_most_ten_percent(store: Store, tmp_path: Path) -> None:
+    rollout, step, logical = _rollout_and_subset(tmp_path)
+    assert store.ingest([rollout], run="r")[0].status == "published"
+    before = stored_bytes(store)
+    out = store.ingest([step], run="r")[0]
+    assert out.status == "published", out.reason
+    assert stored_bytes(store) - before <= 0.10 * logical
+
+
+def _routed(tmp_path: Path, name: str, routes: torch.Tensor, lengths: list[int]) -> Path:
+    c = make_contents(lengths=lengths, extra_payloads={"rollout_routed_experts": routes, "train_routed_experts": routes.clone()})
+    c.config["router"] = {"num_layers": 48, "top_k": 8, "num_experts": 64}
+    return write_bundle(tmp_path / name, c)
+
+
+def test_identical_routes_in_two_runs_are_stored_once(store: Store, tmp_path: Path) -> None:
+    lengths = [40, 60, 30, 70]
+    total = sum(n + 3 for n in lengths)
+    routes = torch.randint(0, 64, (total, 48, 8), dtype=torch.uint8)
+    a = _routed(tmp_path, "a", routes, lengths)
+    b_contents_dir = _routed(tmp_path, "b", routes, lengths)
+    store.ingest([a], run="a")
+    before = stored_bytes(store)
+    store.ingest([b_contents_dir], run="b")
+    assert stored_bytes(store) == before  # same bundle content: every object shared
+    route_bytes = stats(store)["runs"][0]["route_bytes"]
+    assert route_bytes < 1.3 * routes.numel()  # train routes (== rollout routes) cost ~nothing
+
+
+def test_all_zero_kl_costs_next_to_nothing(store: Store, tmp_path: Path) -> None:
+    c = make_contents(lengths=[500, 800, 300, 1200])
+    c.payloads["kl"] = torch.zeros_like(c.payloads["kl"])
+    store.ingest([write_bundle(tmp_path / "b", c)], run="r")
+    (sb,) = store.step("r", 7, 0)
+    rec = sb.record("kl")
+    assert all(h is None for row in rec.chunks for h in row)
+    assert np.array_equal(sb.payload("kl"), np.zeros(2800, np.float32))
+
+
+def test_recaptured_step_is_a_second_attempt_and_both_are_kept(store: Store, tmp_path: Path) -> None:
+    c = make_contents(lengths=[4, 4, 4, 4])
+    first = write_bundle(tmp_path / "first", c)
+    c.payloads["log_probs"] = c.payloads["log_probs"].clone()
+    c.payloads["log_probs"][5] += 1.0
+    second = write_bundle(tmp_path / "second", c)
+    assert store.ingest([first], run="r")[0].keys == ["r/step-7-0/a1"]
+    assert store.ingest([second], run="r")[0].keys == ["r/step-7-0/a2"]
+    assert store.step("r", 7, 0)[0].attempt == 2
+    old = store.step("r", 7, 0, attempt=1)[0]
+    assert np.array_equal(old.payload("log_probs"), c.payloads["log_probs"].numpy()) is False
+    keys = [row["key"] for row in store.bundles(run="r", all_attempts=True)]
+    assert keys == ["r/step-7-0/a1", "r/step-7-0/a2"]
+
+
+def test_flipped_byte_is_reported_by_fsck_and_by_reads(store: Store, tmp_path: Path) -> None:
+    store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=300))], run="r")
+    store.close()
+    rec_hash = Store.open(store.root).step("r", 7, 0)[0].record("log_probs").chunks[0][0]
+    pack = next(p for p in (store.root / "packs").glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    # Flip a byte inside that chunk object (found by its bytes).
+    objs = Store.open(store.root).objs
+    pos = bytes(data).find(objs.get(rec_hash))
+    data[pos + 10] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    proc = cli("fsck", "--store", store.root)
+    assert proc.returncode == 2 and rec_hash in proc.stderr
+    with pytest.raises(IntegrityError, match=rec_hash):
+        Store.open(store.root).step("r", 7, 0)[0].payload("log_probs")
+
+
+def test_invalid_bundle_is_refused_and_the_rest_ingested(tmp_path: Path) -> None:
+    cap = tmp_path / "cap"
+    write_bundle(cap / "replay-7-0", make_contents(lengths=5))
+    bad = write_bundle(cap / "replay-7-1", make_contents(lengths=5, step_id=1))
+    (bad / "payloads" / "kl.pt").write_bytes(b"tampered")
+    st = tmp_path / "st"
+    proc = cli("ingest", cap, "--store", st)
+    assert proc.returncode == 2
+    assert "replay-7-1" in proc.stderr and "kl" in proc.stderr
+    s = Store.open(st)
+    assert s.step("default", 7, 0)
+    with pytest.raises(NotFoundError):
+        s.step("default", 7, 1)
+
+
+def test_rm_hides_and_gc_frees_only_unreachable(store: Store, tmp_path: Path) -> None:
+    a = write_bundle(tmp_path / "a", make_contents(lengths=400, seed=1))
+    b = write_bundle(tmp_path / "b", make_contents(lengths=400, seed=2, step_id=1))
+    store.ingest([a, b], run="r")
+    assert store.remove(["r/step-7-0/a1"]) == ["r/step-7-0/a1"]
+    with pytest.raises(NotFoundError):
+        store.step("r", 7, 0)
+    before = stored_bytes(store)
+    assert gc(store, grace_s=3600)["objects_dropped"] == 0  # everything is younger than the grace
+    res = gc(store, grace_s=0)
+    assert res["objects_dropped"] > 0 and stored_bytes(store) < before
+    assert fsck(store).ok
+    assert store.step("r", 7, 1)[0].payload("kl").shape == (400 * 4,)
+
+
+def test_reindex_rebuilds_an_identical_catalog(store: Store, tmp_path: Path) -> None:
+    store.ingest([FIXTURES / "example_bundle", CAPTURE_DIR], run="r")
+    before = store.bundles(all_attempts=True)
+    (store.root / "catalog.duckdb").unlink()
+    assert store.reindex()["new_refs"] == 4
+    assert store.bundles(all_attempts=True) == before
+
+
+def test_export_refuses_format_conversion_clearly(store: Store, tmp_path: Path) -> None:
+    store.ingest([FIXTURES / "example_bundle"], run="r")
+    with pytest.raises(UsageError, match="not supported"):
+        export_bundles(store.step("r", 120, 0), tmp_path / "out", format_major=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_store_cli_needs_a_store(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_STORE"}
+    proc = subprocess.run([sys.executable, "-m", "trajstore", "stats"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "--store" in proc.stderr

@@ -1,0 +1,216 @@
+"""Store commands: ingest, export, ls, stats, fsck, rm, gc, reindex (each takes --store DIR)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trajstore.cli._common import print_json
+
+
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    from trajstore.cli import default_store
+
+    p.add_argument(
+        "--store", default=default_store(), metavar="DIR", help="store directory (default: $TRAJSTORE_STORE)"
+    )
+
+
+def _open(args: argparse.Namespace, *, create: bool = False):  # noqa: ANN202
+    from trajstore.errors import UsageError
+    from trajstore.store import Store
+
+    if not args.store:
+        raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
+    return Store.open(args.store, create=create)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ingest", help="store bundles/cohorts/capture dirs (deduplicated, idempotent)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="bundle, cohort or capture directory")
+    _store_arg(p)
+    p.add_argument("--run", default="default", help="run name (default: default)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("export", help="write a stored bundle back as a bundle directory")
+    _store_arg(p)
+    sel = p.add_mutually_exclusive_group(required=True)
+    sel.add_argument("--step", metavar="R:S", help="actor step id")
+    sel.add_argument("--rollout", metavar="R", help="rollout id")
+    sel.add_argument("--bundle", metavar="KEY", help="bundle key (see trajstore ls)")
+    p.add_argument("--run", default="default", help="run name (default: default)")
+    p.add_argument("--attempt", type=int, help="attempt number (default: the latest)")
+    p.add_argument("--format", type=int, choices=(1, 2), help="format major of the export")
+    p.add_argument("out", metavar="OUT", help="directory to create")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("ls", help="list runs and bundles of a store")
+    _store_arg(p)
+    p.add_argument("--run", help="only this run")
+    p.add_argument("--kind", choices=("step", "rollout"), help="only this kind")
+    p.add_argument("--all-attempts", action="store_true", help="list every attempt, not only the latest")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("stats", help="logical/physical bytes, dedup ratio, objects, per run")
+    _store_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("fsck", help="re-hash every object and check every ref's closure")
+    _store_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_fsck)
+
+    p = sub.add_parser("rm", help="remove bundles or a run (tombstones; gc deletes data)")
+    _store_arg(p)
+    p.add_argument("keys", nargs="*", metavar="KEY", help="bundle keys")
+    p.add_argument("--run", help="remove every bundle of this run")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("gc", help="delete unreachable objects older than the grace period")
+    _store_arg(p)
+    p.add_argument("--grace", default="1h", metavar="DURATION", help="e.g. 30m, 1h, 2d (default 1h)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("reindex", help="rebuild the catalog from the refs alone")
+    _store_arg(p)
+    p.set_defaults(func=cmd_reindex)
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    with _open(args, create=True) as store:
+        outcomes = store.ingest(args.paths, run=args.run, progress=None if not args.json else False)
+    refused = [o for o in outcomes if o.status == "refused"]
+    if args.json:
+        print_json([o.to_dict() for o in outcomes])
+    else:
+        for o in outcomes:
+            if o.status != "refused":
+                print(f"{o.status:9} {o.path}: {', '.join(o.keys)}")
+    for o in refused:
+        print(f"trajstore: refused: {o.path}: {o.reason}", file=sys.stderr)
+    return 2 if refused else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from trajstore.bundle.capture_dir import parse_rollout, parse_step
+    from trajstore.store.export import export_bundles
+
+    with _open(args) as store:
+        if args.bundle:
+            b = store.bundle(args.bundle)
+            if b.ref.get("cohort_ranks") is None:
+                bundles = [b]
+            else:
+                kind, r, s = b.ref["kind"], b.ref["rollout_id"], b.ref["step_id"]
+                bundles = store._group(b.ref["run"], kind, r, s, b.attempt)
+        elif args.step:
+            bundles = store.step(args.run, *parse_step(args.step), attempt=args.attempt)
+        else:
+            bundles = store.rollout(args.run, parse_rollout(args.rollout), attempt=args.attempt)
+        out = export_bundles(bundles, args.out, format_major=args.format)
+    print(f"exported {', '.join(b.bundle_key for b in bundles)} -> {out}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        rows = store.bundles(run=args.run, kind=args.kind, all_attempts=args.all_attempts)
+    if args.json:
+        print_json(rows)
+        return 0
+    print(f"{'key':48} {'bundle_id':20} {'samples':>7} {'logical':>10} latest")
+    for r in rows:
+        print(
+            f"{r['key']:48} {str(r['bundle_id']):20} {r['num_samples']:>7} "
+            f"{_human(r['logical_bytes']):>10} {'yes' if r['is_latest'] else 'no'}"
+        )
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from trajstore.store.maintenance import stats
+
+    with _open(args) as store:
+        s = stats(store)
+    if args.json:
+        print_json(s)
+        return 0
+    print(f"{'run':20} {'bundles':>7} {'logical':>11} {'physical':>11} {'dedup':>6} {'route B/tok-layer':>17}")
+    for r in s["runs"]:
+        rb = r.get("route_bytes_per_token_layer")
+        print(
+            f"{r['run']:20} {r['bundles']:>7} {_human(r['logical_bytes']):>11} {_human(r['physical_bytes']):>11} "
+            f"{r['dedup_ratio'] or 0:>6.2f} {'-' if rb is None else f'{rb:.3f}':>17}"
+        )
+    print(
+        f"{'(store)':20} {s['bundles']:>7} {_human(s['logical_bytes']):>11} {_human(s['physical_bytes']):>11} "
+        f"{s['dedup_ratio'] or 0:>6.2f}   objects {s['objects']}, stored {_human(s['stored_bytes'])}, "
+        f"garbage {_human(s['garbage_bytes'])}"
+    )
+    return 0
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from trajstore.store.maintenance import fsck
+
+    with _open(args) as store:
+        rep = fsck(store)
+    if args.json:
+        print_json(rep.to_dict())
+    else:
+        print(f"checked {rep.objects_checked} objects, {rep.refs_checked} refs: {'ok' if rep.ok else 'PROBLEMS'}")
+        for w in rep.warnings:
+            print(f"  warning: {w}")
+    for p in rep.problems:
+        print(f"trajstore: fsck: {p}", file=sys.stderr)
+    return 0 if rep.ok else 2
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from trajstore.errors import UsageError
+
+    if not args.keys and not args.run:
+        raise UsageError("rm needs bundle KEYs or --run NAME")
+    with _open(args) as store:
+        removed = store.remove(args.keys, run=args.run)
+    for k in removed:
+        print(f"removed {k}")
+    print(f"{len(removed)} bundle(s) removed; run `trajstore gc` to free their space")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from trajstore.store.maintenance import gc, parse_duration
+
+    grace = parse_duration(args.grace)
+    with _open(args) as store:
+        res = gc(store, grace)
+    if args.json:
+        print_json(res)
+    else:
+        print(
+            f"gc: dropped {res['objects_dropped']} objects, freed {_human(res['bytes_freed'])} "
+            f"({res['live_objects']} live objects kept, grace {args.grace})"
+        )
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        s = store.reindex()
+    print(f"reindexed: {s['new_refs']} refs, {s['new_tombstones']} tombstones, {s['new_results']} results")
+    return 0

@@ -1,0 +1,219 @@
+"""The Python API of a store (the CLI is a thin layer over it).
+
+    from trajstore.store import Store
+
+    store = Store.open("runs.store")
+    store.ingest(["capture/"], run="baseline")
+    (b,) = store.step("baseline", 120, 0)          # one StoredBundle per rank
+    lp = b.payload_tensor("log_probs")             # torch tensor, dtype preserved
+    store.runs(); store.bundles(run="baseline")
+
+Lookups go through the refs directly (no catalog lock needed); listings go
+through the catalog, which is synced from the refs whenever it is opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from trajstore.cas import LocalObjectStore
+from trajstore.errors import NotFoundError, StoreError, UsageError
+from trajstore.store.ingest import Ingestor, IngestOutcome, check_run_name, ingest_paths
+from trajstore.store.layout import RefEntry, RefIndex, StoreLayout, atomic_create, new_doc_name
+from trajstore.store.stored_bundle import StoredBundle, get_json_blob
+
+DEFAULT_RUN = "default"
+
+
+class Store:
+    """A store directory: object space + refs + catalog."""
+
+    def __init__(self, root: Path, *, durable: bool = True, catalog_url: str | None = None) -> None:
+        self.layout = StoreLayout(root)
+        self.root = root
+        self.durable = durable
+        self.catalog_url = catalog_url
+        self.objs = LocalObjectStore(root, durable=durable)
+        self.refs = RefIndex(self.layout)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        durable: bool = True,
+        catalog_url: str | None = None,
+    ) -> Store:
+        """Open (or with `create`, initialise) the store at `path`."""
+        root = Path(path)
+        layout = StoreLayout(root)
+        if not layout.is_store():
+            if not create:
+                raise StoreError(f"{root}: not a trajstore store (no {layout.marker.name})")
+            if root.exists() and not root.is_dir():
+                raise StoreError(f"{root}: exists and is not a directory")
+            if root.is_dir() and any(root.iterdir()) and not (root / "refs").is_dir():
+                raise StoreError(f"{root}: not empty and not a trajstore store; refusing to use it")
+            layout.ensure()
+        return cls(root, durable=durable, catalog_url=catalog_url)
+
+    def close(self) -> None:
+        self.objs.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing --
+
+    def ingest(
+        self, paths: Iterable[str | os.PathLike[str]], run: str = DEFAULT_RUN, *, progress: bool | None = False
+    ) -> list[IngestOutcome]:
+        """Ingest bundles/cohorts/capture dirs; refused targets are reported, not raised."""
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        ing = Ingestor(self.layout, self.objs, self.refs, durable=self.durable)
+        return ingest_paths(ing, [Path(p) for p in paths], run, progress=progress)
+
+    def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
+        """Tombstone bundles (by key) or a whole run; nothing is deleted until gc."""
+        live = self.refs.live()
+        targets = list(keys)
+        for k in targets:
+            if k not in live:
+                raise NotFoundError(f"no published bundle {k!r}")
+        if run is not None:
+            check_run_name(run)
+            mine = [k for k, e in live.items() if e.run == run]
+            if not mine:
+                raise NotFoundError(f"run {run!r} has no published bundles")
+            targets += mine
+        from trajstore.store.ingest import _now
+
+        for k in dict.fromkeys(targets):
+            doc = {"tombstone_version": 1, "key": k, "removed_at": _now()}
+            atomic_create(
+                self.layout.tombstones / f"{new_doc_name()}.json",
+                json.dumps(doc, sort_keys=True).encode(),
+                durable=self.durable,
+            )
+        return list(dict.fromkeys(targets))
+
+    # -- reading --
+
+    def load_document(self, h: str) -> dict:
+        """A stored JSON document (manifest/index/expected) by object hash (the catalog's loader)."""
+        doc = get_json_blob(self.objs, h)
+        if not isinstance(doc, dict):
+            raise StoreError(f"document object {h} is not a JSON object")
+        return doc
+
+    def _stored(self, e: RefEntry) -> StoredBundle:
+        return StoredBundle(self.objs, self.refs.read(e.name), e.name)
+
+    def bundle(self, key: str) -> StoredBundle:
+        """One published bundle by key (e.g. `default/step-120-0/rank-0/a1`)."""
+        e = self.refs.live().get(key)
+        if e is None:
+            raise NotFoundError(f"no published bundle {key!r}")
+        return self._stored(e)
+
+    def _group(self, run: str, kind: str, rollout_id: int, step_id: int | None, attempt: int | None) -> list[StoredBundle]:
+        what = f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
+        cands = [
+            e for e in self.refs.live().values()
+            if (e.run, e.kind, e.rollout_id, e.step_id) == (run, kind, rollout_id, step_id)
+        ]
+        if not cands:
+            raise NotFoundError(f"run {run!r} has no {what}")
+        if attempt is None:
+            attempt = max(e.attempt for e in cands)
+        chosen = sorted((e for e in cands if e.attempt == attempt), key=lambda e: -1 if e.rank is None else e.rank)
+        if not chosen:
+            have = sorted({e.attempt for e in cands})
+            raise NotFoundError(f"run {run!r} {what} has no attempt {attempt} (attempts: {have})")
+        want = chosen[0].cohort_ranks
+        if want is not None and sorted(e.rank for e in chosen) != sorted(want):
+            have = sorted(e.rank for e in chosen)
+            raise NotFoundError(
+                f"run {run!r} {what} attempt {attempt}: cohort incomplete (ranks {have} of {list(want)} "
+                "published); re-run the ingest to complete it"
+            )
+        return [self._stored(e) for e in chosen]
+
+    def step(self, run: str, rollout_id: int, step_id: int, attempt: int | None = None) -> list[StoredBundle]:
+        """Every rank of actor step (rollout_id, step_id): the latest attempt unless one is named."""
+        return self._group(run, "step", int(rollout_id), int(step_id), attempt)
+
+    def rollout(self, run: str, rollout_id: int, attempt: int | None = None) -> list[StoredBundle]:
+        """Every rank of the rollout-level bundle of `rollout_id`."""
+        return self._group(run, "rollout", int(rollout_id), None, attempt)
+
+    def attempts(self, run: str, kind: str, rollout_id: int, step_id: int | None = None) -> list[int]:
+        return sorted({
+            e.attempt for e in self.refs.live().values()
+            if (e.run, e.kind, e.rollout_id, e.step_id) == (run, kind, rollout_id, step_id)
+        })
+
+    # -- the catalog --
+
+    @contextlib.contextmanager
+    def catalog(self) -> Iterator[Any]:
+        """The catalog, synced from the refs first; held only for the `with` block."""
+        from trajstore.catalog import open_catalog, sync_catalog
+
+        cat = open_catalog(self.root, self.catalog_url)
+        try:
+            sync_catalog(cat, self.root, self.load_document)
+            yield cat
+        finally:
+            cat.close()
+
+    def runs(self) -> list[dict]:
+        from trajstore.catalog import list_runs
+
+        with self.catalog() as cat:
+            return list_runs(cat)
+
+    def bundles(
+        self,
+        run: str | None = None,
+        kind: str | None = None,
+        *,
+        all_attempts: bool = False,
+        limit: int | None = None,
+    ) -> list[dict]:
+        """Catalog rows of published bundles (latest attempts unless `all_attempts`)."""
+        from trajstore.catalog import MAX_PAGE_SIZE, list_bundles
+
+        if kind not in (None, "step", "rollout"):
+            raise UsageError(f"kind must be 'step' or 'rollout', not {kind!r}")
+        out: list[dict] = []
+        cursor = None
+        with self.catalog() as cat:
+            while True:
+                page = list_bundles(
+                    cat, run=run, kind=kind, include_all_attempts=all_attempts,
+                    limit=MAX_PAGE_SIZE, cursor=cursor,
+                )
+                out += page["items"]
+                cursor = page.get("next_cursor")
+                if not cursor or (limit is not None and len(out) >= limit):
+                    break
+        return out[:limit] if limit is not None else out
+
+    def reindex(self) -> dict:
+        """Rebuild the catalog from refs and results alone."""
+        from trajstore.catalog import CATALOG_FILE, reindex
+
+        target = self.catalog_url or str(self.root / CATALOG_FILE)
+        s = reindex(target, self.root, self.load_document)
+        return {"new_refs": s.new_refs, "new_tombstones": s.new_tombstones, "new_results": s.new_results}

@@ -1,0 +1,356 @@
+"""Ingest bundle directories into a store: integrity gate -> objects -> one ref per rank.
+
+Order is the crash-safety argument: every object a ref names is written and
+flushed before the ref is created (create-if-absent, the commit point), so a
+kill at any moment leaves at most unreferenced objects, which gc collects
+after its grace period. A cohort's ranks are all checked before any of its
+objects is written, and its refs are published last; a reader treats a
+cohort whose ranks are not all published as absent.
+
+Attempts: the identity of a bundle is (run, kind, rollout_id, step_id, rank).
+The first content seen for an identity is attempt 1; different content
+claims attempt N+1 by creating `refs/claims/<identity>.a<N>` (holding the
+content digest) with create-if-absent, so two concurrent ingests never
+publish two different contents under one key. Same content -> same attempt
+-> a no-op when its ref is already live.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from blake3 import blake3
+
+from trajstore.bundle.checks import ROUTE_PAYLOADS, bundle_problems
+from trajstore.bundle.reader import Bundle, open_target
+from trajstore.cas import ArrayRecord, ObjectStore, write_array
+from trajstore.errors import StoreError, TrajstoreError
+from trajstore.jsonio import read_bytes
+from trajstore.store.layout import RefIndex, StoreLayout, atomic_create, new_doc_name
+from trajstore.store.stored_bundle import put_blob
+
+REF_VERSION = 1
+#: route payloads stored as an XOR delta against this base payload when shapes match
+DELTA_BASES = {"train_routed_experts": "rollout_routed_experts", "train_natural_routed_experts": "rollout_routed_experts"}
+
+
+@dataclass
+class IngestOutcome:
+    """What happened to one target (a bundle or a cohort directory)."""
+
+    path: str
+    status: str  # "published", "unchanged" or "refused"
+    keys: list[str] = field(default_factory=list)
+    reason: str | None = None
+    logical_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "status": self.status,
+            "keys": self.keys,
+            "reason": self.reason,
+            "logical_bytes": self.logical_bytes,
+        }
+
+
+class _Recorder(ObjectStore):
+    """Delegates to the real store and remembers the size of every object put (a bundle's closure)."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner = inner
+        self.sizes: dict[str, int] = {}
+
+    def put(self, data: bytes) -> str:
+        h = self.inner.put(data)
+        self.sizes[h] = len(data)
+        return h
+
+    def put_many(self, datas: Iterable[bytes]) -> list[str]:
+        datas = list(datas)
+        hs = self.inner.put_many(datas)
+        for h, d in zip(hs, datas, strict=True):
+            self.sizes[h] = len(d)
+        return hs
+
+    def get(self, h: str) -> bytes:
+        return self.inner.get(h)
+
+    def get_many(self, hashes):  # noqa: ANN001, ANN201
+        return self.inner.get_many(hashes)
+
+    def has(self, h: str) -> bool:
+        return self.inner.has(h)
+
+    def iter_objects(self):  # noqa: ANN201
+        return self.inner.iter_objects()
+
+    def delete_many(self, hashes: Iterable[str]) -> int:
+        raise StoreError("ingest never deletes objects")
+
+
+def identity_of(run: str, b: Bundle) -> tuple[str, str, int, int | None, int | None]:
+    ident = b.index.identity
+    return (run, ident.kind, ident.rollout_id, ident.step_id, b.rank)
+
+
+def bundle_key(run: str, kind: str, rollout_id: int, step_id: int | None, rank: int | None, attempt: int) -> str:
+    anchor = f"step-{rollout_id}-{step_id}" if kind == "step" else f"rollout-{rollout_id}"
+    parts = [run, anchor] + ([f"rank-{rank}"] if rank is not None else []) + [f"a{attempt}"]
+    return "/".join(parts)
+
+
+def check_run_name(run: str) -> str:
+    ok = isinstance(run, str) and 0 < len(run) <= 128 and all(c.isalnum() or c in "._-" for c in run)
+    if not ok or run.startswith("."):
+        raise StoreError(f"run name {run!r} must be 1-128 characters of [A-Za-z0-9._-], not starting with '.'")
+    return run
+
+
+def _row_lengths(name: str, shape: tuple[int, ...], b: Bundle) -> tuple[list[int], str]:
+    """Chunk rows follow samples so a sample's tokens dedup wherever they recur."""
+    resp = [s.response_length for s in b.index.samples]
+    total = [s.total_length for s in b.index.samples]
+    if len(shape) >= 1 and resp:
+        order = [("total", total), ("response", resp)] if name in ROUTE_PAYLOADS else [("response", resp), ("total", total)]
+        if name not in ROUTE_PAYLOADS and len(shape) != 1:
+            order = [("total", total)]
+        for kind, lengths in order:
+            if shape[0] == sum(lengths):
+                return lengths, kind
+    n = shape[0] if len(shape) >= 1 else 1
+    return [n], "single"
+
+
+@dataclass
+class _Prepared:
+    """A rank bundle whose objects are written; its ref is not yet published."""
+
+    identity: tuple
+    digest: str
+    doc: dict[str, Any]
+
+
+def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[str, bytes]) -> tuple[dict, int]:
+    rec = _Recorder(objs)
+    docs = {k: put_blob(rec, read_bytes(b.path / f"{k}.json", f"{k}.json")) for k in ("manifest", "index", "expected")}
+    sentinels = {p.name: put_blob(rec, read_bytes(p, p.name)) for p in sorted(b.path.glob("COMPLETE*")) if p.is_file()}
+    csent = {name: put_blob(rec, data) for name, data in cohort_sentinels.items()}
+    payloads: dict[str, Any] = {}
+    records: dict[str, ArrayRecord] = {}
+    names = sorted(b.payload_names(), key=lambda n: (n not in DELTA_BASES.values(), n))
+    for name in names:
+        raw = b.payload_file_bytes(name)
+        t = b.load_payload(name)
+        shape = tuple(t.shape)
+        lengths, rows = _row_lengths(name, shape, b)
+        values = np.ascontiguousarray(t.array).reshape(sum(lengths), *shape[1:])
+        base = records.get(DELTA_BASES.get(name, ""))
+        if base is not None and (base.dtype, base.shape[2:], base.row_lengths) != (
+            values.dtype.name,
+            tuple(values.shape[1:]),
+            tuple(lengths),
+        ):
+            base = None
+        record = write_array(rec, values, lengths, dtype_tag=t.dtype, base=base)
+        records[name] = record
+        spec = b.manifest.payloads[name]
+        f: dict[str, Any] = {"bytes": len(raw), "sha256": spec.sha256}
+        if t.data_span is not None and t.data_span[1] == values.nbytes:
+            off, ln = t.data_span
+            f.update(envelope=put_blob(rec, raw[:off] + raw[off + ln :]), span=[off, ln])
+        else:
+            f["whole"] = put_blob(rec, raw)
+        payloads[name] = {
+            "record": rec.put(record.to_json()),
+            "dtype": t.dtype,
+            "shape": list(shape),
+            "logical_bytes": int(values.nbytes),
+            "rows": rows,
+            "file": f,
+        }
+        # Keep memory to about one payload: drop the bundle's caches of this one.
+        b._raw.pop(name, None)
+        b._cache.pop(name, None)
+    out = {"documents": docs, "sentinels": sentinels, "cohort_sentinels": csent, "payloads": payloads}
+    return out, sum(rec.sizes.values())
+
+
+def content_digest(documents: dict[str, str], cohort_sentinels: dict[str, str]) -> str:
+    """Manifest (with every payload's sha256), index and expected determine a bundle's content.
+
+    A cohort member's digest also covers the cohort COMPLETE (every rank's
+    metadata hashes), so a re-captured cohort is a new attempt on every rank
+    and the ranks of one attempt always belong together.
+    """
+    parts = {k: documents[k] for k in ("manifest", "index", "expected")}
+    parts["cohort"] = cohort_sentinels.get("COMPLETE")
+    text = json.dumps(parts, sort_keys=True)
+    return blake3(text.encode()).hexdigest()
+
+
+class Ingestor:
+    """Publishes bundles into one store; keeps a cache of which keys are live."""
+
+    def __init__(self, layout: StoreLayout, objs: ObjectStore, refs: RefIndex, *, durable: bool = True) -> None:
+        self.layout = layout
+        self.objs = objs
+        self.refs = refs
+        self.durable = durable
+
+    # -- what is already published --
+
+    def live_keys(self) -> set[str]:
+        return set(self.refs.live())
+
+    # -- one target --
+
+    def ingest_target(self, path: Path, run: str) -> IngestOutcome:
+        check_run_name(run)
+        try:
+            bset = open_target(path)
+        except TrajstoreError as e:
+            return IngestOutcome(str(path), "refused", reason=str(e))
+        cohort_files: dict[int, dict[str, bytes]] = {}
+        if bset.is_cohort:
+            whole = read_bytes(path / "COMPLETE", "cohort COMPLETE")
+            for b in bset.bundles:
+                shard = read_bytes(path / f"COMPLETE.{b.rank}", f"COMPLETE.{b.rank}")
+                cohort_files[b.rank] = {"COMPLETE": whole, f"COMPLETE.{b.rank}": shard}
+        ranks = [b.rank for b in bset.bundles] if bset.is_cohort else None
+        # The whole gate first: nothing of a target is written unless every rank passes.
+        for b in bset.bundles:
+            try:
+                problems = bundle_problems(b)
+            except TrajstoreError as e:
+                problems = [str(e)]
+            if problems:
+                where = f"rank {b.rank}: " if bset.is_cohort else ""
+                more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+                return IngestOutcome(str(path), "refused", reason=f"{where}{problems[0]}{more}")
+            if len(bset.bundles) > 1:  # a cohort: keep memory to one rank (re-read on write)
+                b._raw.clear()
+                b._cache.clear()
+        prepared: list[_Prepared] = []
+        logical = 0
+        while bset.bundles:
+            b = bset.bundles.pop(0)
+            body, physical = _write_bundle_objects(self.objs, b, cohort_files.get(b.rank, {}))
+            identity = identity_of(run, b)
+            ident = b.index.identity
+            doc = {
+                "ref_version": REF_VERSION,
+                "run": run,
+                "kind": ident.kind,
+                "rollout_id": ident.rollout_id,
+                "step_id": ident.step_id,
+                "rank": b.rank,
+                "cohort_ranks": ranks,
+                "bundle_id": b.bundle_id,
+                "format_version": b.manifest.format_version,
+                "content_digest": content_digest(body["documents"], body["cohort_sentinels"]),
+                "physical_bytes": physical,
+                **body,
+            }
+            logical += sum(p["logical_bytes"] for p in body["payloads"].values())
+            prepared.append(_Prepared(identity, doc["content_digest"], doc))
+        self.objs.flush()
+        keys: list[str] = []
+        published = False
+        live = self.live_keys()
+        for p in prepared:
+            attempt = self._claim_attempt(p.identity, p.digest)
+            key = bundle_key(*p.identity, attempt)
+            keys.append(key)
+            if key in live:
+                continue
+            p.doc.update(key=key, attempt=attempt, published_at=_now())
+            data = json.dumps(p.doc, sort_keys=True, indent=1).encode()
+            while not atomic_create(self.layout.bundle_refs / f"{new_doc_name()}.json", data, durable=self.durable):
+                pass  # a name collision is practically impossible; never overwrite
+            published = True
+        return IngestOutcome(str(path), "published" if published else "unchanged", keys, None, logical)
+
+    def _claim_attempt(self, identity: tuple, digest: str) -> int:
+        idh = blake3(json.dumps(list(identity)).encode()).hexdigest()[:40]
+        n = 1
+        while True:
+            claim = self.layout.claims / f"{idh}.a{n}"
+            if atomic_create(claim, digest.encode(), durable=self.durable):
+                return n
+            try:
+                held = claim.read_text().strip()
+            except OSError as e:
+                raise StoreError(f"cannot read attempt claim {claim}: {e}") from None
+            if held == digest:
+                return n
+            n += 1
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, enabled: bool | None = None) -> None:
+        self.total = total
+        self.done = 0
+        self.bytes = 0
+        self.start = time.monotonic()
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def update(self, outcome: IngestOutcome) -> None:
+        self.done += 1
+        self.bytes += outcome.logical_bytes
+        if not self.enabled:
+            return
+        rate = self.bytes / max(time.monotonic() - self.start, 1e-6) / 1e6
+        width = 30
+        fill = int(width * self.done / max(self.total, 1))
+        sys.stderr.write(f"\ringest [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {rate:7.1f} MB/s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def ingest_paths(
+    ingestor: Ingestor,
+    paths: Iterable[Path | str],
+    run: str,
+    *,
+    progress: bool | None = None,
+    on_outcome: Callable[[IngestOutcome], None] | None = None,
+) -> list[IngestOutcome]:
+    """Ingest every bundle/cohort at or below `paths`, one at a time (bounded memory)."""
+    from trajstore.bundle.capture_dir import discover_targets
+
+    targets: list[Path] = []
+    outcomes: list[IngestOutcome] = []
+    for p in paths:
+        try:
+            targets += discover_targets(p)
+        except TrajstoreError as e:
+            outcomes.append(IngestOutcome(str(p), "refused", reason=str(e)))
+    bar = Progress(len(targets), progress)
+    try:
+        for t in targets:
+            out = ingestor.ingest_target(t, run)
+            outcomes.append(out)
+            bar.update(out)
+            if on_outcome is not None:
+                on_outcome(out)
+    finally:
+        bar.close()
+    return outcomes

@@ -1,0 +1,208 @@
+"""fsck, gc and stats: the store's truth is its objects and refs, so these read only those.
+
+gc's safety argument: an object is deleted only if no live ref reaches it
+AND its file is older than the grace period. An ingest writes its objects
+before it publishes the ref, so every object of an in-flight ingest is
+younger than the grace (given an ingest of one bundle takes less than the
+grace) and survives. The one residual window: an in-flight ingest that
+deduplicates against an *old, unreachable* object (content of a removed
+bundle) while gc runs; fsck reports the missing object and re-running that
+ingest restores it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from trajstore.cas import RepackResult, load_record, record_objects
+from trajstore.errors import TrajstoreError, UsageError
+from trajstore.store.api import Store
+from trajstore.store.stored_bundle import get_json_blob, payload_file_bytes
+
+ROUTE_NAMES = ("rollout_routed_experts", "train_routed_experts", "train_natural_routed_experts")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)?\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, None: 1}
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `15m`, `1h`, `2d`, `1w` or plain seconds."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise UsageError(f"duration {text!r} is not a number with an optional unit s/m/h/d/w (e.g. 1h)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclass
+class FsckReport:
+    objects_checked: int = 0
+    refs_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "objects_checked": self.objects_checked,
+            "refs_checked": self.refs_checked,
+            "problems": self.problems,
+            "warnings": self.warnings,
+        }
+
+
+def ref_closure(store: Store, ref: dict[str, Any]) -> dict[str, str]:
+    """hash -> what it is (for naming problems), for every object a ref needs."""
+    need: dict[str, str] = {}
+    for k, h in ref["documents"].items():
+        need[h] = f"{k} document"
+    for k, h in {**(ref.get("sentinels") or {}), **(ref.get("cohort_sentinels") or {})}.items():
+        need.setdefault(h, f"{k} sentinel")
+    for name, p in ref["payloads"].items():
+        need[p["record"]] = f"payload {name!r} record"
+        f = p.get("file") or {}
+        for k in ("envelope", "whole"):
+            if f.get(k):
+                need.setdefault(f[k], f"payload {name!r} file {k}")
+        try:
+            for h in record_objects(store.objs, load_record(store.objs, p["record"])):
+                need.setdefault(h, f"payload {name!r} chunk/metadata")
+        except TrajstoreError:
+            pass  # the record itself is reported as missing/corrupt
+    return need
+
+
+def fsck(store: Store, *, deep: bool = True) -> FsckReport:
+    """Re-hash every object; check every live ref's closure (and, if deep, that each .pt reproduces)."""
+    rep = FsckReport()
+    good: set[str] = set()
+    bad: dict[str, str] = {}
+    for info in store.objs.iter_objects():
+        if info.hash in good or info.hash in bad:
+            continue
+        rep.objects_checked += 1
+        try:
+            store.objs.verify(info.hash)
+            good.add(info.hash)
+        except TrajstoreError as e:
+            bad[info.hash] = str(e)
+            rep.problems.append(f"{info.location}: {e}")
+    for path in getattr(store.objs, "corrupt_indexes", []):
+        rep.problems.append(f"pack index {path} is corrupt; its objects are unreadable")
+    rep.problems += store.refs.problems
+    live = store.refs.live()
+    groups: dict[tuple, list] = defaultdict(list)
+    for key, e in sorted(live.items()):
+        rep.refs_checked += 1
+        try:
+            ref = store.refs.read(e.name)
+            need = ref_closure(store, ref)
+        except (TrajstoreError, KeyError, TypeError) as ex:
+            rep.problems.append(f"ref {key}: unreadable ({ex})")
+            continue
+        missing = [(h, what) for h, what in need.items() if h not in good]
+        for h, what in missing:
+            state = "corrupt" if h in bad else "missing"
+            rep.problems.append(f"ref {key}: {what} object {h} is {state}")
+        if deep and not missing:
+            try:
+                for p in ref["payloads"].values():
+                    payload_file_bytes(store.objs, p, load_record(store.objs, p["record"]))
+                for k in ("manifest", "index", "expected"):
+                    get_json_blob(store.objs, ref["documents"][k])
+            except TrajstoreError as ex:
+                rep.problems.append(f"ref {key}: {ex}")
+        if e.cohort_ranks is not None:
+            groups[(e.run, e.kind, e.rollout_id, e.step_id, e.attempt)].append(e)
+    for (run, kind, r, s, a), members in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        want = sorted(members[0].cohort_ranks or ())
+        have = sorted(m.rank for m in members)
+        if have != want:
+            what = f"step {r}:{s}" if kind == "step" else f"rollout {r}"
+            rep.warnings.append(
+                f"run {run!r} {what} attempt {a}: cohort ranks {have} of {want} published "
+                "(an interrupted ingest; it stays invisible until re-run)"
+            )
+    return rep
+
+
+def live_objects(store: Store) -> set[str]:
+    out: set[str] = set()
+    for e in store.refs.live().values():
+        out |= set(ref_closure(store, store.refs.read(e.name)))
+    return out
+
+
+def gc(store: Store, grace_s: float = 3600.0) -> dict[str, Any]:
+    """Delete objects unreachable from every live ref and older than `grace_s`."""
+    if grace_s < 0:
+        raise UsageError("grace must be >= 0")
+    started = time.time()
+    keep = live_objects(store)
+    res: RepackResult = store.objs.repack(lambda h: h in keep, older_than=grace_s)
+    return {
+        "live_objects": len(keep),
+        "objects_dropped": res.objects_dropped,
+        "bytes_freed": res.bytes_freed,
+        "packs_rewritten": res.packs_rewritten,
+        "files_removed": res.files_removed,
+        "grace_s": grace_s,
+        "seconds": round(time.time() - started, 3),
+    }
+
+
+def stats(store: Store) -> dict[str, Any]:
+    """Logical vs physical bytes, dedup ratio, objects, per run; route bytes per token-layer."""
+    sizes: dict[str, int] = {}
+    for info in store.objs.iter_objects():
+        sizes.setdefault(info.hash, info.size)
+    per_run: dict[str, dict[str, Any]] = {}
+    reach: dict[str, set[str]] = defaultdict(set)
+    route_objs: dict[str, set[str]] = defaultdict(set)
+    route_units: dict[str, int] = defaultdict(int)
+    all_reach: set[str] = set()
+    for e in store.refs.live().values():
+        ref = store.refs.read(e.name)
+        r = per_run.setdefault(e.run, {"run": e.run, "bundles": 0, "logical_bytes": 0})
+        r["bundles"] += 1
+        r["logical_bytes"] += sum(int(p.get("logical_bytes") or 0) for p in ref["payloads"].values())
+        closure = set(ref_closure(store, ref))
+        reach[e.run] |= closure
+        all_reach |= closure
+        for name in ROUTE_NAMES:
+            p = ref["payloads"].get(name)
+            if p is not None and len(p["shape"]) == 3:
+                rec = load_record(store.objs, p["record"])
+                objs = {h for row in rec.chunks for h in row if h} | {rec.meta, p["record"]}
+                route_objs[e.run] |= objs
+                route_units[e.run] += p["shape"][0] * p["shape"][1]
+    runs = []
+    for run, r in sorted(per_run.items()):
+        phys = sum(sizes.get(h, 0) for h in reach[run])
+        r["physical_bytes"] = phys
+        r["dedup_ratio"] = round(r["logical_bytes"] / phys, 3) if phys else None
+        r["objects"] = len(reach[run])
+        if route_units[run]:
+            rb = sum(sizes.get(h, 0) for h in route_objs[run])
+            r["route_bytes"] = rb
+            r["route_bytes_per_token_layer"] = round(rb / route_units[run], 4)
+        runs.append(r)
+    logical = sum(r["logical_bytes"] for r in runs)
+    physical = sum(sizes.get(h, 0) for h in all_reach)
+    stored = sum(sizes.values())
+    return {
+        "runs": runs,
+        "bundles": sum(r["bundles"] for r in runs),
+        "logical_bytes": logical,
+        "physical_bytes": physical,
+        "dedup_ratio": round(logical / physical, 3) if physical else None,
+        "objects": len(sizes),
+        "stored_bytes": stored,
+        "garbage_bytes": stored - physical,
+    }

@@ -1,0 +1,184 @@
+"""A published bundle read straight from the store: the replay engine's source interface.
+
+Documents (manifest/index/expected, sentinels, .pt envelopes) are zstd
+"blobs": objects whose bytes are one zstd frame, decoded against a bound so
+a corrupt or hostile object never allocates more than `MAX_BLOB_BYTES`.
+Payloads are CAS arrays (`trajstore.cas`); `payload_rows` fetches only the
+chunks of the selected samples, which is what makes replaying one group of
+a 4,000-token-per-sample step cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from trajstore.cas import ArrayRecord, ObjectStore, load_record, read_array, read_rows
+from trajstore.errors import IntegrityError, NotFoundError
+from trajstore.jsonio import sha256_bytes
+from trajstore.schema import Index, Manifest
+
+MAX_BLOB_BYTES = 1 << 31
+_ctx = threading.local()
+
+
+def _cctx() -> zstandard.ZstdCompressor:
+    c = getattr(_ctx, "c", None)
+    if c is None:
+        c = _ctx.c = zstandard.ZstdCompressor(level=3, write_checksum=False, write_content_size=True)
+    return c
+
+
+def put_blob(objs: ObjectStore, data: bytes) -> str:
+    """Store `data` zstd-compressed (deterministic, so equal bytes give one object)."""
+    return objs.put(_cctx().compress(data))
+
+
+def get_blob(objs: ObjectStore, h: str) -> bytes:
+    """The bytes of blob `h` (the object is verified against its hash by `get`)."""
+    data = objs.get(h)
+    try:
+        size = zstandard.frame_content_size(data)
+        if size < 0 or size > MAX_BLOB_BYTES:
+            raise IntegrityError(f"blob object {h} declares an unusable size ({size})")
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"blob object {h} is not a valid zstd frame: {e}") from None
+    if len(out) != size:
+        raise IntegrityError(f"blob object {h} decodes to {len(out)} bytes, declared {size}")
+    return out
+
+
+def get_json_blob(objs: ObjectStore, h: str) -> Any:
+    try:
+        return json.loads(get_blob(objs, h).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise IntegrityError(f"document object {h} is not JSON: {e}") from None
+
+
+def ref_objects(objs: ObjectStore, ref: dict[str, Any]) -> set[str]:
+    """Every object a ref needs (its closure), following delta bases; reads records."""
+    from trajstore.cas import record_objects
+
+    out: set[str] = set(ref["documents"].values())
+    out |= set((ref.get("sentinels") or {}).values())
+    out |= set((ref.get("cohort_sentinels") or {}).values())
+    for p in ref["payloads"].values():
+        out.add(p["record"])
+        out |= record_objects(objs, load_record(objs, p["record"]))
+        f = p.get("file") or {}
+        out |= {f[k] for k in ("envelope", "whole") if f.get(k)}
+    return out
+
+
+def payload_file_bytes(objs: ObjectStore, entry: dict[str, Any], record: ArrayRecord) -> bytes:
+    """The original `.pt` file of a payload, byte for byte (envelope + tensor bytes spliced)."""
+    f = entry["file"]
+    if f.get("whole"):
+        data = get_blob(objs, f["whole"])
+    else:
+        env = get_blob(objs, f["envelope"])
+        off, ln = f["span"]
+        tensor = read_array(objs, record).tobytes()
+        if len(tensor) != ln or off > len(env):
+            raise IntegrityError(f"payload file of record {entry['record']}: span does not fit")
+        data = env[:off] + tensor + env[off:]
+    if len(data) != f["bytes"] or sha256_bytes(data) != f["sha256"]:
+        raise IntegrityError(
+            f"payload file of record {entry['record']} does not reproduce its sha256 {f['sha256'][:12]}…"
+        )
+    return data
+
+
+@dataclass
+class StoredBundle:
+    """One published rank bundle (or single-producer bundle), read from the object space."""
+
+    objs: ObjectStore
+    ref: dict[str, Any]
+    ref_name: str
+    manifest: Manifest = field(init=False)
+    index: Index = field(init=False)
+    expected: dict[str, Any] = field(init=False)
+    rank: int | None = field(init=False)
+    _records: dict[str, ArrayRecord] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        docs = self.ref["documents"]
+        self.manifest = Manifest.from_dict(get_json_blob(self.objs, docs["manifest"]))
+        self.index = Index.from_dict(get_json_blob(self.objs, docs["index"]))
+        self.expected = get_json_blob(self.objs, docs["expected"])
+        self.rank = self.ref.get("rank")
+
+    @property
+    def bundle_key(self) -> str:
+        return self.ref["key"]
+
+    @property
+    def bundle_id(self) -> str:
+        return self.manifest.bundle_id
+
+    @property
+    def attempt(self) -> int:
+        return int(self.ref["attempt"])
+
+    @property
+    def label(self) -> str:
+        return self.bundle_id if self.rank is None else f"{self.bundle_id}[rank {self.rank}]"
+
+    def payload_names(self) -> list[str]:
+        return sorted(self.ref["payloads"])
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        entry = self.ref["payloads"].get(name)
+        if entry is None:
+            raise NotFoundError(f"{self.bundle_key}: no payload named {name!r}")
+        return entry
+
+    def record(self, name: str) -> ArrayRecord:
+        """The payload's CAS array record (for `CASZarrStore` or `read_rows`)."""
+        if name not in self._records:
+            self._records[name] = load_record(self.objs, self._entry(name)["record"])
+        return self._records[name]
+
+    def payload(self, name: str) -> np.ndarray:
+        """The whole payload (torch dtype bits; bf16 as uint16), in its original shape."""
+        entry = self._entry(name)
+        return read_array(self.objs, self.record(name)).reshape(entry["shape"])
+
+    def payload_rows(self, name: str, positions: np.ndarray) -> np.ndarray:
+        """The tokens of the samples at `positions`, reading only their chunks."""
+        entry = self._entry(name)
+        if entry.get("rows") in ("response", "total"):
+            return read_rows(self.objs, self.record(name), [int(p) for p in positions])
+        from trajstore.replay.source import slice_rows
+
+        lengths = np.array([s.response_length for s in self.index.samples], dtype=np.int64)
+        return slice_rows(self.payload(name), lengths, np.asarray(positions))
+
+    def payload_tensor(self, name: str):  # noqa: ANN201 - torch is imported lazily
+        """The payload as a torch tensor (imports torch), dtype included (bf16 too)."""
+        import torch
+
+        arr = np.ascontiguousarray(self.payload(name))
+        t = torch.from_numpy(arr.copy())
+        if self._entry(name)["dtype"] == "torch.bfloat16":
+            t = t.view(torch.bfloat16)
+        return t
+
+    def payload_file(self, name: str) -> bytes:
+        """The original `payloads/<name>.pt` bytes (sha256-checked)."""
+        return payload_file_bytes(self.objs, self._entry(name), self.record(name))
+
+    def file_bytes(self, filename: str) -> bytes:
+        """A stored metadata or sentinel file of this bundle (manifest.json, COMPLETE, ...)."""
+        docs = {f"{k}.json": v for k, v in self.ref["documents"].items()}
+        h = docs.get(filename) or (self.ref.get("sentinels") or {}).get(filename)
+        if h is None:
+            raise NotFoundError(f"{self.bundle_key}: no stored file {filename!r}")
+        return get_blob(self.objs, h)
