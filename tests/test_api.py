@@ -1,0 +1,338 @@
+"""REST API against a real uvicorn server on 127.0.0.1, spoken to with httpx.
+
+Stores: the Relax v2 fixtures (capture dir as run "cap", the single bundle as
+run "ex"), a 500-step store with one run, and a store written to by other
+processes while the server runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from conftest import CAPTURE_DIR, FIXTURES, make_contents
+
+from api.app import create_app
+from trajstore.bundle.writer import write_bundle
+from trajstore.store import Store
+
+STEP_DIR = CAPTURE_DIR / "replay-120-0"
+EXAMPLE = FIXTURES / "example_bundle"
+
+
+@contextlib.contextmanager
+def serve(store_dir: Path, token: str | None = None) -> Iterator[httpx.Client]:
+    """A uvicorn server in a thread on a free loopback port; an httpx client for it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(store_dir, token=token, poll_s=0.1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def fixture_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("api") / "store"
+    with Store.open(root, durable=False) as st:
+        assert all(o.status == "published" for o in st.ingest([CAPTURE_DIR], run="cap"))
+        assert all(o.status == "published" for o in st.ingest([EXAMPLE], run="ex"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def client(fixture_store: Path) -> Iterator[httpx.Client]:
+    os.environ.pop("TRAJSTORE_API_TOKEN", None)
+    with serve(fixture_store) as c:
+        yield c
+
+
+def _error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error", "detail"}
+    if code is not None:
+        assert body["error"] == code
+    return body
+
+
+# -- fetch by actor step id ---------------------------------------------------
+
+
+def _bundle_dir(brief: dict) -> Path:
+    return EXAMPLE if brief["rank"] is None else STEP_DIR / f"rank-{brief['rank']}"
+
+
+@pytest.mark.parametrize("run", ["cap", "ex"])
+def test_step_payloads_match_the_ingested_bundle(client: httpx.Client, run: str) -> None:
+    resp = client.get(f"/v1/runs/{run}/steps/120:0")
+    assert resp.status_code == 200, resp.text
+    step = resp.json()
+    assert (step["run"], step["rollout_id"], step["step_id"], step["attempt"]) == (run, 120, 0, 1)
+    assert step["ranks"] == ([0, 1] if run == "cap" else [])
+    assert step["rollout_bundle_keys"] == (["cap/rollout-120/a1"] if run == "cap" else [])
+    compared = 0
+    for brief in step["bundles"]:
+        bdir = _bundle_dir(brief)
+        manifest = json.loads((bdir / "manifest.json").read_text())
+        assert brief["capabilities"] == {
+            k: v["capability"] for k, v in manifest["stage_contracts"].items()
+        }
+        assert sorted(p["name"] for p in brief["payloads"]) == sorted(manifest["payloads"])
+        for p in brief["payloads"]:
+            pt = (bdir / "payloads" / f"{p['name']}.pt").read_bytes()
+            tensor = torch.load(io.BytesIO(pt), weights_only=True)
+            assert p["dtype"] == str(tensor.dtype) and p["shape"] == list(tensor.shape)
+            # the original file, byte for byte
+            got = client.get(p["url"], params={"format": "pt"})
+            assert got.status_code == 200 and got.content == pt
+            # raw tensor bytes, with dtype and shape headers
+            raw = client.get(p["url"], params={"format": "raw"})
+            assert raw.content == tensor.numpy().tobytes()
+            assert raw.headers["x-dtype"] == str(tensor.dtype)
+            assert raw.headers["x-shape"] == ",".join(map(str, tensor.shape))
+            # .npy (the default), as an array
+            arr = np.load(io.BytesIO(client.get(p["url"]).content), allow_pickle=False)
+            np.testing.assert_array_equal(arr, tensor.numpy())
+            assert arr.dtype == tensor.numpy().dtype
+            compared += 1
+    assert compared == (12 if run == "cap" else 6)
+
+
+def test_step_samples_summary_and_verdict_shape(client: httpx.Client) -> None:
+    step = client.get("/v1/runs/cap/steps/120:0").json()
+    samples = [
+        s
+        for r in (0, 1)
+        for s in json.loads((STEP_DIR / f"rank-{r}" / "index.json").read_text())["samples"]
+    ]
+    summ = step["samples"]
+    assert summ["num_samples"] == len(samples)
+    assert summ["num_response_tokens"] == sum(s["response_length"] for s in samples)
+    assert sum(g["num_samples"] for g in summ["groups"]) == len(samples)
+    assert sorted(i for g in summ["groups"] for i in g["sample_ids"]) == sorted(
+        s["sample_id"] for s in samples
+    )
+    assert {mb["micro_batch_id"] for mb in summ["micro_batches"]} == {
+        s.get("micro_batch_id") for s in samples
+    }
+    key = step["bundles"][0]["key"]
+    one_group = summ["groups"][0]["semantic_group"]
+    items = client.get(f"/v1/bundles/{key}/samples", params={"group": one_group}).json()["items"]
+    assert items and all(i["semantic_group"] == one_group for i in items)
+    detail = client.get(f"/v1/bundles/{key}").json()
+    assert detail["bundle"]["key"] == key and detail["payloads"]
+    rollout = client.get("/v1/runs/cap/rollouts/120").json()
+    assert rollout["kind"] == "rollout" and rollout["step_ids"] == [0]
+
+
+def test_one_sample_slice(client: httpx.Client) -> None:
+    key = "ex/step-120-0/a1"
+    index = json.loads((EXAMPLE / "index.json").read_text())["samples"]
+    lp = torch.load(EXAMPLE / "payloads" / "log_probs.pt", weights_only=True).numpy()
+    offsets = np.cumsum([0] + [s["response_length"] for s in index])
+    for pos, s in enumerate(index):
+        resp = client.get(f"/v1/bundles/{key}/payloads/log_probs", params={"sample": s["sample_id"]})
+        assert resp.status_code == 200, resp.text
+        np.testing.assert_array_equal(
+            np.load(io.BytesIO(resp.content)), lp[offsets[pos] : offsets[pos + 1]]
+        )
+    _error(client.get(f"/v1/bundles/{key}/payloads/log_probs", params={"sample": "s-99"}), 404)
+    _error(client.get(f"/v1/bundles/{key}/payloads/log_probs", params={"sample": "s-0", "format": "pt"}), 400)
+
+
+# -- ETag / Range --------------------------------------------------------------
+
+
+def test_etag_and_range(client: httpx.Client) -> None:
+    url = "/v1/bundles/ex/step-120-0/a1/payloads/log_probs"
+    full = client.get(url, params={"format": "raw"})
+    etag = full.headers["etag"]
+    assert full.headers["accept-ranges"] == "bytes"
+    again = client.get(url, params={"format": "raw"}, headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b""
+    assert client.get(url, headers={"If-None-Match": etag}).status_code == 200  # npy differs
+    assert client.get(url, params={"format": "raw", "sample": "s-0"}).headers["etag"] != etag
+
+    part = client.get(url, params={"format": "raw"}, headers={"Range": "bytes=4-11"})
+    assert part.status_code == 206
+    assert part.content == full.content[4:12]
+    assert part.headers["content-range"] == f"bytes 4-11/{len(full.content)}"
+    tail = client.get(url, params={"format": "raw"}, headers={"Range": "bytes=-5"})
+    assert tail.status_code == 206 and tail.content == full.content[-5:]
+    opened = client.get(url, params={"format": "raw"}, headers={"Range": "bytes=30-"})
+    assert opened.content == full.content[30:]
+    bad = client.get(url, params={"format": "raw"}, headers={"Range": "bytes=9999-"})
+    _error(bad, 416)
+    assert bad.headers["content-range"] == f"bytes */{len(full.content)}"
+
+
+# -- errors --------------------------------------------------------------------
+
+
+def test_errors_are_json_with_the_right_status(client: httpx.Client) -> None:
+    _error(client.get("/v1/runs/cap/steps/120:x"), 422, "invalid_request")
+    _error(client.get("/v1/runs/cap/steps/-1:0"), 422)
+    _error(client.get("/v1/runs/cap/steps/120"), 422)
+    _error(client.get("/v1/runs/cap/steps/99999999999999999999999:0"), 422)
+    _error(client.get("/v1/runs/cap/steps/121:0"), 404, "not_found")
+    _error(client.get("/v1/runs/cap/steps/120:0", params={"attempt": 7}), 404)
+    _error(client.get("/v1/runs/nope/steps/120:0"), 404)
+    _error(client.get("/v1/runs/nope/steps"), 404)
+    _error(client.get("/v1/bundles/cap/step-120-0/a9"), 404)
+    _error(client.get("/v1/bundles/../../etc/passwd"), 404)
+    _error(client.get("/v1/bundles/%2e%2e/%2e%2e/catalog.duckdb"), 404)
+    _error(client.get("/v1/bundles/ex/step-120-0/a1/payloads/nope"), 404)
+    _error(client.get("/v1/runs/cap/steps", params={"rollout_from": 5, "rollout_to": 1}), 400, "bad_filter")
+    _error(client.get("/v1/divergences", params={"rollout_from": 5, "rollout_to": 1}), 400)
+    _error(client.get("/v1/runs/cap/steps", params={"cursor": "garbage"}), 400)
+    _error(client.get("/v1/runs/cap/steps", params={"limit": 0}), 422)
+    _error(client.get("/v1/runs/cap/steps", params={"limit": 100000}), 422)
+    _error(client.get("/v1/steps/120:0"), 409, "ambiguous_run")  # two runs
+    _error(client.post("/v1/replay", json={"run": "cap", "step": "120:x"}), 400)
+    _error(client.post("/v1/replay", json={"run": "cap", "step": "120:0", "rollout": 120}), 400)
+    _error(client.post("/v1/replay", json={"run": "cap", "step": "120:0", "stage": "nope"}), 400)
+    _error(client.post("/v1/replay", json={"run": "cap", "step": "120:0", "samples": ["zz"]}), 400)
+    _error(client.post("/v1/replay", json={"bundle": "../x"}), 404)
+    _error(client.post("/v1/replay", json={"step": "120:0"}), 400)  # two runs: name one
+
+
+def test_replay_endpoint(client: httpx.Client) -> None:
+    resp = client.post("/v1/replay", json={"run": "ex", "step": "120:0", "stage": "all"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["recorded"] == [] and body["exit_code"] in (0, 1)
+    assert body["report"]["status"] in ("pass", "diverged", "unsupported")
+    sel = client.post("/v1/replay", json={"run": "cap", "step": "120:0", "groups": ["g-0"]})
+    assert sel.status_code == 200, sel.text
+
+
+# -- pagination -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("big")
+    cap = base / "capture"
+    cap.mkdir()
+    for i in range(500):
+        r, s = divmod(i, 4)
+        contents = make_contents(groups=1, samples_per_group=2, lengths=2, rollout_id=r, step_id=s, seed=i)
+        write_bundle(cap / f"replay-{r}-{s}", contents)
+    with Store.open(base / "store", durable=False) as st:
+        assert len(st.ingest([cap], run="big")) == 500
+    return base / "store"
+
+
+def test_pagination_walks_500_steps_exactly_once(big_store: Path) -> None:
+    with serve(big_store) as c:
+        seen: list[tuple[int, int]] = []
+        cursor = None
+        pages = 0
+        while True:
+            params: dict = {"limit": 37}
+            if cursor:
+                params["cursor"] = cursor
+            page = c.get("/v1/runs/big/steps", params=params).json()
+            seen += [(i["rollout_id"], i["step_id"]) for i in page["items"]]
+            pages += 1
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        assert pages == 14
+        assert len(seen) == 500 and len(set(seen)) == 500 and seen == sorted(seen)
+        assert set(seen) == {divmod(i, 4) for i in range(500)}
+        ranged = c.get("/v1/runs/big/steps", params={"rollout_from": 10, "rollout_to": 12}).json()
+        assert [i["rollout_id"] for i in ranged["items"]] == [10] * 4 + [11] * 4 + [12] * 4
+        one = c.get("/v1/steps/124:3")  # the only run
+        assert one.status_code == 200 and one.json()["run"] == "big"
+
+
+# -- auth ------------------------------------------------------------------------
+
+
+def test_auth_on(fixture_store: Path) -> None:
+    with serve(fixture_store, token="s3cret-token") as c:
+        for url in ("/v1/health", "/v1/runs/cap/steps/120:0", "/openapi.json"):
+            _error(c.get(url), 401, "unauthorized")
+            _error(c.get(url, headers={"Authorization": "Bearer wrong"}), 401)
+            assert c.get(url, headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
+        _error(c.post("/v1/replay", json={"run": "ex", "step": "120:0", "record": True}), 401)
+
+
+def test_auth_off(client: httpx.Client) -> None:
+    assert client.get("/v1/health").json()["status"] == "ok"
+    assert client.get("/openapi.json").status_code == 200
+    assert client.get("/docs").status_code == 200
+
+
+# -- other processes write while the server runs ---------------------------------
+
+
+def _trajstore(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _poll(fetch, *, tries: int = 300, every: float = 0.1):  # noqa: ANN001, ANN202
+    for _ in range(tries):
+        got = fetch()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError("not visible through the API in time")
+
+
+def test_ingest_and_record_from_other_processes(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    Store.open(store).ingest([EXAMPLE], run="ex")
+    with serve(store) as c:
+        assert c.get("/v1/runs").json()["items"][0]["run"] == "ex"
+        done = _trajstore("ingest", str(CAPTURE_DIR), "--store", str(store), "--run", "cap")
+        assert done.returncode == 0, done.stderr
+        _poll(lambda: c.get("/v1/runs/cap/steps/120:0").status_code == 200)
+        assert c.get("/v1/runs/cap/rollouts/120").status_code == 200
+        assert c.get("/v1/runs/cap/steps/120:0").json()["latest_verdict"] is None
+
+        done = _trajstore("replay", "--store", str(store), "--run", "cap", "--step", "120:0", "--record", "--json")
+        assert done.returncode in (0, 1), done.stderr
+        status = json.loads(done.stdout)["status"]
+        verdict = _poll(lambda: c.get("/v1/runs/cap/steps/120:0").json()["latest_verdict"])
+        assert verdict["status"] == status
+        listed = c.get("/v1/runs/cap/steps").json()["items"][0]
+        assert listed["status"] == status
+        assert c.get("/v1/stats").json()["results"] >= 2
+
+        # a record through the API (loopback, no token) is visible at once
+        rec = c.post("/v1/replay", json={"run": "ex", "step": "120:0", "record": True})
+        assert rec.status_code == 200 and len(rec.json()["recorded"]) == 1
+        assert c.get("/v1/runs/ex/steps/120:0").json()["latest_verdict"] is not None
+        # and the CLI can still open the catalog (the server does not hold the file)
+        done = _trajstore("stats", "--store", str(store))
+        assert done.returncode == 0, done.stderr

@@ -1,0 +1,51 @@
+"""Schemathesis (4.x CLI, in a subprocess) against the live server's /openapi.json.
+
+A bounded number of examples per operation, a fixed seed, and only the checks
+the contract promises: no 5xx, every status code documented, every response
+body valid against its schema, content types as declared.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CAPTURE_DIR, FIXTURES
+from test_api import serve
+
+from trajstore.store import Store
+
+CHECKS = "not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("schema") / "store"
+    with Store.open(root, durable=False) as st:
+        st.ingest([CAPTURE_DIR], run="cap")
+        st.ingest([FIXTURES / "example_bundle"], run="ex")
+    return root
+
+
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(store: Path, tmp_path: Path) -> None:
+    os.environ.pop("TRAJSTORE_API_TOKEN", None)
+    with serve(store) as client:
+        url = f"{client.base_url}/openapi.json".replace("//openapi", "/openapi")
+        cmd = [
+            sys.executable, "-m", "schemathesis.cli", "run", url,
+            "--checks", CHECKS,
+            "--max-examples", "15",
+            "--seed", "42",
+            "--phases", "examples,coverage,fuzzing",
+            "--generation-deterministic",
+            "--suppress-health-check", "all",
+            "--workers", "1",
+        ]
+        env = {**os.environ, "SCHEMATHESIS_HOOKS": ""}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "No issues found" in done.stdout or "passed" in done.stdout, done.stdout[-3000:]
+    print(done.stdout[-1500:])
