@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from trajstore.cli import default_store
 from trajstore.cli._common import print_json, target_selector
 
 
@@ -32,7 +33,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--step", metavar="R:S", help="actor step id")
     sel.add_argument("--rollout", metavar="R", help="rollout id")
+    sel.add_argument("--bundle", metavar="KEY", help="a stored bundle key (with --store)")
+    sel.add_argument("--all", action="store_true", help="every bundle in the store (with --store)")
     add_selection_args(p)
+    st = p.add_argument_group("store")
+    st.add_argument(
+        "--store",
+        metavar="DIR",
+        default=default_store(),
+        help="replay from a store (env TRAJSTORE_STORE)",
+    )
+    st.add_argument("--run", help="run name (default: the store's only run)")
+    st.add_argument("--attempt", type=int, help="attempt of a re-captured step (default: latest)")
+    st.add_argument("--rollout-from", type=int, metavar="R", help="with --all: first rollout id")
+    st.add_argument("--rollout-to", type=int, metavar="R", help="with --all: last rollout id")
+    st.add_argument("--workers", type=int, default=1, help="with --all: worker processes")
+    st.add_argument("--record", action="store_true", help="store the results in the catalog")
+    st.add_argument(
+        "--force", action="store_true", help="with --all --record: redo recorded bundles"
+    )
+    st.add_argument(
+        "--no-link", action="store_true", help="do not link a step to its stored rollout bundle"
+    )
     p.set_defaults(func=cmd_replay)
 
 
@@ -58,8 +80,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from trajstore.errors import UsageError
     from trajstore.replay.runner import StageRequest, replay_sources
 
+    if args.store is not None and args.target is None:
+        return _replay_store(args)
     if args.target is None:
         raise UsageError("replay needs a bundle/capture directory (or --store DIR with a selector)")
+    if args.bundle or args.all or args.record:
+        raise UsageError(
+            "--bundle, --all and --record need --store DIR (and no directory argument)"
+        )
     request = StageRequest.parse(args.stage)
     path = resolve_target(Path(args.target), **target_selector(args))
     bset = open_target(path)
@@ -70,3 +98,68 @@ def cmd_replay(args: argparse.Namespace) -> int:
         selection=selection_request(args),
     )
     return emit(report, args.json)
+
+
+def _replay_store(args: argparse.Namespace) -> int:
+    from trajstore.bundle.capture_dir import parse_rollout, parse_step
+    from trajstore.errors import UsageError
+    from trajstore.replay.runner import StageRequest
+    from trajstore.store import Store
+
+    if args.workers < 1:
+        raise UsageError("--workers must be >= 1")
+    store = Store.open(args.store, create=False)
+    if args.all or args.rollout_from is not None or args.rollout_to is not None:
+        if args.sample or args.group or args.batch or args.stage != "all":
+            raise UsageError("--all replays whole bundles: no --sample/--group/--batch/--stage")
+        return _replay_all(args)
+    from trajstore.replay.from_store import Target, record_report, replay_stored, stored_sources
+
+    target = Target(
+        run=args.run,
+        step=parse_step(args.step) if args.step else None,
+        rollout=parse_rollout(args.rollout) if args.rollout else None,
+        bundle_key=args.bundle,
+        attempt=args.attempt,
+    )
+    sel = selection_request(args)
+    report = replay_stored(
+        store, target, request=StageRequest.parse(args.stage), selection=sel, link=not args.no_link
+    )
+    if args.record:
+        record_report(store, report, stored_sources(store, target), selection=sel)
+    return emit(report, args.json)
+
+
+def _replay_all(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trajstore.replay.batch import replay_all
+
+    summary = replay_all(
+        Path(args.store),
+        run=args.run,
+        rollout_from=args.rollout_from,
+        rollout_to=args.rollout_to,
+        workers=args.workers,
+        record=args.record,
+        force=args.force,
+    )
+    if args.json:
+        print_json(summary.to_dict())
+    else:
+        d = summary.to_dict()
+        print(
+            f"replayed {d['total'] - d['skipped_already_recorded']} of {d['total']} bundle(s) in {d['seconds']} s "
+            f"({d['skipped_already_recorded']} already recorded): "
+            f"{d['pass']} pass, {d['diverged']} diverged, {d['unsupported']} unsupported, {d['refused']} refused"
+        )
+        if d["first_divergent_stage_histogram"]:
+            print("first divergent stage:")
+            for stage, n in d["first_divergent_stage_histogram"].items():
+                print(f"  {stage:<22} {n}")
+        for r in d["refusals"]:
+            print(f"  refused: {r}")
+    if summary.refused:
+        return 2
+    return 1 if summary.diverged or summary.unsupported else 0

@@ -15,6 +15,13 @@ import numpy as np
 MAX_EXAMPLES = 10
 
 
+def json_number(x: object) -> object:
+    """``x`` unchanged unless it is a non-finite float, which becomes None."""
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
 @dataclass
 class Divergence:
     """One concrete mismatch: where, and both values."""
@@ -28,7 +35,8 @@ class Divergence:
     abs_err: float | None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-safe: a non-finite number becomes null (strict JSON has no NaN/Infinity)."""
+        return {k: json_number(v) for k, v in asdict(self).items()}
 
     def where(self) -> str:
         if self.sample_id is None:

@@ -11,6 +11,8 @@ def _fmt(x: float | None) -> str:
 
 
 def _divergence_line(d: Divergence) -> str:
+    if d.expected is None and d.actual is None and d.abs_err is None:
+        return f"{d.where()}: missing"
     if d.expected is None and d.abs_err is None:
         return f"{d.where()}: actual={_fmt(d.actual)}"
     return f"{d.where()}: expected={_fmt(d.expected)} actual={_fmt(d.actual)} abs_err={_fmt(d.abs_err)}"
@@ -60,5 +62,8 @@ def format_report(report: ReplayReport) -> str:
                 f"cohort {report.label} — all requested stages pass on {len(report.bundles)} rank(s)"
             )
     if report.root_bundle_key:
-        out.append(f"divergence rooted in bundle {report.root_bundle_key}")
+        out.append(
+            f"first divergent stage: {report.root_stage} in upstream bundle {report.root_bundle_key}; "
+            f"this bundle's {report.first.first_divergent_stage} is downstream of it"
+        )
     return "\n".join(out).rstrip("\n")

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import SelectionError, UsageError
+from trajstore.replay.compare import json_number
 from trajstore.replay.selection import Selection, SelectionRequest, select
 from trajstore.replay.source import BundleSource
 from trajstore.replay.stages import (
@@ -52,6 +53,9 @@ class BundleReport:
     stages: list[StageOutcome]
     selection: Selection
     bundle_key: str | None = None
+    #: outputs recomputed by the stages, by name, over the selected samples (not serialized)
+    recomputed: dict[str, Any] = field(default_factory=dict, repr=False)
+    sample_ids: list[str] = field(default_factory=list, repr=False)
 
     @property
     def first_divergent_stage(self) -> str | None:
@@ -86,6 +90,8 @@ class ReplayReport:
     selection: SelectionRequest = field(default_factory=SelectionRequest)
     #: set when the first divergence is rooted in another bundle (rollout -> step linkage)
     root_bundle_key: str | None = None
+    #: the upstream bundle's first divergent stage when the divergence is rooted there
+    root_stage: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -103,7 +109,9 @@ class ReplayReport:
     @property
     def first_divergent_stage(self) -> str | None:
         f = self.first
-        return None if f is None else f.first_divergent_stage
+        if f is None:
+            return None
+        return self.root_stage or f.first_divergent_stage
 
     @property
     def first_divergent_rank(self) -> int | None:
@@ -129,12 +137,14 @@ class ReplayReport:
         outcome = next(s for s in f.stages if s.stage == f.first_divergent_stage)
         d = outcome.divergences[0] if outcome.divergences else None
         return {
-            "stage": outcome.stage,
+            "stage": self.root_stage or outcome.stage,
+            "bundle_key": self.root_bundle_key or f.bundle_key,
+            "downstream_stage": outcome.stage if self.root_stage else None,
             "rank": f.rank,
             "sample_id": d.sample_id if d else None,
             "field": d.field if d else None,
             "token_offset": d.token_offset if d else None,
-            "max_abs_error": outcome.max_abs_error,
+            "max_abs_error": json_number(outcome.max_abs_error),
             "mismatch_count": outcome.mismatch_count,
         }
 
@@ -146,6 +156,7 @@ class ReplayReport:
             "first_divergent_rank": self.first_divergent_rank,
             "first_divergence": self.first_divergence(),
             "root_bundle_key": self.root_bundle_key,
+            "root_stage": self.root_stage,
             "requested_stages": list(self.request.stages) if self.request.explicit else "all",
             "selection": self.selection.describe(),
             "bundles": [b.to_dict() for b in self.bundles],
@@ -183,12 +194,14 @@ def replay_bundle(
             continue
         stage = STAGES[name]
         if stage.cohort_level and selection.partial:
+            # Asked for by name, it cannot be honoured: say so (exit 1), never a silent pass.
+            explicit = request.explicit and requested
             outcomes.append(
                 StageOutcome(
                     name,
-                    "skipped",
+                    "unsupported" if explicit else "skipped",
                     "cohort-level stage is not replayable under a partial selection",
-                    requested=False,
+                    requested=explicit,
                 )
             )
             continue
@@ -198,7 +211,16 @@ def replay_bundle(
             out = StageOutcome(name, "fail", str(exc))
         out.requested = requested
         outcomes.append(out)
-    return BundleReport(source.label, source.manifest.bundle_id, source.rank, outcomes, selection)
+    return BundleReport(
+        source.label,
+        source.manifest.bundle_id,
+        source.rank,
+        outcomes,
+        selection,
+        bundle_key=getattr(source, "bundle_key", None),
+        recomputed=ctx.recomputed,
+        sample_ids=ctx.sample_ids,
+    )
 
 
 def replay_sources(

@@ -80,13 +80,14 @@ def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> S
     for mb in request.batches:
         if not re.match(r"^mb-\d+$", mb):
             raise SelectionError(f"micro-batch id {mb!r} is not of the form mb-NNNN")
+        # Missing membership refuses: a sample without micro_batch_id might belong to mb.
+        lacking = [s.sample_id for s in samples if s.micro_batch_id is None]
+        if lacking:
+            raise SelectionError(
+                f"cannot select micro-batch {mb}: sample(s) {', '.join(lacking[:5])} have no micro_batch_id"
+            )
         members = [i for i, s in enumerate(samples) if s.micro_batch_id == mb]
         if not members:
-            lacking = [s.sample_id for s in samples if s.micro_batch_id is None]
-            if lacking:
-                raise SelectionError(
-                    f"cannot select micro-batch {mb}: sample(s) {', '.join(lacking[:5])} have no micro_batch_id"
-                )
             unknown.append(f"micro-batch {mb}")
         chosen.update(members)
     if unknown and strict:

@@ -8,8 +8,10 @@ payload) when it was skipped. So a loss-only bundle still replays
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ import numpy as np
 from trajstore.bundle.checks import PER_TOKEN_PAYLOADS, sample_record_problems
 from trajstore.errors import TrajstoreError
 from trajstore.replay import kernels
-from trajstore.replay.compare import Comparison, Divergence, compare_arrays
+from trajstore.replay.compare import Comparison, Divergence, compare_arrays, json_number
 from trajstore.replay.selection import Selection
 from trajstore.replay.source import BundleSource, as_float, payload_rows
 from trajstore.schema import Config
@@ -30,6 +32,7 @@ STAGE_ORDER = (
     "advantage.estimate",
     "loss.policy",
     "loss.value",
+    "router.consistency",
 )
 REWARD_STAGES = ("reward.raw", "reward.post_process")
 STAGE_VERSION = "v1"
@@ -58,7 +61,7 @@ class StageOutcome:
             "status": self.status,
             "reason": self.reason,
             "requested": self.requested,
-            "max_abs_error": self.max_abs_error,
+            "max_abs_error": json_number(self.max_abs_error),
             "mismatch_count": self.mismatch_count,
             "divergences": [d.to_dict() for d in self.divergences],
         }
@@ -71,7 +74,7 @@ class ReplayContext:
         self,
         source: BundleSource,
         selection: Selection,
-        upstream: dict[str, np.ndarray] | None = None,
+        upstream: dict[str, Any] | None = None,
     ):
         self.source = source
         self.selection = selection
@@ -104,6 +107,13 @@ class ReplayContext:
         if name not in self._payloads:
             if not self.has_payload(name):
                 raise StageInputError(f"incomplete bundle: payload '{name}' is missing")
+            shape = tuple(self.source.manifest.payloads[name].shape)
+            want = int(self.all_lengths.sum())
+            if name in PER_TOKEN_PAYLOADS and shape != (want,):
+                # Never slice or compare a payload that does not follow the sample layout.
+                raise StageInputError(
+                    f"payload '{name}' has shape {list(shape)}, samples have {want} response tokens"
+                )
             raw = payload_rows(self.source, name, self.selection.positions, self.all_lengths)
             self._payloads[name] = as_float(raw, self.source.manifest.payloads[name].dtype)
         return self._payloads[name]
@@ -123,6 +133,11 @@ class ReplayContext:
         if not isinstance(values, list) or len(values) != n:
             raise StageInputError(
                 f"expected.json {stage}.{key} must list {n} values (one per sample)"
+            )
+        bad = next((i for i, v in enumerate(values) if not _is_number(v)), None)
+        if bad is not None:
+            raise StageInputError(
+                f"expected.json {stage}.{key}[{bad}] is {values[bad]!r}, not a number"
             )
         return np.asarray(values, dtype=np.float64)[self.positions]
 
@@ -146,6 +161,10 @@ class ReplayContext:
         )
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _outcome(stage: str, comps: list[Comparison], what: str) -> StageOutcome:
     mism = sum(c.mismatch_count for c in comps)
     max_err = max((c.max_abs_error for c in comps), default=0.0)
@@ -165,17 +184,44 @@ def _outcome(stage: str, comps: list[Comparison], what: str) -> StageOutcome:
 # --- stages -----------------------------------------------------------------
 
 
+def _records_plainly_valid(samples: list) -> bool:
+    """True only when `sample_record_problems` would find nothing (fast, C-level scans)."""
+    if len({s.sample_id for s in samples}) != len(samples):
+        return False
+    for s in samples:
+        r = s.response_length
+        if not (0 < r <= s.total_length) or len(s.loss_mask) != r or isinstance(s.reward, list):
+            return False
+    flat = list(chain.from_iterable(s.loss_mask for s in samples))
+    # type() is exact: a JSON true (bool) is not an int entry here.
+    return set(map(type, flat)) <= {int} and set(flat) <= {0, 1}
+
+
 def stage_sample(ctx: ReplayContext) -> StageOutcome:
     """Sample records against payload layout; non-finite payload values located."""
-    problems = sample_record_problems(ctx.samples)
+    # The full check walks every mask entry in Python; run it only when the
+    # vectorised screen finds something (it then names the sample and field).
+    problems = [] if _records_plainly_valid(ctx.samples) else sample_record_problems(ctx.samples)
     divs: list[Divergence] = []
     total = int(ctx.lengths.sum())
     for name in sorted(n for n in ctx.source.manifest.payloads if n in PER_TOKEN_PAYLOADS):
         spec = ctx.source.manifest.payloads[name]
-        if tuple(spec.shape) != (int(ctx.all_lengths.sum()),):
-            problems.append(
-                f"payload '{name}' has shape {list(spec.shape)}, samples have {int(ctx.all_lengths.sum())} response tokens"
-            )
+        want = int(ctx.all_lengths.sum())
+        if tuple(spec.shape) != (want,):
+            have = int(spec.shape[0]) if len(spec.shape) == 1 else None
+            msg = f"payload '{name}' has shape {list(spec.shape)}, samples have {want} response tokens"
+            if have is not None and have < want:
+                # Under the flat layout the payload ends inside/before these samples.
+                offs = kernels.segment_offsets(ctx.all_lengths)
+                first = int(np.searchsorted(offs, have, side="right") - 1)
+                ids = [s.sample_id for s in ctx.source.index.samples]
+                lacking = ids[first:]
+                more = f" (+{len(lacking) - 5} more)" if len(lacking) > 5 else ""
+                msg += f"; no tokens for sample(s) {', '.join(lacking[:5])}{more} past its end"
+                divs.append(
+                    Divergence("sample", ids[first], name, have - int(offs[first]), None, None, None)
+                )
+            problems.append(msg)
             continue
         arr = ctx.payload(name)
         if arr.dtype.kind == "f":
@@ -228,10 +274,11 @@ def stage_reward_raw(ctx: ReplayContext) -> StageOutcome:
             f"incomplete bundle: sample(s) {', '.join(missing[:5])} have no raw_reward"
         )
     actual = np.array([s.raw_reward for s in ctx.samples], dtype=np.float32)
+    # Recomputed before the comparison can refuse: downstream reads what this stage derived.
+    ctx.recomputed["raw_rewards"] = actual
     expected = ctx.expected_per_sample("reward.raw", "raw_rewards")
     if expected is None:
         raise StageInputError("incomplete bundle: expected.json has no reward.raw.raw_rewards")
-    ctx.recomputed["raw_rewards"] = actual
     comp = ctx.compare("reward.raw", "raw_reward", expected, actual, per_token=False)
     return _outcome("reward.raw", [comp], "raw reward mismatch in {n} sample(s)")
 
@@ -295,8 +342,10 @@ def stage_advantage_kl(ctx: ReplayContext) -> StageOutcome:
 def _rewards_for_advantages(ctx: ReplayContext) -> Any:
     if "rewards" in ctx.recomputed:
         return ctx.recomputed["rewards"]
-    if "rewards" in ctx.upstream:
-        return ctx.upstream["rewards"]
+    by_id = ctx.upstream.get("rewards_by_id")
+    if by_id is not None and all(sid in by_id for sid in ctx.sample_ids):
+        # the rollout bundle's recomputed rewards for the samples this step consumed
+        return np.array([by_id[sid] for sid in ctx.sample_ids], dtype=np.float32)
     missing = [s.sample_id for s in ctx.samples if s.reward is None]
     if missing:
         raise StageInputError(
@@ -369,6 +418,11 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
         raise StageInputError(
             f"incomplete bundle: expected.json loss.policy lacks {', '.join(missing)}"
         )
+    invalid = [f for f in required if not _is_number(recorded[f])]
+    if invalid:
+        raise StageInputError(
+            f"expected.json loss.policy.{invalid[0]} is {recorded[invalid[0]]!r}, not a number"
+        )
     for f in required:
         comps.append(
             compare_arrays(
@@ -401,11 +455,19 @@ STAGES: dict[str, StageDef] = {
     "advantage.estimate": StageDef("advantage.estimate", stage_advantage_estimate),
     "loss.policy": StageDef("loss.policy", stage_loss_policy, cohort_level=True),
     "loss.value": StageDef("loss.value", None, cohort_level=True),
+    # lives in trajstore.router (imported lazily: it imports this module)
+    "router.consistency": StageDef(
+        "router.consistency",
+        lambda ctx: importlib.import_module("trajstore.router.stage").stage_router_consistency(ctx),
+        cohort_level=True,
+    ),
 }
 
 
 def capability(source: BundleSource, stage: str) -> tuple[str, str]:
     """(recompute | skipped | unsupported, reason) for this engine on this bundle."""
+    if stage == "router.consistency":
+        return importlib.import_module("trajstore.router.stage").router_capability(source)
     if stage == "loss.value":
         return "unsupported", "value loss is not replayable (GRPO has no critic)"
     contract = source.manifest.stage_contracts.get(stage)
