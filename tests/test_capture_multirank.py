@@ -1,0 +1,173 @@
+"""Multi-rank capture with real processes (multiprocessing spawn).
+
+Each rank writes its own ``rank-<r>/`` and cohort shard and tries to finalize
+without waiting; the last rank publishes the cohort. A rank killed mid-write
+leaves a cohort that is never complete, and readers refuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = [0, 1, 2, 3]
+
+
+def _capture(rank: int, dest: str, mode: str, ranks: list[int] = RANKS):
+    from trajstore.capture import CaptureConfig, CaptureManager
+
+    cfg = CaptureConfig(
+        enabled=True,
+        output_dir=dest if mode == "dir" else None,
+        store_dir=dest if mode == "store" else None,
+        run="mr",
+        rank=rank,
+        producer_ranks=ranks,
+        rollouts=frozenset(),  # step bundles only
+        parallel={"dp": len(ranks), "tp": 1, "pp": 1, "cp": 1},
+    )
+    return cfg, CaptureManager
+
+
+def _rank_worker(rank: int, dest: str, mode: str, my_turn, next_turn, ranks: list[int] = RANKS) -> None:
+    """One DP rank: a real tiny GRPO step on its own data, captured when its turn comes."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tiny_grpo
+
+    cfg, manager = _capture(rank, dest, mode, ranks)
+    loop = tiny_grpo.TinyGRPO(seed=rank, tag=f"k{rank}-", group_offset=1000 * rank)
+    cap = manager(cfg, recompute=loop.recompute_config())
+    loop.capture = cap
+    ro = loop.rollout(0)
+    assert my_turn.wait(120)
+    loop.train_step(ro, 0)
+    stats = cap.close()
+    next_turn.set()
+    sys.exit(0 if (stats.written, stats.errors) == (1, 0) else 3)
+
+
+def _victim_worker(rank: int, dest: str, go) -> None:
+    """A rank whose bundle is large (MoE routes), so a kill lands mid-write."""
+    import torch
+
+    cfg, manager = _capture(rank, dest, "dir")
+    cap = manager(cfg)
+    assert go.wait(120)
+    with cap.step(0, 0) as st:
+        st.add(
+            0,
+            samples=[
+                {"sample_id": f"v-{i}", "group_index": 9000, "response_length": 4, "total_length": 8}
+                for i in range(2)
+            ],
+            log_probs=torch.zeros(8),
+            old_log_probs=torch.zeros(8),
+            advantages=torch.zeros(8),
+            routes={"train_routed_experts": torch.zeros(16, 2048, 2048, dtype=torch.uint8)},
+        )
+    threading.Event().wait(120)  # killed before this returns
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True, cwd=ROOT
+    )
+
+
+def run_ranks_in_order(dest: Path, mode: str, order: list[int]) -> None:
+    """Start every rank at once; rank ``order[k]`` captures only after ``order[k-1]`` closed."""
+    ctx = mp.get_context("spawn")
+    ranks = sorted(order)
+    turns = [ctx.Event() for _ in range(len(order) + 1)]
+    procs = {
+        r: ctx.Process(
+            target=_rank_worker,
+            args=(r, str(dest), mode, turns[order.index(r)], turns[order.index(r) + 1], ranks),
+        )
+        for r in ranks
+    }
+    for p in procs.values():
+        p.start()
+    turns[0].set()
+    for p in procs.values():
+        p.join(180)
+    assert {r: p.exitcode for r, p in procs.items()} == {r: 0 for r in ranks}
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_four_ranks_in_random_order_publish_one_complete_cohort(tmp_path, seed):
+    order = random.Random(seed).sample(RANKS, len(RANKS))
+    run_ranks_in_order(tmp_path, "dir", order)
+    cohort = tmp_path / "replay-0-0"
+    complete = json.loads((cohort / "COMPLETE").read_text())
+    assert complete["ranks"] == RANKS
+    assert sorted(p.name for p in cohort.iterdir() if p.is_dir()) == [f"rank-{r}" for r in RANKS]
+    r = cli("validate", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = cli("replay", str(tmp_path), "--step", "0:0", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(json.loads(r.stdout)["bundles"]) == len(RANKS)
+
+
+def test_ranks_publish_into_a_store_once_complete(tmp_path):
+    pytest.importorskip("trajstore.store.api")
+    from trajstore.store.api import Store
+
+    store_dir = tmp_path / "store"
+    run_ranks_in_order(store_dir, "store", [1, 0])  # two ranks keep the test short
+    with Store.open(store_dir, create=False) as store:
+        ranks = sorted(b.rank for b in store.step("mr", 0, 0))
+    assert ranks == [0, 1]
+    assert not (store_dir / ".capture-staging" / "mr" / "replay-0-0").exists()
+    r = cli("replay", "--store", str(store_dir), "--step", "0:0", "--run", "mr")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_rank_killed_mid_write_leaves_a_cohort_readers_refuse(tmp_path):
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    victim = ctx.Process(target=_victim_worker, args=(3, str(tmp_path), go))
+    victim.start()
+    turns = [ctx.Event() for _ in range(6)]  # kept referenced until the children unpickle them
+    for e in turns[:3]:
+        e.set()
+    others = [
+        ctx.Process(target=_rank_worker, args=(r, str(tmp_path), "dir", turns[r], turns[3 + r]))
+        for r in (0, 1, 2)
+    ]
+    for p in others:
+        p.start()
+    for p in others:
+        p.join(180)
+    assert [p.exitcode for p in others] == [0, 0, 0]
+    cohort = tmp_path / "replay-0-0"
+    go.set()
+    deadline = time.monotonic() + 120
+    while not list(cohort.glob(".rank-3.tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    started = bool(list(cohort.glob(".rank-3.tmp-*")))
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(30)
+    assert victim.exitcode == -signal.SIGKILL
+    assert started, "rank 3 never started writing"
+    assert not (cohort / "COMPLETE").exists()
+    assert not (cohort / "COMPLETE.3").exists()
+    r = cli("validate", str(tmp_path))
+    assert r.returncode == 2
+    assert "cohort is not complete" in r.stdout + r.stderr
+    r = cli("replay", str(tmp_path), "--step", "0:0")
+    assert r.returncode == 2
+    assert "cohort is not complete" in r.stderr
+    r = cli("replay", str(cohort / "rank-0"))
+    assert r.returncode == 2, "a rank of an unfinished cohort must not be replayable on its own"

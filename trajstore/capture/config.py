@@ -1,0 +1,236 @@
+"""Capture configuration, explicit or from the environment.
+
+Why parse eagerly: a typo in ``TRAJSTORE_CAPTURE_STEPS`` must stop the run at
+start-up, not silently capture nothing for a week or fail at step 5,000. So
+every recognised variable is parsed at construction (even with capture off)
+and a malformed one raises `CaptureConfigError` naming the variable.
+
+Variables (the public producer's ``RELAX_REPLAY_CAPTURE*`` spellings are
+accepted too; both spellings set to different values is an error):
+
+| variable | meaning |
+|---|---|
+| TRAJSTORE_CAPTURE / RELAX_REPLAY_CAPTURE | 1/true/yes/on switches capture on (default off) |
+| TRAJSTORE_CAPTURE_DIR / RELAX_REPLAY_CAPTURE_DIR | write bundle directories here |
+| TRAJSTORE_CAPTURE_STORE | write straight into this store instead |
+| TRAJSTORE_CAPTURE_STEPS / RELAX_REPLAY_CAPTURE_STEPS | ``R:S,R:S`` actor steps to capture (unset: all) |
+| TRAJSTORE_CAPTURE_ROLLOUTS / RELAX_REPLAY_CAPTURE_ROLLOUTS | ``R,R`` rollouts to capture (unset: all) |
+| TRAJSTORE_RUN | run name (``[A-Za-z0-9._-]``, default ``default``) |
+| TRAJSTORE_CAPTURE_QUEUE_SIZE | bounded queue length in bundles (default 64) |
+| TRAJSTORE_CAPTURE_BLOCK | 1: wait for queue space instead of dropping |
+| TRAJSTORE_CAPTURE_REDACT | e.g. ``prompt=hash,response=truncate:64,tool_output=drop`` |
+| TRAJSTORE_PRODUCER_COMMIT | trainer commit recorded as manifest ``producer.commit`` |
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from trajstore.capture.redaction import RedactionPolicy
+from trajstore.errors import UsageError
+
+DEFAULT_QUEUE_SIZE = 64
+DEFAULT_RUN = "default"
+_RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_STEP = re.compile(r"^(\d+):(\d+)$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+#: setting -> accepted variable names, preferred first
+ENV_VARS: dict[str, tuple[str, ...]] = {
+    "enabled": ("TRAJSTORE_CAPTURE", "RELAX_REPLAY_CAPTURE"),
+    "output_dir": ("TRAJSTORE_CAPTURE_DIR", "RELAX_REPLAY_CAPTURE_DIR"),
+    "store_dir": ("TRAJSTORE_CAPTURE_STORE",),
+    "steps": ("TRAJSTORE_CAPTURE_STEPS", "RELAX_REPLAY_CAPTURE_STEPS"),
+    "rollouts": ("TRAJSTORE_CAPTURE_ROLLOUTS", "RELAX_REPLAY_CAPTURE_ROLLOUTS"),
+    "run": ("TRAJSTORE_RUN",),
+    "queue_size": ("TRAJSTORE_CAPTURE_QUEUE_SIZE",),
+    "block": ("TRAJSTORE_CAPTURE_BLOCK",),
+    "redaction": ("TRAJSTORE_CAPTURE_REDACT",),
+    "producer_commit": ("TRAJSTORE_PRODUCER_COMMIT",),
+}
+
+
+class CaptureConfigError(UsageError):
+    """Capture is misconfigured; raised at construction, never mid-training."""
+
+
+def parse_bool(text: str, var: str) -> bool:
+    v = text.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise CaptureConfigError(f"{var}={text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+
+
+def parse_steps(text: str, var: str = "TRAJSTORE_CAPTURE_STEPS") -> frozenset[tuple[int, int]] | None:
+    """``"120:0,120:1"`` -> {(120, 0), (120, 1)}; empty -> None (all steps)."""
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    if not items:
+        return None
+    out = set()
+    for item in items:
+        m = _STEP.match(item)
+        if not m:
+            raise CaptureConfigError(
+                f"{var}: item {item!r} is not ROLLOUT_ID:STEP_ID with non-negative integers (e.g. 120:0)"
+            )
+        out.add((int(m.group(1)), int(m.group(2))))
+    return frozenset(out)
+
+
+def parse_rollouts(text: str, var: str = "TRAJSTORE_CAPTURE_ROLLOUTS") -> frozenset[int] | None:
+    """``"3,7"`` -> {3, 7}; empty -> None (all rollouts)."""
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    if not items:
+        return None
+    bad = [i for i in items if not i.isdigit()]
+    if bad:
+        raise CaptureConfigError(f"{var}: item {bad[0]!r} is not a non-negative integer rollout id")
+    return frozenset(int(i) for i in items)
+
+
+def _read(env: Mapping[str, str], key: str) -> tuple[str, str] | None:
+    """(variable name, value) of a setting; conflicting spellings refused."""
+    found = [(name, env[name]) for name in ENV_VARS[key] if name in env]
+    if not found:
+        return None
+    if len({v.strip() for _, v in found}) > 1:
+        names = " and ".join(f"{n}={v!r}" for n, v in found)
+        raise CaptureConfigError(f"conflicting capture settings: {names}")
+    return found[0]
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """Everything a `CaptureManager` needs; validated on construction.
+
+    ``rank``/``producer_ranks``: this process and every rank that writes a
+    shard of each step-level bundle. With more than one producer each rank
+    writes ``rank-<r>/`` and the last to finish publishes the cohort.
+    ``rollout_ranks`` (default: ``producer_ranks``) produce rollout bundles;
+    give ``[0]`` when only rank 0 sees whole semantic groups.
+    ``parallel`` is identity.rank: the world sizes ``{dp, tp, pp, cp}``.
+    """
+
+    enabled: bool = False
+    output_dir: Path | None = None
+    store_dir: Path | None = None
+    run: str = DEFAULT_RUN
+    steps: frozenset[tuple[int, int]] | None = None
+    rollouts: frozenset[int] | None = None
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    block: bool = False
+    redaction: RedactionPolicy = field(default_factory=RedactionPolicy)
+    rank: int | None = None
+    producer_ranks: tuple[int, ...] | None = None
+    rollout_ranks: tuple[int, ...] | None = None
+    parallel: Mapping[str, int] | None = None
+    producer_commit: str = ""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if self.output_dir is not None:
+            set_(self, "output_dir", Path(self.output_dir))
+        if self.store_dir is not None:
+            set_(self, "store_dir", Path(self.store_dir))
+        if self.steps is not None:
+            set_(self, "steps", frozenset((int(r), int(s)) for r, s in self.steps))
+        if self.rollouts is not None:
+            set_(self, "rollouts", frozenset(int(r) for r in self.rollouts))
+        set_(self, "redaction", RedactionPolicy.parse(self.redaction))
+        if not isinstance(self.run, str) or not _RUN.match(self.run):
+            raise CaptureConfigError(
+                f"run name {self.run!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
+            )
+        if isinstance(self.queue_size, bool) or not isinstance(self.queue_size, int) or self.queue_size < 1:
+            raise CaptureConfigError(f"queue_size must be a positive integer, got {self.queue_size!r}")
+        if self.enabled and (self.output_dir is None) == (self.store_dir is None):
+            raise CaptureConfigError(
+                "capture is on but needs exactly one destination: TRAJSTORE_CAPTURE_DIR "
+                "(bundle directories) or TRAJSTORE_CAPTURE_STORE (a store)"
+            )
+        ranks = self.producer_ranks
+        if ranks is not None:
+            ranks = tuple(sorted({int(r) for r in ranks}))
+            set_(self, "producer_ranks", ranks)
+            if not ranks or ranks[0] < 0:
+                raise CaptureConfigError(f"producer_ranks must be non-negative ints, got {self.producer_ranks}")
+        if ranks is not None and len(ranks) > 1 and self.rank not in ranks:
+            raise CaptureConfigError(f"rank {self.rank!r} is not among producer_ranks {list(ranks)}")
+        if self.rollout_ranks is not None:
+            set_(self, "rollout_ranks", tuple(sorted({int(r) for r in self.rollout_ranks})))
+        for k, v in (self.parallel or {}).items():
+            if k not in ("dp", "tp", "pp", "cp") or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CaptureConfigError(f"parallel[{k!r}]={v!r}: keys dp/tp/pp/cp, positive int world sizes")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CaptureConfig:
+        """Read the capture variables (see module doc); ``overrides`` win."""
+        env = os.environ if environ is None else environ
+        kw: dict[str, Any] = {}
+        got = _read(env, "enabled")
+        if got:
+            kw["enabled"] = parse_bool(got[1], got[0])
+        for key in ("output_dir", "store_dir"):
+            got = _read(env, key)
+            if got and got[1].strip():
+                kw[key] = Path(got[1].strip())
+        got = _read(env, "steps")
+        if got:
+            kw["steps"] = parse_steps(got[1], got[0])
+        got = _read(env, "rollouts")
+        if got:
+            kw["rollouts"] = parse_rollouts(got[1], got[0])
+        got = _read(env, "run")
+        if got:
+            kw["run"] = got[1].strip()
+        got = _read(env, "queue_size")
+        if got:
+            text = got[1].strip()
+            if not text.isdigit() or int(text) < 1:
+                raise CaptureConfigError(f"{got[0]}={got[1]!r} is not a positive integer")
+            kw["queue_size"] = int(text)
+        got = _read(env, "block")
+        if got:
+            kw["block"] = parse_bool(got[1], got[0])
+        got = _read(env, "redaction")
+        if got:
+            try:
+                kw["redaction"] = RedactionPolicy.parse(got[1])
+            except UsageError as exc:
+                raise CaptureConfigError(f"{got[0]}: {exc}") from None
+        got = _read(env, "producer_commit")
+        if got:
+            commit = got[1].strip()
+            if not re.fullmatch(r"[0-9A-Za-z._-]{0,64}", commit):
+                raise CaptureConfigError(f"{got[0]}={got[1]!r} is not a commit id")
+            kw["producer_commit"] = commit
+        kw.update(overrides)
+        return cls(**kw)
+
+    def with_rank(self, rank: int | None, producer_ranks: Iterable[int] | None) -> CaptureConfig:
+        return replace(
+            self,
+            rank=rank,
+            producer_ranks=None if producer_ranks is None else tuple(producer_ranks),
+        )
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.producer_ranks is not None and len(self.producer_ranks) > 1
+
+    def wants_step(self, rollout_id: int, step_id: int) -> bool:
+        return self.enabled and (self.steps is None or (rollout_id, step_id) in self.steps)
+
+    def wants_rollout(self, rollout_id: int) -> bool:
+        if not self.enabled or (self.rollouts is not None and rollout_id not in self.rollouts):
+            return False
+        ranks = self.rollout_ranks if self.rollout_ranks is not None else self.producer_ranks
+        return ranks is None or self.rank is None or self.rank in ranks
