@@ -16,6 +16,7 @@ every COMPLETE.<r>), so a test can reach the check behind the integrity gate.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from collections.abc import Callable
@@ -28,7 +29,14 @@ import torch
 from trajstore.bundle.writer import BundleContents, write_bundle, write_rank
 from trajstore.jsonio import canonical_bytes, sha256_bytes
 
-FIXTURES = Path("/work/shared/fixtures/relax-v2")
+#: the public producer's bundles: ../shared/fixtures/relax-v2 beside the checkout
+#: (where CI lays shared/), or wherever TRAJSTORE_FIXTURES points
+FIXTURES = Path(
+    os.environ.get(
+        "TRAJSTORE_FIXTURES",
+        Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "relax-v2",
+    )
+)
 FIXTURE_BUNDLES = ("example_bundle", "example_bundle_divergent")
 CAPTURE_DIR = FIXTURES / "example_capture_dir"
 

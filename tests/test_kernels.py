@@ -10,11 +10,11 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +32,7 @@ from trajstore.replay.kernels import (
     sum_of_sample_mean,
 )
 
-FIXTURE = Path("/work/shared/fixtures/relax-v2/example_bundle")
+FIXTURE = FIXTURES / "example_bundle"
 ATOL, RTOL = 1e-6, 1e-5
 E = math.e
 

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FIXTURES
 from replay_builders import Faults, consistent_contents, write_consistent
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.cli import main
 
-FIXTURES = Path("/work/shared/fixtures/relax-v2")
 CAPTURE = FIXTURES / "example_capture_dir"
 TRAJSTORE = Path(sys.executable).parent / "trajstore"
 STAGE_KEYS = {"stage", "status", "reason", "requested", "max_abs_error", "mismatch_count", "divergences"}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FIXTURES
 from replay_builders import (
     Faults,
     consistent_contents,
@@ -26,7 +27,6 @@ from trajstore.bundle.capture_dir import resolve_target
 from trajstore.bundle.writer import write_bundle
 from trajstore.errors import SelectionError
 
-FIXTURES = Path("/work/shared/fixtures/relax-v2")
 RECOMPUTED = (
     "sample",
     "reward.raw",
