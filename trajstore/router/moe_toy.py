@@ -272,13 +272,10 @@ def producer_metrics(rec: StepRecord, cfg: ToyConfig) -> dict[str, Any]:
     return {**m.to_dict(), "hang_count": 0, "engine_error_count": 0}
 
 
-def step_contents(rec: StepRecord, cfg: ToyConfig, mode: str, run: str) -> Any:
-    """A step-level BundleContents for one GRPO step (rollout_id = step, step_id = 0)."""
-    from trajstore.bundle.writer import BundleContents, default_stage_contracts
-
-    n = rec.tokens.shape[0]
+def sample_records(rec: StepRecord, cfg: ToyConfig) -> list[dict[str, Any]]:
+    """index.json sample records of one step (the GRPO advantage is the post-processed reward)."""
     total, resp = cfg.prompt_len + cfg.response_len, cfg.response_len
-    samples = [
+    return [
         {
             "sample_id": f"s-{i}",
             "group_index": i // cfg.samples_per_prompt,
@@ -287,10 +284,16 @@ def step_contents(rec: StepRecord, cfg: ToyConfig, mode: str, run: str) -> Any:
             "loss_mask": [1] * resp,
             "reward": float(rec.advantages[i]),
             "raw_reward": float(rec.rewards[i]),
-            "micro_batch_id": "mb-0000",
         }
-        for i in range(n)
+        for i in range(rec.tokens.shape[0])
     ]
+
+
+def step_contents(rec: StepRecord, cfg: ToyConfig, mode: str, run: str) -> Any:
+    """A step-level BundleContents for one GRPO step (rollout_id = step, step_id = 0)."""
+    from trajstore.bundle.writer import BundleContents, default_stage_contracts
+
+    samples = [{**s, "micro_batch_id": "mb-0000"} for s in sample_records(rec, cfg)]
     weight = f"w-{rec.step}"
     payloads: dict[str, Any] = {
         "rollout_routed_experts": rec.rollout_routes,
@@ -413,20 +416,8 @@ def capture_sink(manager: Any) -> StepSink:
     import torch
 
     def write(rec: StepRecord, cfg: ToyConfig, mode: str, run: str) -> None:
-        n = rec.tokens.shape[0]
-        total, resp = cfg.prompt_len + cfg.response_len, cfg.response_len
-        samples = [
-            {
-                "sample_id": f"s-{i}",
-                "group_index": i // cfg.samples_per_prompt,
-                "response_length": resp,
-                "total_length": total,
-                "loss_mask": [1] * resp,
-                "reward": float(rec.advantages[i]),
-                "raw_reward": float(rec.rewards[i]),
-            }
-            for i in range(n)
-        ]
+        resp = cfg.response_len
+        samples = sample_records(rec, cfg)
         routes = {
             "rollout_routed_experts": torch.from_numpy(rec.rollout_routes),
             "train_routed_experts": torch.from_numpy(rec.train_routes),

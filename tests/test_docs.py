@@ -1,0 +1,328 @@
+"""The docs cannot rot: every command of docs/tutorial.md runs, in order.
+
+Convention (stated at the top of the tutorial):
+
+- only fenced ```sh blocks are commands; output is shown in ```text blocks;
+- a command line is ``trajstore ...`` or ``python scripts/...``, optionally
+  preceded by ``VAR=value`` assignments, or ``export VAR=value ...``;
+- ``$VAR`` / ``${VAR}`` are expanded from the variables exported so far; the
+  first ``export WORK=...`` is replaced by a fresh temporary directory;
+- a trailing ``# exit N`` is the expected exit code (default 0);
+- a trailing ``# not run by tests/test_docs.py: see tests/test_api.py`` marks
+  the lines (``trajstore serve``, ``curl``) that cannot run in sequence.
+
+Every other line must be one of those forms, so a new command in the
+tutorial is either run here or the test fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from trajstore.capture.config import ENV_VARS
+from trajstore.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+TUTORIAL = DOCS / "tutorial.md"
+NOT_RUN = "# not run by tests/test_docs.py: see tests/test_api.py"
+
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
+_ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+@dataclass
+class Line:
+    lineno: int
+    text: str  # the command, comment removed
+    expect: int
+    skip: bool
+
+
+def sh_lines(markdown: str) -> list[Line]:
+    """The command lines of every ```sh block, with continuations joined."""
+    out: list[Line] = []
+    in_sh = False
+    pending = ""
+    start = 0
+    for n, raw in enumerate(markdown.splitlines(), 1):
+        m = _FENCE.match(raw.strip())
+        if m:
+            if in_sh:
+                assert not pending, (
+                    f"tutorial.md:{start}: continuation runs past the end of the block"
+                )
+                in_sh = False
+            else:
+                in_sh = m.group(1) == "sh"
+            continue
+        if not in_sh:
+            continue
+        line = raw.rstrip()
+        if not pending:
+            start = n
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        skip = line.rstrip().endswith(NOT_RUN)
+        expect = 0
+        code = line
+        if skip:
+            code = line[: line.rindex(NOT_RUN)]
+        else:
+            em = _EXIT.search(line)
+            if em:
+                expect = int(em.group(1))
+                code = line[: em.start()]
+        assert "#" not in code.replace("'#", "").replace('"#', ""), (
+            f"tutorial.md:{start}: only '# exit N' or the not-run marker may trail a command: {line!r}"
+        )
+        out.append(Line(start, code.strip(), expect, skip))
+    assert not in_sh, "tutorial.md: unterminated ```sh block"
+    return out
+
+
+def expand(word: str, env: dict[str, str]) -> str:
+    def sub(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        assert name in env, f"${name} is used before it is exported in the tutorial"
+        return env[name]
+
+    return _VAR.sub(sub, word)
+
+
+def to_argv(line: Line, env: dict[str, str]) -> tuple[list[str], dict[str, str]] | None:
+    """argv and extra environment of a runnable line; None for `export`."""
+    words = shlex.split(line.text)
+    if words[0] == "export":
+        for w in words[1:]:
+            m = _ASSIGN.match(w)
+            assert m, f"tutorial.md:{line.lineno}: export needs VAR=value, got {w!r}"
+            name, value = m.groups()
+            if name == "WORK" and not env.get("_WORK_SEEN"):
+                env["_WORK_SEEN"] = "1"  # the first WORK is the test's own temporary directory
+                continue
+            env[name] = expand(value, env)
+        return None
+    extra: dict[str, str] = {}
+    while words and _ASSIGN.match(words[0]):
+        name, value = _ASSIGN.match(words[0]).groups()
+        extra[name] = expand(value, env)
+        words.pop(0)
+    words = [expand(w, env) for w in words]
+    if words[0] == "trajstore":
+        argv = [sys.executable, "-m", "trajstore", *words[1:]]
+    elif words[0] == "python" and len(words) > 1 and words[1].startswith("scripts/"):
+        argv = [sys.executable, *words[1:]]
+    else:
+        raise AssertionError(
+            f"tutorial.md:{line.lineno}: {line.text!r} is neither `trajstore ...` nor `python scripts/...`; "
+            f"run it here or mark it {NOT_RUN!r}"
+        )
+    return argv, extra
+
+
+def run_tutorial(work: Path, echo: bool = False) -> list[tuple[Line, int]]:
+    """Run every command of the tutorial in order; returns (line, exit code)."""
+    lines = sh_lines(TUTORIAL.read_text(encoding="utf-8"))
+    env = {"WORK": str(work)}
+    work.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TRAJSTORE_")}
+    base["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    base["COLUMNS"] = "200"
+    done: list[tuple[Line, int]] = []
+    for line in lines:
+        if line.skip:
+            continue
+        got = to_argv(line, env)
+        if got is None:
+            continue
+        argv, extra = got
+        proc = subprocess.run(
+            argv,
+            cwd=ROOT,
+            env={**base, **env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if echo:
+            print(
+                f"$ {line.text}    # rc={proc.returncode}\n{proc.stdout}{proc.stderr}", flush=True
+            )
+        assert proc.returncode == line.expect, (
+            f"tutorial.md:{line.lineno}: {line.text!r} exited {proc.returncode}, the tutorial says "
+            f"{line.expect}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+        done.append((line, proc.returncode))
+    return done
+
+
+def test_tutorial_commands_run_in_order(tmp_path: Path) -> None:
+    lines = sh_lines(TUTORIAL.read_text(encoding="utf-8"))
+    skipped = [ln for ln in lines if ln.skip]
+    # exactly the server and curl lines are skipped
+    for ln in skipped:
+        assert ln.text.startswith(("trajstore serve", "curl ")), (
+            f"tutorial.md:{ln.lineno}: only `trajstore serve` and `curl` may be marked not-run: {ln.text!r}"
+        )
+    assert any(ln.text.startswith("trajstore serve") for ln in skipped)
+    assert any(ln.text.startswith("curl ") for ln in skipped)
+    for ln in lines:
+        if ln.text.startswith(("trajstore serve", "curl ")):
+            assert ln.skip, (
+                f"tutorial.md:{ln.lineno}: {ln.text!r} cannot run in sequence; mark it {NOT_RUN!r}"
+            )
+    done = run_tutorial(tmp_path / "work")
+    runnable = [ln for ln in lines if not ln.skip and not ln.text.startswith("export ")]
+    assert [ln.lineno for ln, _ in done] == [ln.lineno for ln in runnable]
+    assert len(done) >= 25
+    # the tutorial shows every kind of exit
+    assert {rc for _, rc in done} == {0, 1, 2}
+
+
+def test_tutorial_parser() -> None:
+    md = "\n".join(
+        [
+            "```sh",
+            "export WORK=/tmp/x A=$WORK/a",
+            "trajstore replay $A \\",
+            "    --step 1:0   # exit 1",
+            "TRAJSTORE_RUN=r python scripts/tiny_grpo.py --from-env",
+            f"curl -s localhost:8000/v1/health   {NOT_RUN}",
+            "```",
+            "```text",
+            "trajstore not-a-command",
+            "```",
+        ]
+    )
+    lines = sh_lines(md)
+    assert [(ln.text.split()[0], ln.expect, ln.skip) for ln in lines] == [
+        ("export", 0, False),
+        ("trajstore", 1, False),
+        ("TRAJSTORE_RUN=r", 0, False),
+        ("curl", 0, True),
+    ]
+    env = {"WORK": "/w"}
+    assert to_argv(lines[0], env) is None and env["A"] == "/w/a" and env["WORK"] == "/w"
+    argv, extra = to_argv(lines[1], env)
+    assert argv[:3] == [sys.executable, "-m", "trajstore"] and argv[3:] == [
+        "replay",
+        "/w/a",
+        "--step",
+        "1:0",
+    ]
+    argv, extra = to_argv(lines[2], env)
+    assert argv == [sys.executable, "scripts/tiny_grpo.py", "--from-env"] and extra == {
+        "TRAJSTORE_RUN": "r"
+    }
+
+
+def _help_commands(*cmd: str) -> list[str]:
+    """The subcommands that `trajstore [CMD] --help` lists."""
+    out = subprocess.run(
+        [sys.executable, "-m", "trajstore", *cmd, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    block = out.split("positional arguments:", 1)[1].split("options:", 1)[0]
+    names = re.findall(r"^ {4}([a-z][a-z0-9_-]*)(?: {2,}|$)", block, re.M)
+    assert names, out
+    return names
+
+
+def test_cli_reference_lists_every_subcommand() -> None:
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    commands = _help_commands()
+    assert {"inspect", "validate", "replay", "ingest", "query", "sql", "serve", "router"} <= set(
+        commands
+    )
+    for cmd in commands:
+        assert re.search(rf"^#+ .*`trajstore {cmd}\b", text, re.M), (
+            f"docs/cli.md has no section for `trajstore {cmd}`"
+        )
+    subs = _help_commands("router")
+    assert set(subs) == {"metrics", "compare"}
+    for sub in subs:
+        assert re.search(rf"^#+ .*`trajstore router {sub}\b", text, re.M), (
+            f"docs/cli.md: no section for `trajstore router {sub}`"
+        )
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, child in action.choices.items():
+            yield from _leaf_parsers(child, (*path, name))
+
+
+def test_cli_reference_lists_every_flag() -> None:
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    missing = []
+    leaves = list(_leaf_parsers(build_parser()))
+    assert len(leaves) >= 17
+    for path, parser in leaves:
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if (
+                    flag.startswith("--")
+                    and flag != "--help"
+                    and f"`{flag}" not in text
+                    and f" {flag}" not in text
+                ):
+                    missing.append(f"trajstore {' '.join(path)} {flag}")
+    assert not missing, f"docs/cli.md does not mention: {missing}"
+
+
+def test_cli_reference_lists_env_vars_and_exit_codes() -> None:
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    for var in (
+        "TRAJSTORE_STORE",
+        "TRAJSTORE_API_TOKEN",
+        "TRAJSTORE_DEBUG",
+        *sorted({name for names in ENV_VARS.values() for name in names}),
+    ):
+        assert f"`{var}`" in text, f"docs/cli.md does not document {var}"
+    for code in ("`0`", "`1`", "`2`"):
+        assert code in text
+
+
+def test_docs_index_lists_every_page() -> None:
+    index = (DOCS / "README.md").read_text(encoding="utf-8")
+    for page in sorted(DOCS.glob("*.md")):
+        if page.name != "README.md":
+            assert f"({page.name})" in index, f"docs/README.md does not link {page.name}"
+
+
+def test_relative_links_resolve() -> None:
+    for page in ("tutorial.md", "cli.md", "bundle-format.md", "README.md"):
+        text = (DOCS / page).read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            assert (DOCS / target).resolve().exists(), f"docs/{page}: broken link {target}"
+
+
+if __name__ == "__main__":  # print every command's real output (to refresh the tutorial)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_tutorial(Path(tmp) / "work", echo=True)
