@@ -245,6 +245,17 @@ def test_reindex_rebuilds_an_identical_catalog(store: Store, tmp_path: Path) -> 
     assert store.bundles(all_attempts=True) == before
 
 
+def test_reindex_after_rm_and_gc_still_works(store: Store, tmp_path: Path) -> None:
+    a = write_bundle(tmp_path / "a", make_contents(lengths=50, seed=1))
+    b = write_bundle(tmp_path / "b", make_contents(lengths=50, seed=2, step_id=1))
+    store.ingest([a], run="keep")
+    store.ingest([b], run="drop")
+    store.remove(run="drop")
+    assert gc(store, grace_s=0)["objects_dropped"] > 0
+    store.reindex()  # reads every ref, the removed one's collected documents included
+    assert [b["run"] for b in store.bundles()] == ["keep"]
+
+
 def test_export_refuses_format_conversion_clearly(store: Store, tmp_path: Path) -> None:
     store.ingest([FIXTURES / "example_bundle"], run="r")
     with pytest.raises(UsageError, match="not supported"):

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from trajstore.catalog import tables as t
 from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
-from trajstore.errors import StoreError
+from trajstore.errors import NotFoundError, StoreError
 
 LoadDocument = Callable[[str], dict]
 Group = tuple  # (run, kind, rollout_id, step_id, rank)
@@ -383,6 +383,18 @@ def _set_latest(conn: sa.Connection, new: list[dict]) -> None:
         )
 
 
+def _tolerant(load_document: LoadDocument) -> LoadDocument:
+    """A loader that reads a missing object as an empty document."""
+
+    def load(digest: str) -> dict:
+        try:
+            return load_document(digest)
+        except NotFoundError:
+            return {}
+
+    return load
+
+
 def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document) -> None:
     """Index a batch of bundle refs (file name, path). Idempotent; for a key
     published twice the later ref (by name) wins whatever the apply order."""
@@ -414,8 +426,10 @@ def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document
     rows["router_metrics"] = []
     for key in keys:
         ref_name, doc = parsed[key]
-        bundle = _bundle_rows(ref_name, doc, load_document, rows)
         later = [r for name, r in tombs.get(key, []) if name > ref_name]
+        # gc may already have collected a removed bundle's documents
+        loader = _tolerant(load_document) if later else load_document
+        bundle = _bundle_rows(ref_name, doc, loader, rows)
         if later:
             bundle["removed_at"] = min(later)
     _set_latest(conn, rows["bundles"])
@@ -598,7 +612,8 @@ def sync_catalog(
     if store is None:
         raise StoreError("sync needs the store directory (--store)")
     counts = {}
-    for directory in ("bundles", "tombstones", "results"):
+    # tombstones first: a ref removed (and perhaps collected) is then indexed as removed
+    for directory in ("tombstones", "bundles", "results"):
         names = _list_names(store, directory)
         with catalog.connect() as conn:
             done = set(
