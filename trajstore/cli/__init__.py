@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "trajstore.cli.query_cmds",
     "trajstore.cli.router_cmd",
     "trajstore.cli.serve_cmd",
+    "trajstore.cli.demo_cmd",
 ]
 
 EXIT_CODES_HELP = """exit codes:

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_query)
 
     p = sub.add_parser("sql", help="read-only SQL over the catalog (docs/catalog.md lists the tables)")
-    p.add_argument("sql", help="one SELECT / WITH / DESCRIBE / SHOW statement")
+    p.add_argument("sql", help="one read-only statement (SELECT, WITH, EXPLAIN, DESCRIBE, SHOW, ...)")
     p.add_argument("--store", metavar="DIR", default=default_store())
     p.add_argument("--format", choices=FORMATS, default="table")
     p.set_defaults(func=cmd_sql)

@@ -47,7 +47,12 @@ def format_report(report: ReplayReport) -> str:
     multi = len(report.bundles) > 1
     for b in report.bundles:
         fds = b.first_divergent_stage
-        verdict = f"first divergent stage: {fds}" if fds else "all requested stages pass"
+        if fds is None:
+            verdict = "all requested stages pass"
+        elif next(s for s in b.stages if s.stage == fds).status == "unsupported":
+            verdict = f"requested stage {fds} is unsupported"
+        else:
+            verdict = f"first divergent stage: {fds}"
         name = f"bundle {b.bundle_id}" + (f" rank {b.rank}" if b.rank is not None else "")
         out += format_bundle(b, f"{name} — {verdict}")
         out.append("")
