@@ -57,3 +57,15 @@ def test_toy_bundles_pass_their_own_router_consistency_stage(tmp_path):
     assert "train_natural_routed_experts" in bundle.manifest.payloads
     out = stage_router_consistency(ReplayContext(bundle, Selection(None, False)))
     assert out.status == "pass", out.reason
+
+
+def test_recorded_replay_makes_route_metrics_queryable_in_sql(toy_store, capsys):
+    assert main(["replay", "--store", str(toy_store), "--all", "--record"]) == 0
+    capsys.readouterr()
+    assert main(["query", "routes", "--store", str(toy_store), "--run", "r3", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == STEPS
+    assert all(r["route_mismatch_rate"] == 0.0 for r in rows)
+    sql = "SELECT count(*) AS n FROM router_metrics WHERE source = 'replay' AND route_mismatch_rate > 0"
+    assert main(["sql", "--store", str(toy_store), sql, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["n"] > 0  # some baseline steps flipped

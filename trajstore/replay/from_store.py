@@ -162,7 +162,21 @@ def result_document(
             for s in stages
         ],
         "divergences": divergences,
+        "router_metrics": _router_metrics(bundle),
     }
+
+
+def _router_metrics(bundle: Any) -> dict[str, Any] | None:
+    """Route metrics recomputed from a routed bundle's payloads (catalog source 'replay')."""
+    if "rollout_routed_experts" not in bundle.manifest.payloads and "router" not in bundle.index.config:
+        return None
+    from trajstore.errors import TrajstoreError
+    from trajstore.router.stage import recompute_router_metrics
+
+    try:
+        return recompute_router_metrics(bundle).to_dict()
+    except TrajstoreError as exc:
+        return {"metric_error": ["missing_route"], "detail": str(exc)}
 
 
 def record_report(
