@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTURE_DIR, FIXTURES, make_contents
+from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_contents, resign_bundle
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.errors import IntegrityError, NotFoundError, UsageError
@@ -256,9 +256,12 @@ def test_reindex_after_rm_and_gc_still_works(store: Store, tmp_path: Path) -> No
     assert [b["run"] for b in store.bundles()] == ["keep"]
 
 
-def test_export_refuses_format_conversion_clearly(store: Store, tmp_path: Path) -> None:
-    store.ingest([FIXTURES / "example_bundle"], run="r")
-    with pytest.raises(UsageError, match="not supported"):
+def test_export_refuses_a_conversion_it_cannot_express(store: Store, tmp_path: Path) -> None:
+    b = copy_fixture("example_bundle", tmp_path)
+    edit_json(b / "index.json", lambda ix: ix["samples"][3].update(reward=[-1.0]))  # per-token
+    resign_bundle(b)
+    store.ingest([b], run="r")
+    with pytest.raises(UsageError, match="per-token rewards"):
         export_bundles(store.step("r", 120, 0), tmp_path / "out", format_major=1)
     assert not (tmp_path / "out").exists()
 

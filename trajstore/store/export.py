@@ -1,4 +1,5 @@
-"""Export a stored bundle (or cohort) back to a bundle directory, byte for byte.
+"""Export a stored bundle (or cohort) back to a bundle directory, byte for byte
+(or converted to the other format major with ``--format``).
 
 Every file is reproduced from the store: documents and sentinels are stored
 verbatim, and each `.pt` is its stored envelope with the tensor bytes spliced
@@ -44,12 +45,8 @@ def export_bundles(bundles: list[StoredBundle], out: Path | str, *, format_major
         raise UsageError("nothing to export")
     if out.exists():
         raise UsageError(f"{out}: already exists; refusing to overwrite")
-    for b in bundles:
-        if format_major is not None and b.manifest.major != format_major:
-            raise UsageError(
-                f"{b.bundle_key} is format {b.manifest.format_version}; converting to major "
-                f"{format_major} is not supported (export without --format keeps the original)"
-            )
+    if format_major is not None and any(b.manifest.major != format_major for b in bundles):
+        return _export_converted(bundles, out, format_major)
     cohort = bundles[0].ref.get("cohort_ranks")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -83,3 +80,27 @@ def _write_cohort_file(b: StoredBundle, dest: Path, fname: str) -> None:
     if h is None:
         raise IntegrityError(f"{b.bundle_key}: cohort file {fname} is not stored")
     _write(dest / fname, get_blob(b.objs, h))
+
+
+def _export_converted(bundles: list[StoredBundle], out: Path, major: int) -> Path:
+    """Rewrite the documents in another format major; payload files stay byte-identical."""
+    from trajstore.bundle.convert import convert_contents
+    from trajstore.bundle.writer import write_bundle, write_rank
+
+    def contents(b: StoredBundle):  # noqa: ANN202
+        files = {name: b.payload_file(name) for name in b.payload_names()}
+        return convert_contents(b.manifest.raw, b.index.raw, b.expected, files, major)
+
+    cohort = bundles[0].ref.get("cohort_ranks")
+    if cohort is None:
+        return write_bundle(out, contents(bundles[0]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        for b in sorted(bundles, key=lambda b: b.rank):
+            write_rank(tmp, contents(b), rank=b.rank, expected_ranks=list(cohort))
+        os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
