@@ -538,3 +538,48 @@ def test_threads_write_arrays_into_one_store(tmp_path: Path) -> None:
     objs.flush()
     fresh = _store(tmp_path)
     assert all(np.array_equal(read_array(fresh, r), v) for r, v in zip(recs, payloads, strict=True))
+
+
+def test_delta_with_base_values_in_memory_equals_read_back(tmp_path: Path) -> None:
+    rng = np.random.default_rng(12)
+    lengths = _ragged(rng, 6, hi=700)
+    rollout = rng.integers(0, 128, (sum(lengths), 4, 8), dtype=np.uint8)
+    train = rollout.copy()
+    train[::5, 1, 0] ^= 3
+    objs = _store(tmp_path)
+    base = write_array(objs, rollout, lengths, dtype_tag="torch.uint8")
+    from_store = write_array(objs, train, lengths, dtype_tag="torch.uint8", base=base)
+    in_memory = write_array(
+        objs, train, lengths, dtype_tag="torch.uint8", base=base, base_values=rollout
+    )
+    assert from_store == in_memory and from_store.to_json() == in_memory.to_json()
+    objs.flush()
+    assert np.array_equal(read_array(_store(tmp_path), in_memory), train)
+
+
+def test_encode_cache_does_not_change_stored_bytes() -> None:
+    from trajstore.cas.arrays import ENCODE_CACHE
+
+    rng = np.random.default_rng(13)
+    lengths = _ragged(rng, 8, hi=9000)
+    values = rng.standard_normal(sum(lengths)).astype(np.float32)
+    ENCODE_CACHE.clear()
+    cold = MemoryObjectStore()
+    a = write_array(cold, values, lengths, dtype_tag="t")
+    warm = MemoryObjectStore()
+    b = write_array(warm, values, lengths, dtype_tag="t")  # every window now cached
+    assert a == b and cold.data == warm.data
+
+
+def test_batched_get_many_verifies_every_object(tmp_path: Path) -> None:
+    objs = _store(tmp_path)
+    datas = [os.urandom(3000 + i) for i in range(20)]
+    hashes = objs.put_many(datas)
+    objs.flush()
+    fresh = _store(tmp_path)
+    order = hashes[::-1] + hashes[:3]
+    assert fresh.get_many(order) == [datas[hashes.index(h)] for h in order]
+    (pack,) = (tmp_path / "packs").glob("*.pack")
+    _flip_byte(pack, 8 + sum(len(d) for d in datas[:7]) + 5)
+    with pytest.raises(IntegrityError, match=hashes[7]):
+        _store(tmp_path).get_many(hashes)

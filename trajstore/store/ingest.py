@@ -40,6 +40,7 @@ from trajstore.store.stored_bundle import put_blob
 REF_VERSION = 1
 #: route payloads stored as an XOR delta against this base payload when shapes match
 DELTA_BASES = {"train_routed_experts": "rollout_routed_experts", "train_natural_routed_experts": "rollout_routed_experts"}
+_BASE_NAMES = frozenset(DELTA_BASES.values())
 
 
 @dataclass
@@ -146,6 +147,8 @@ def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[s
     csent = {name: put_blob(rec, data) for name, data in cohort_sentinels.items()}
     payloads: dict[str, Any] = {}
     records: dict[str, ArrayRecord] = {}
+    # Delta bases' values stay in memory while their deltas are written (no read-back).
+    base_values: dict[str, np.ndarray] = {}
     names = sorted(b.payload_names(), key=lambda n: (n not in DELTA_BASES.values(), n))
     for name in names:
         raw = b.payload_file_bytes(name)
@@ -153,15 +156,21 @@ def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[s
         shape = tuple(t.shape)
         lengths, rows = _row_lengths(name, shape, b)
         values = np.ascontiguousarray(t.array).reshape(sum(lengths), *shape[1:])
-        base = records.get(DELTA_BASES.get(name, ""))
+        base_name = DELTA_BASES.get(name, "")
+        base = records.get(base_name)
         if base is not None and (base.dtype, base.shape[2:], base.row_lengths) != (
             values.dtype.name,
             tuple(values.shape[1:]),
             tuple(lengths),
         ):
             base = None
-        record = write_array(rec, values, lengths, dtype_tag=t.dtype, base=base)
+        record = write_array(
+            rec, values, lengths, dtype_tag=t.dtype, base=base,
+            base_values=base_values.get(base_name) if base is not None else None,
+        )
         records[name] = record
+        if name in _BASE_NAMES:
+            base_values[name] = values
         spec = b.manifest.payloads[name]
         f: dict[str, Any] = {"bytes": len(raw), "sha256": spec.sha256}
         if t.data_span is not None and t.data_span[1] == values.nbytes:
@@ -180,6 +189,7 @@ def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[s
         # Keep memory to about one payload: drop the bundle's caches of this one.
         b._raw.pop(name, None)
         b._cache.pop(name, None)
+    base_values.clear()
     out = {"documents": docs, "sentinels": sentinels, "cohort_sentinels": csent, "payloads": payloads}
     return out, sum(rec.sizes.values())
 
