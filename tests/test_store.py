@@ -190,6 +190,14 @@ def test_recaptured_step_is_a_second_attempt_and_both_are_kept(store: Store, tmp
     assert keys == ["r/step-7-0/a1", "r/step-7-0/a2"]
 
 
+def test_a_step_recaptured_by_one_producer_after_a_cohort_is_a_new_attempt(store: Store) -> None:
+    store.ingest([CAPTURE_DIR], run="r")  # 120:0 as a 2-rank cohort
+    store.ingest([FIXTURES / "example_bundle_divergent"], run="r")  # 120:0 from one producer
+    assert store.attempts("r", "step", 120, 0) == [1, 2]
+    assert [b.rank for b in store.step("r", 120, 0)] == [None]
+    assert [b.rank for b in store.step("r", 120, 0, attempt=1)] == [0, 1]
+
+
 def test_flipped_byte_is_reported_by_fsck_and_by_reads(store: Store, tmp_path: Path) -> None:
     store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=300))], run="r")
     store.close()

@@ -7,12 +7,16 @@ after its grace period. A cohort's ranks are all checked before any of its
 objects is written, and its refs are published last; a reader treats a
 cohort whose ranks are not all published as absent.
 
-Attempts: the identity of a bundle is (run, kind, rollout_id, step_id, rank).
-The first content seen for an identity is attempt 1; different content
-claims attempt N+1 by creating `refs/claims/<identity>.a<N>` (holding the
-content digest) with create-if-absent, so two concurrent ingests never
-publish two different contents under one key. Same content -> same attempt
--> a no-op when its ref is already live.
+Attempts: the identity of a bundle is (run, kind, rollout_id, step_id, rank),
+and attempts are numbered per anchor (run, kind, rollout_id, step_id): the
+first capture seen for an anchor is attempt 1, a different one claims
+attempt N+1 by creating `refs/claims/<anchor>.a<N>` (holding the capture's
+digest: the cohort COMPLETE's for every rank of a cohort, the content digest
+for a single-producer bundle) with create-if-absent. So the ranks of one
+cohort share one attempt, a single-producer re-capture of a step captured as
+a cohort (or the reverse) is a new attempt rather than a mix, and two
+concurrent ingests never publish two different contents under one key. Same
+content -> same attempt -> a no-op when its ref is already live.
 """
 
 from __future__ import annotations
@@ -277,7 +281,8 @@ class Ingestor:
         published = False
         live = self.live_keys()
         for p in prepared:
-            attempt = self._claim_attempt(p.identity, p.digest)
+            capture = p.doc["cohort_sentinels"].get("COMPLETE") or p.digest
+            attempt = self._claim_attempt(p.identity[:4], capture)
             key = bundle_key(*p.identity, attempt)
             keys.append(key)
             if key in live:
