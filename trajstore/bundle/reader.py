@@ -117,6 +117,14 @@ class Bundle:
             )
         return data
 
+    def release(self, name: str | None = None) -> None:
+        """Drop cached payload bytes/tensors (one, or all) to bound memory; re-read on use."""
+        for cache in (self._raw, self._cache):
+            if name is None:
+                cache.clear()
+            else:
+                cache.pop(name, None)
+
     def verify_payloads(self) -> None:
         """Check every payload's size, hash, dtype and shape (loads each tensor)."""
         for name in self.payload_names():

@@ -191,8 +191,7 @@ def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[s
             "file": f,
         }
         # Keep memory to about one payload: drop the bundle's caches of this one.
-        b._raw.pop(name, None)
-        b._cache.pop(name, None)
+        b.release(name)
     base_values.clear()
     out = {"documents": docs, "sentinels": sentinels, "cohort_sentinels": csent, "payloads": payloads}
     return out, sum(rec.sizes.values())
@@ -251,8 +250,7 @@ class Ingestor:
                 more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
                 return IngestOutcome(str(path), "refused", reason=f"{where}{problems[0]}{more}")
             if len(bset.bundles) > 1:  # a cohort: keep memory to one rank (re-read on write)
-                b._raw.clear()
-                b._cache.clear()
+                b.release()
         prepared: list[_Prepared] = []
         logical = 0
         while bset.bundles:
