@@ -100,6 +100,8 @@ def _recorded_keys(store: Any) -> set[str]:
 
 
 _worker_store = None
+#: per worker: rollout reports reused by the steps of the same rollout
+_rollout_cache: dict = {}
 
 
 def _worker_init(root: str) -> None:
@@ -121,7 +123,7 @@ def _replay_one(args: tuple[BatchTarget, bool]) -> tuple[str, str, str | None, s
             step=(target.rollout_id, target.step_id) if target.kind == "step" else None,
             rollout=target.rollout_id if target.kind == "rollout" else None,
         )
-        report = replay_stored(store, t)
+        report = replay_stored(store, t, rollout_cache=_rollout_cache)
         if record:
             sources = [store.bundle(k) for k in target.keys]
             record_report(store, report, sources)

@@ -23,6 +23,7 @@ from trajstore.replay.selection import SelectionRequest
 
 #: rollout stages whose outputs a step bundle consumes
 FEEDS_STEPS = ("reward.raw", "reward.post_process")
+ROLLOUT_CACHE_SIZE = 8
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,14 @@ def replay_stored(
     request: StageRequest | None = None,
     selection: SelectionRequest | None = None,
     link: bool = True,
+    rollout_cache: dict[tuple[str, ...], ReplayReport] | None = None,
 ) -> ReplayReport:
     """Replay a stored step/rollout/bundle; gives the report replaying its export gives,
-    plus the rollout linkage when the rollout bundle is stored too."""
+    plus the rollout linkage when the rollout bundle is stored too.
+
+    ``rollout_cache`` (rollout bundle keys -> report) lets a caller replaying many
+    steps of one rollout replay that rollout once; it is kept to a few entries.
+    """
     sources = stored_sources(store, target)
     first = sources[0]
     kind = first.index.identity.kind
@@ -105,7 +111,14 @@ def replay_stored(
         except NotFoundError:
             rollout_sources = []
         if rollout_sources:
-            rollout_report = replay_sources(rollout_sources, label=rollout_sources[0].bundle_id)
+            cache_key = tuple(src.bundle_key for src in rollout_sources)
+            rollout_report = None if rollout_cache is None else rollout_cache.get(cache_key)
+            if rollout_report is None:
+                rollout_report = replay_sources(rollout_sources, label=rollout_sources[0].bundle_id)
+                if rollout_cache is not None:
+                    while len(rollout_cache) >= ROLLOUT_CACHE_SIZE:
+                        rollout_cache.pop(next(iter(rollout_cache)))
+                    rollout_cache[cache_key] = rollout_report
             rewards = _upstream_rewards(rollout_report)
             if rewards:
                 upstream = []

@@ -128,10 +128,7 @@ class Store:
 
     def _group(self, run: str, kind: str, rollout_id: int, step_id: int | None, attempt: int | None) -> list[StoredBundle]:
         what = f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
-        cands = [
-            e for e in self.refs.live().values()
-            if (e.run, e.kind, e.rollout_id, e.step_id) == (run, kind, rollout_id, step_id)
-        ]
+        cands = self.refs.at_anchor(run, kind, rollout_id, step_id)
         if not cands:
             raise NotFoundError(f"run {run!r} has no {what}")
         if attempt is None:
@@ -158,10 +155,7 @@ class Store:
         return self._group(run, "rollout", int(rollout_id), None, attempt)
 
     def attempts(self, run: str, kind: str, rollout_id: int, step_id: int | None = None) -> list[int]:
-        return sorted({
-            e.attempt for e in self.refs.live().values()
-            if (e.run, e.kind, e.rollout_id, e.step_id) == (run, kind, rollout_id, step_id)
-        })
+        return sorted({e.attempt for e in self.refs.at_anchor(run, kind, rollout_id, step_id)})
 
     # -- the catalog --
 

@@ -142,13 +142,41 @@ class RefIndex:
     tombstone newer than that ref names the key.
     """
 
+    #: a directory modified this recently is listed again even if its mtime did not
+    #: change (coarse file-system timestamps can hide a second entry made in the same tick)
+    RACY_NS = 2_000_000_000
+
     def __init__(self, layout: StoreLayout) -> None:
         self.layout = layout
         self._refs: dict[str, RefEntry] = {}
         self._bad: dict[str, str] = {}
         self._tombs: dict[str, str] = {}  # tombstone name -> key
+        self._stamps: dict[Path, int] = {}
+        self._live: dict[str, RefEntry] | None = None
+        self._anchors: dict[tuple, list[RefEntry]] | None = None
+
+    def _changed(self, directory: Path) -> bool:
+        """Whether `directory` may hold entries not listed yet (cheap: one stat)."""
+        try:
+            stamp = directory.stat().st_mtime_ns
+        except FileNotFoundError:
+            return True
+        if self._stamps.get(directory) == stamp:
+            return False
+        if time.time_ns() - stamp > self.RACY_NS:
+            self._stamps[directory] = stamp
+        return True
 
     def refresh(self) -> None:
+        before = (len(self._refs), len(self._bad), len(self._tombs))
+        if self._changed(self.layout.bundle_refs):
+            self._refresh_refs()
+        if self._changed(self.layout.tombstones):
+            self._refresh_tombstones()
+        if (len(self._refs), len(self._bad), len(self._tombs)) != before:
+            self._live = self._anchors = None
+
+    def _refresh_refs(self) -> None:
         for name in list_docs(self.layout.bundle_refs):
             if name in self._refs or name in self._bad:
                 continue
@@ -162,6 +190,8 @@ class RefIndex:
                 )
             except (StoreError, KeyError, TypeError, ValueError) as e:
                 self._bad[name] = f"ref {name}: unreadable ({e})"
+
+    def _refresh_tombstones(self) -> None:
         for name in list_docs(self.layout.tombstones):
             if name not in self._tombs:
                 try:
@@ -190,12 +220,24 @@ class RefIndex:
         return sorted(self._refs.values(), key=lambda e: e.name)
 
     def live(self) -> dict[str, RefEntry]:
-        """key -> newest ref of that key, for keys not removed since."""
+        """key -> newest ref of that key, for keys not removed since (do not mutate)."""
         self.refresh()
-        newest: dict[str, RefEntry] = {}
-        for e in sorted(self._refs.values(), key=lambda e: e.name):
-            newest[e.key] = e
-        removed: dict[str, str] = {}
-        for tname, key in self._tombs.items():
-            removed[key] = max(removed.get(key, ""), tname)
-        return {k: e for k, e in newest.items() if removed.get(k, "") < e.name}
+        if self._live is None:
+            newest: dict[str, RefEntry] = {}
+            for e in sorted(self._refs.values(), key=lambda e: e.name):
+                newest[e.key] = e
+            removed: dict[str, str] = {}
+            for tname, key in self._tombs.items():
+                removed[key] = max(removed.get(key, ""), tname)
+            self._live = {k: e for k, e in newest.items() if removed.get(k, "") < e.name}
+        return self._live
+
+    def at_anchor(self, run: str, kind: str, rollout_id: int, step_id: int | None) -> list[RefEntry]:
+        """Live refs of one anchor (every rank and attempt): a lookup by actor step id."""
+        live = self.live()
+        if self._anchors is None:
+            anchors: dict[tuple, list[RefEntry]] = {}
+            for e in live.values():
+                anchors.setdefault((e.run, e.kind, e.rollout_id, e.step_id), []).append(e)
+            self._anchors = anchors
+        return list(self._anchors.get((run, kind, rollout_id, step_id), ()))
