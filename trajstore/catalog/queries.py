@@ -33,7 +33,8 @@ JSON_COLUMNS = frozenset(
 # -- row conversion and paging --------------------------------------------------
 
 
-def _value(name: str, value: Any) -> Any:
+def jsonable(name: str, value: Any) -> Any:
+    """A catalog value as the JSON every reader returns (one name per number)."""
     if value is None:
         return None
     if name in JSON_COLUMNS and isinstance(value, str):
@@ -54,7 +55,7 @@ def _value(name: str, value: Any) -> Any:
 
 
 def _row(row: Any) -> dict:
-    return {k: _value(k, v) for k, v in row._mapping.items()}
+    return {k: jsonable(k, v) for k, v in row._mapping.items()}
 
 
 def _limit(limit: int | None) -> int:
@@ -698,4 +699,4 @@ def run_readonly_sql(
                 raise UsageError(f"SQL failed: {str(exc.orig).splitlines()[0]}") from None
             finally:
                 conn.rollback()
-    return columns, [[_value("", v) for v in row] for row in rows]
+    return columns, [[jsonable("", v) for v in row] for row in rows]
