@@ -1,0 +1,304 @@
+#!/usr/bin/env python
+"""Replay at scale on a 10,000-step generated store: replay-all throughput, queries, lookups, REST.
+
+    .venv/bin/python scripts/bench/bench_replay_all.py --store DIR            # a store from make_big_store.py
+    .venv/bin/python scripts/bench/bench_replay_all.py --build DIR [--steps 10000 --samples 256 --mean-tokens 64]
+
+In one run (same process, same machine state), on the store:
+
+1. replay-all throughput (bundles/s) of `trajstore.replay.batch.replay_all`
+   with workers=1 and workers=2 (record=False) over the bundles of
+   `--rollouts K` rollout ids (their rollout bundles and steps), and as the
+   baseline the same bundles exported to directories (`export_bundles`) and
+   replayed from there (`open_target` + `replay_sources`, one process);
+   ratio = store bundles/s / directory bundles/s. Store replay of a step also
+   replays its rollout bundle (linkage), the directory replay does not; an
+   in-process `replay_stored(link=False)` line isolates that;
+2. `replay_all(workers=2, record=True)` over the whole store (also checked:
+   the divergence query returns exactly the injected rollouts' steps);
+3. divergence query `query_steps(first_divergent_stage=...)` latency p50/p99
+   on an open catalog, and `trajstore query steps` end to end once;
+4. lookup by actor step id: `Store.step` and `catalog.lookup_step`, p50/p99;
+5. REST: `trajstore serve` on the store, p50/p99 of
+   GET /v1/runs/{run}/steps/{r}:{s}, and payload download vs torch.load.
+
+Targets (issues 5 and 6): divergence query <= 100 ms, lookup <= 10 ms,
+replay-all >= 10 bundles/s per worker on 256-sample bundles, step GET p99 <= 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trajstore.store import Store, export_bundles  # noqa: E402
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def pct(xs: list[float]) -> str:
+    ms = np.asarray(xs) * 1e3
+    return f"p50 {np.percentile(ms, 50):.2f} ms, p99 {np.percentile(ms, 99):.2f} ms (n={len(ms)})"
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def dir_baseline(store_root: Path, run: str, lo: int, hi: int, scratch: Path) -> tuple[int, float, float, dict]:
+    """Export every bundle of rollouts [lo, hi] and replay the directories; (n, export s, replay s, statuses)."""
+    from trajstore.bundle.reader import open_target
+    from trajstore.replay.runner import replay_sources
+
+    store = Store.open(store_root, create=False)
+    groups = []
+    for r in range(lo, hi + 1):
+        groups.append((f"rollout-{r}", store.rollout(run, r)))
+        for s in sorted({e.step_id for e in store.refs.live().values() if e.kind == "step" and e.rollout_id == r}):
+            groups.append((f"{r}-{s}", store.step(run, r, s)))
+    t0 = time.perf_counter()
+    dirs = [export_bundles(bs, scratch / name) for name, bs in groups]
+    t_export = time.perf_counter() - t0
+    statuses: dict[str, int] = {}
+    t0 = time.perf_counter()
+    for d in dirs:
+        rep = replay_sources(open_target(d).bundles, label=d.name)
+        statuses[rep.status] = statuses.get(rep.status, 0) + 1
+    t_replay = time.perf_counter() - t0
+    store.close()
+    return len(dirs), t_export, t_replay, statuses
+
+
+def stored_nolink(store_root: Path, run: str, lo: int, hi: int) -> tuple[int, float]:
+    from trajstore.replay.from_store import Target, replay_stored
+
+    store = Store.open(store_root, create=False)
+    targets = []
+    for r in range(lo, hi + 1):
+        targets.append(Target(run=run, rollout=r))
+        for s in sorted({e.step_id for e in store.refs.live().values() if e.kind == "step" and e.rollout_id == r}):
+            targets.append(Target(run=run, step=(r, s)))
+    t0 = time.perf_counter()
+    for t in targets:
+        replay_stored(store, t, link=False)
+    dt = time.perf_counter() - t0
+    store.close()
+    return len(targets), dt
+
+
+def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int, scratch: Path) -> None:
+    import httpx
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(root), "--port", str(port), "--log-level", "warning"],
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
+            while True:
+                try:
+                    if c.get("/v1/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    if server.poll() is not None or time.perf_counter() - t0 > 600:
+                        raise SystemExit("server did not start") from None
+                    time.sleep(0.2)
+            say(f"server ready in {time.perf_counter() - t0:.1f} s (startup: catalog snapshot + view)")
+            rng = random.Random(1)
+            ids = [rng.choice(steps) for _ in range(requests)]
+            for r, s in ids[:200]:
+                c.get(f"/v1/runs/{run}/steps/{r}:{s}")
+            lat, size = [], 0
+            for r, s in ids:
+                t = time.perf_counter()
+                resp = c.get(f"/v1/runs/{run}/steps/{r}:{s}")
+                lat.append(time.perf_counter() - t)
+                assert resp.status_code == 200, resp.text[:300]
+                size = len(resp.content)
+            say(f"GET /v1/runs/{run}/steps/R:S, {requests} random steps: {pct(lat)}; body {size} bytes; load {load()}")
+
+            r, s = steps[0]
+            store = Store.open(root, create=False)
+            (b,) = store.step(run, r, s)
+            d = export_bundles([b], scratch / "api-export")
+            store.close()
+            pt = d / "payloads" / "log_probs.pt"
+            url = f"/v1/bundles/{b.bundle_key}/payloads/log_probs"
+            loads, gets = [], {"npy": [], "raw": []}
+            for _ in range(20):
+                t = time.perf_counter()
+                tensor = torch.load(pt, weights_only=True)
+                loads.append(time.perf_counter() - t)
+                for fmt in gets:
+                    t = time.perf_counter()
+                    body = c.get(url, params={"format": fmt}).content
+                    gets[fmt].append(time.perf_counter() - t)
+                    assert len(body) >= tensor.numel() * 4
+            kb = tensor.numel() * tensor.element_size() / 1e3
+            tl = float(np.median(loads))
+            parts = [f"GET {fmt} {tl / float(np.median(ts)):.2f}x" for fmt, ts in gets.items()]
+            say(f"payload log_probs {kb:.0f} kB: torch.load {tl * 1e3:.2f} ms; ratio torch.load/GET: {', '.join(parts)}")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--store", type=Path, help="an existing store built by make_big_store.py (truth file beside it)")
+    g.add_argument("--build", type=Path, help="build the store here first (make_big_store)")
+    ap.add_argument("--steps", type=int, default=10000)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--mean-tokens", type=int, default=64)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--rollouts", type=int, default=10, help="rollout ids whose bundles the throughput runs replay")
+    ap.add_argument("--queries", type=int, default=50)
+    ap.add_argument("--lookups", type=int, default=500)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--skip-record", action="store_true", help="reuse recorded results (replay-all --record already ran)")
+    ap.add_argument("--skip-api", action="store_true")
+    args = ap.parse_args()
+
+    say(f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python {platform.python_version()}, "
+        f"date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}")
+    if args.build:
+        import make_big_store
+
+        truth = make_big_store.make_store(
+            args.build, steps=args.steps, samples=args.samples, mean_tokens=args.mean_tokens, small=args.small
+        )
+        root = args.build
+        (root.parent / f"{root.name}.truth.json").write_text(json.dumps(truth, indent=1) + "\n")
+    else:
+        root = args.store
+        truth = json.loads((root.parent / f"{root.name}.truth.json").read_text())
+    run = truth["run"]
+    say(f"store {root}: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} rollouts, "
+        f"{truth['samples_per_bundle']} samples and {truth['response_tokens_per_bundle']} response tokens per bundle; "
+        f"faulty rollouts {len(truth['faulty_rollouts'])}, wrong-clip steps {len(truth['clip_steps'])}")
+
+    from trajstore.catalog import lookup_step, query_steps
+    from trajstore.replay.batch import replay_all
+
+    scratch = Path(tempfile.mkdtemp(prefix="bench-replay-all-", dir=root.parent))
+    try:
+        # -- 1. throughput: a rollout range holding clean and faulty rollouts
+        f0 = truth["faulty_rollouts"][0]
+        lo, hi = f0 - args.rollouts // 2, f0 - args.rollouts // 2 + args.rollouts - 1
+        n_dir, t_exp, t_dir, st_dir = dir_baseline(root, run, lo, hi, scratch)
+        dir_bps = n_dir / t_dir
+        say(f"[dir]   export {n_dir} bundles (rollouts {lo}..{hi}) {t_exp:.1f} s; replay from directories "
+            f"{t_dir:.1f} s = {dir_bps:.1f} bundles/s (1 process) {st_dir}; load {load()}")
+        n_nl, t_nl = stored_nolink(root, run, lo, hi)
+        say(f"[store] replay_stored(link=False) in process: {n_nl / t_nl:.1f} bundles/s "
+            f"({n_nl / t_nl / dir_bps:.2f}x dir); load {load()}")
+        for w in (1, 2):
+            s = replay_all(root, run=run, rollout_from=lo, rollout_to=hi, workers=w, record=False, progress=False)
+            bps = s.total / s.seconds
+            say(f"[store] replay_all workers={w}: {s.total} bundles in {s.seconds:.1f} s = {bps:.1f} bundles/s "
+                f"({bps / w:.1f} per worker), ratio to directories {bps / dir_bps:.2f}x; "
+                f"pass {s.passed} diverged {s.diverged} refused {s.refused}; load {load()}")
+
+        # -- 2. replay --all --record over the whole store
+        if not args.skip_record:
+            s = replay_all(root, workers=2, record=True, progress=sys.stderr.isatty())
+            say(f"[store] replay_all --record workers=2, whole store: {s.total} bundles "
+                f"({s.skipped} already recorded) in {s.seconds:.0f} s = {(s.total - s.skipped) / s.seconds:.1f} bundles/s; "
+                f"histogram {dict(s.histogram)}; refused {s.refused}; load {load()}")
+
+        # -- 3. divergence query
+        store = Store.open(root, create=False)
+        t0 = time.perf_counter()
+        with store.catalog() as cat:
+            say(f"catalog open + sync: {time.perf_counter() - t0:.1f} s")
+            want = {(r, s) for r in truth["faulty_rollouts"] for s in range(truth["steps_per_rollout"])}
+            want = {(r, s) for r, s in want if r * truth["steps_per_rollout"] + s < truth["steps"]}
+            page = query_steps(cat, run=run, first_divergent_stage="reward.post_process", limit=1000)
+            got = {(i["rollout_id"], i["step_id"]) for i in page["items"]}
+            roots = {i["root_bundle_key"] for i in page["items"]}
+            clip = query_steps(cat, run=run, first_divergent_stage="loss.policy", limit=1000)
+            got_clip = {(i["rollout_id"], i["step_id"]) for i in clip["items"]}
+            say(f"query reward.post_process: {len(got)} steps, exactly the injected rollouts' steps: {got == want}; "
+                f"rooted in rollout bundles: {all(k and '/rollout-' in k for k in roots)}; "
+                f"loss.policy: {len(got_clip)} steps, exactly the wrong-clip steps: "
+                f"{got_clip == {tuple(x) for x in truth['clip_steps']}}")
+            lat = []
+            for _ in range(args.queries):
+                t = time.perf_counter()
+                query_steps(cat, run=run, first_divergent_stage="reward.post_process", limit=1000)
+                lat.append(time.perf_counter() - t)
+            say(f"query_steps(first_divergent_stage=reward.post_process, limit=1000): {pct(lat)}; load {load()}")
+            lat = []
+            for _ in range(args.queries):
+                t = time.perf_counter()
+                query_steps(cat, run=run, first_divergent_stage="reward.post_process")
+                lat.append(time.perf_counter() - t)
+            say(f"query_steps(first_divergent_stage=reward.post_process) first page of 100: {pct(lat)}")
+
+            # -- 4. lookup by actor step id
+            rng = random.Random(0)
+            spr = truth["steps_per_rollout"]
+            ids = [divmod(rng.randrange(truth["steps"]), spr) for _ in range(args.lookups)]
+            lat = []
+            for r, s in ids:
+                t = time.perf_counter()
+                rows = lookup_step(cat, run, r, s)
+                lat.append(time.perf_counter() - t)
+                assert len(rows) == 1
+            say(f"catalog.lookup_step: {pct(lat)}; load {load()}")
+        lat = []
+        for r, s in ids:
+            t = time.perf_counter()
+            (b,) = store.step(run, r, s)
+            lat.append(time.perf_counter() - t)
+        say(f"Store.step (refs, no catalog): {pct(lat)}; load {load()}")
+        store.close()
+        t = time.perf_counter()
+        out = subprocess.run(
+            [sys.executable, "-m", "trajstore", "query", "steps", "--store", str(root), "--run", run,
+             "--first-divergent-stage", "reward.post_process", "--format", "json"],
+            capture_output=True, text=True,
+        )
+        say(f"`trajstore query steps --first-divergent-stage reward.post_process` end to end: "
+            f"{time.perf_counter() - t:.2f} s wall (exit {out.returncode}, process start + catalog open included)")
+
+        # -- 5. REST
+        if not args.skip_api:
+            steps = [divmod(i, spr) for i in range(truth["steps"])]
+            bench_api(root, run, steps, args.requests, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    say(f"done; load {load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Build a large generated store fast: N actor steps (plus their rollout bundles) with injected faults.
+
+    .venv/bin/python scripts/bench/make_big_store.py OUT --steps 10000 [--samples 256] [--mean-tokens 64]
+        [--steps-per-rollout 8] [--jobs 2] [--run long] [--small]
+
+Writing 10,000 distinct bundles with torch.save costs 50-150 ms each here, so
+the store is built from a few *template* bundles (tests/replay_builders.py
+`consistent_contents`: mathematically consistent, so a clean one replays
+clean), each written once; a clone is a new directory whose payload files are
+hard links to the template's and whose index.json / COMPLETE files carry the
+new identity (rollout id, actor step id, partition, weight lineage). Payload
+dedup in the store makes the clones cheap to ingest.
+
+Templates (same seed and sample ids for rollout and step, so linkage works):
+- rollout ok / rollout bad: the bad one normalized rewards over physical
+  batches (streamed-group fault) -> `reward.post_process` diverges there;
+- step ok / step bad-reward: the step consumed those bad rewards (its reward
+  stages are not recorded, so only linkage to the rollout roots it);
+- step clip: the producer's loss used a wrong eps_clip_high -> `loss.policy`.
+
+(A NaN payload is not among them: ingest refuses non-finite payloads, fail
+closed, so a NaN step never reaches a store.)
+
+Faulty rollouts are every `--fault-every`-th rollout id starting at 17; wrong
+clip steps are (r, 3) for every `--clip-every`-th rollout id starting at 5
+(skipping faulty rollouts). The ground truth is written to OUT/../<OUT name>.truth.json.
+
+`--small` is the fast variant (8 samples of 2-7 tokens). Bundle directories
+are generated and ingested in batches (bounded scratch space), by `--jobs`
+processes in parallel (ingest needs no lock). Objects are written with
+durable=False (no fsync): this is a benchmark fixture, not a capture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from replay_builders import Faults, consistent_contents  # noqa: E402
+
+from trajstore.bundle.writer import write_bundle  # noqa: E402
+from trajstore.jsonio import canonical_bytes, sha256_bytes  # noqa: E402
+
+
+def _lengths(samples: int, mean_tokens: int, small: bool) -> list[int]:
+    if small:
+        return [3, 5, 4, 6, 2, 7, 3, 4][:samples] * (samples // 8 or 1)
+    rng = np.random.default_rng(12345)
+    lo, hi = max(2, mean_tokens // 2), mean_tokens * 3 // 2
+    return [int(x) for x in rng.integers(lo, hi + 1, size=samples)]
+
+
+def build_templates(tmp: Path, samples: int, mean_tokens: int, small: bool) -> dict[str, Path]:
+    """Write each template bundle once; returns name -> directory."""
+    n = 4 if small else 8
+    groups = max(1, samples // n)
+    lengths = _lengths(groups * n, mean_tokens, small)
+    pbn = 3 if small else 12  # physical batch size of the streaming fault (not a multiple of n)
+    specs: dict[str, tuple[str, Faults | None]] = {
+        "rollout-ok": ("rollout", None),
+        "rollout-bad": ("rollout", Faults(physical_batch_norm=pbn)),
+        "step-ok": ("step", None),
+        "step-bad": ("step", Faults(physical_batch_norm=pbn)),
+        "step-clip": ("step", Faults(eps_clip_high=0.35)),
+    }
+    out = {}
+    for name, (kind, faults) in specs.items():
+        built = consistent_contents(
+            kind=kind, groups=groups, n=n, lengths=lengths, rollout_id=0, step_id=0, seed=3,
+            faults=faults,
+            drop_expected=("reward.raw", "reward.post_process") if kind == "step" else (),
+            bundle_id=f"big-{name}",
+        )
+        c = built.contents
+        if kind == "step":
+            c.stage_contracts = {k: v for k, v in c.stage_contracts.items() if not k.startswith("reward.")}
+        out[name] = write_bundle(tmp / f"tmpl-{name}", dataclasses.replace(c))
+    return out
+
+
+class Cloner:
+    """Clones a template directory under a new identity without re-serializing payloads."""
+
+    def __init__(self, tmpl: Path) -> None:
+        self.tmpl = tmpl
+        self.manifest = (tmpl / "manifest.json").read_bytes()
+        self.expected = (tmpl / "expected.json").read_bytes()
+        raw = (tmpl / "index.json").read_bytes()
+        self.index = json.loads(raw)
+        text = raw.decode()
+        start = text.index('\n  "identity": {')
+        end = text.index('\n  "samples": [', start)
+        self.head, self.tail = text[:start], text[end:]
+        self.payloads = sorted((tmpl / "payloads").iterdir())
+        self.complete0 = json.loads((tmpl / "COMPLETE.0").read_bytes())
+        self.checked = False
+
+    def _index_bytes(self, ident: dict) -> bytes:
+        block = '\n  "identity": ' + json.dumps(ident, indent=2, sort_keys=True, ensure_ascii=False).replace(
+            "\n", "\n  "
+        ) + ","
+        data = (self.head + block + self.tail).encode()
+        if not self.checked:  # the splice must equal the writer's canonical bytes
+            assert data == canonical_bytes({**self.index, "identity": ident}), "index splice mismatch"
+            self.checked = True
+        return data
+
+    def clone(self, dest: Path, rollout_id: int, step_id: int | None) -> None:
+        ident = dict(self.index["identity"])
+        if step_id is None:
+            ident["rollout_id"] = rollout_id
+        else:
+            ident["actor_step_id"] = {"rollout_id": rollout_id, "step_id": step_id}
+        ident["rollout_partition_ids"] = [f"rollout-{rollout_id}"]
+        ident["weight_lineage"] = {"actor_weight": f"w-{rollout_id}", "rollout_weight": f"w-{rollout_id - 1}"}
+        index = self._index_bytes(ident)
+        (dest / "payloads").mkdir(parents=True)
+        for p in self.payloads:
+            os.link(p, dest / "payloads" / p.name)
+        docs = {"manifest.json": self.manifest, "index.json": index, "expected.json": self.expected}
+        for fname, data in docs.items():
+            (dest / fname).write_bytes(data)
+        metadata = {fname: sha256_bytes(data) for fname, data in docs.items()}
+        shard = dict(self.complete0)
+        shard.update(metadata=metadata, actor_step_id=ident.get("actor_step_id"), rollout_id=ident.get("rollout_id"))
+        (dest / "COMPLETE.0").write_bytes(canonical_bytes(shard))
+        (dest / "COMPLETE").write_bytes(
+            canonical_bytes({"expected_ranks": [0], "metadata": metadata, "ranks": [0]})
+        )
+
+
+def plan(steps: int, per_rollout: int, fault_every: int, clip_every: int) -> dict[str, Any]:
+    rollouts = -(-steps // per_rollout)
+    faulty = set(range(17, rollouts, fault_every)) if fault_every else set()
+    clip = {(r, min(3, per_rollout - 1)) for r in range(5, rollouts, clip_every) if r not in faulty} if clip_every else set()
+    return {
+        "rollouts": rollouts,
+        "steps": steps,
+        "steps_per_rollout": per_rollout,
+        "faulty_rollouts": sorted(faulty),
+        "clip_steps": sorted(clip),
+    }
+
+
+def _steps_of(r: int, p: dict) -> range:
+    return range(min(p["steps_per_rollout"], p["steps"] - r * p["steps_per_rollout"]))
+
+
+def _work(args: tuple) -> tuple[int, int, float]:
+    """Generate and ingest rollouts [lo, hi): returns (bundles, refused, seconds)."""
+    from trajstore.store import Store
+
+    out, run, tmpls, p, lo, hi, scratch = args
+    t0 = time.perf_counter()
+    cloners = {k: Cloner(Path(v)) for k, v in tmpls.items()}
+    faulty, clip = set(p["faulty_rollouts"]), {tuple(x) for x in p["clip_steps"]}
+    cap = Path(tempfile.mkdtemp(prefix=f"cap-{lo}-", dir=scratch))
+    try:
+        n = 0
+        for r in range(lo, hi):
+            bad = r in faulty
+            cloners["rollout-bad" if bad else "rollout-ok"].clone(cap / f"replay-rollout-{r}", r, None)
+            n += 1
+            for s in _steps_of(r, p):
+                name = "step-bad" if bad else "step-clip" if (r, s) in clip else "step-ok"
+                cloners[name].clone(cap / f"replay-{r}-{s}", r, s)
+                n += 1
+        with Store.open(out, durable=False) as store:
+            outcomes = store.ingest([cap], run=run)
+        refused = [o for o in outcomes if o.status == "refused"]
+        if refused:
+            print(f"refused: {refused[0].path}: {refused[0].reason}", file=sys.stderr)
+        return n, len(refused), time.perf_counter() - t0
+    finally:
+        shutil.rmtree(cap, ignore_errors=True)
+
+
+def make_store(
+    out: Path, *, steps: int, samples: int = 256, mean_tokens: int = 64, per_rollout: int = 8,
+    small: bool = False, jobs: int = 2, batch_rollouts: int = 25, run: str = "long",
+    fault_every: int = 97, clip_every: int = 89, progress: bool = True,
+) -> dict[str, Any]:
+    """Build the store at `out` (must not exist); returns the plan (ground truth) plus timings."""
+    from trajstore.store import Store
+
+    out = Path(out)
+    if out.exists():
+        raise SystemExit(f"{out}: already exists")
+    if small:
+        samples = 8
+    p = plan(steps, per_rollout, fault_every, clip_every)
+    t0 = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="bigstore-", dir=out.parent))
+    try:
+        tmpls = {k: str(v) for k, v in build_templates(scratch, samples, mean_tokens, small).items()}
+        Store.open(out, durable=False).close()
+        lens = json.loads((Path(tmpls["step-ok"]) / "index.json").read_bytes())["samples"]
+        tokens = sum(s["response_length"] for s in lens)
+        chunks = [(lo, min(lo + batch_rollouts, p["rollouts"])) for lo in range(0, p["rollouts"], batch_rollouts)]
+        jobs_args = [(str(out), run, tmpls, p, lo, hi, str(scratch)) for lo, hi in chunks]
+        done = refused = 0
+        if jobs <= 1:
+            results = map(_work, jobs_args)
+            pool = None
+        else:
+            pool = mp.get_context("fork").Pool(jobs)
+            results = pool.imap_unordered(_work, jobs_args)
+        try:
+            for n, bad, _ in results:
+                done += n
+                refused += bad
+                if progress:
+                    el = time.perf_counter() - t0
+                    sys.stderr.write(f"\rbuilt {done} bundles in {el:.0f} s ({done / el:.0f}/s)")
+                    sys.stderr.flush()
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
+        if progress:
+            sys.stderr.write("\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if refused:
+        raise SystemExit(f"{refused} bundles were refused by ingest")
+    p.update(
+        run=run, samples_per_bundle=samples, response_tokens_per_bundle=tokens, bundles=done,
+        build_seconds=round(time.perf_counter() - t0, 1), store=str(out),
+    )
+    return p
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--steps", type=int, default=10000)
+    ap.add_argument("--samples", type=int, default=256, help="samples per bundle (8 per prompt group)")
+    ap.add_argument("--mean-tokens", type=int, default=64, help="mean response length per sample")
+    ap.add_argument("--steps-per-rollout", type=int, default=8)
+    ap.add_argument("--small", action="store_true", help="8 samples of 2-7 tokens (fast)")
+    ap.add_argument("--jobs", type=int, default=2, help="parallel ingest processes")
+    ap.add_argument("--batch-rollouts", type=int, default=25, help="rollouts per generate+ingest batch")
+    ap.add_argument("--fault-every", type=int, default=97)
+    ap.add_argument("--clip-every", type=int, default=89)
+    ap.add_argument("--run", default="long")
+    args = ap.parse_args()
+    p = make_store(
+        args.out, steps=args.steps, samples=args.samples, mean_tokens=args.mean_tokens,
+        per_rollout=args.steps_per_rollout, small=args.small, jobs=args.jobs,
+        batch_rollouts=args.batch_rollouts, run=args.run, fault_every=args.fault_every,
+        clip_every=args.clip_every,
+    )
+    truth = args.out.parent / f"{args.out.name}.truth.json"
+    truth.write_text(json.dumps(p, indent=1) + "\n")
+    print(
+        f"{p['bundles']} bundles ({p['steps']} steps, {p['rollouts']} rollouts, {p['samples_per_bundle']} samples, "
+        f"{p['response_tokens_per_bundle']} response tokens each) in {p['build_seconds']} s -> {args.out}; truth {truth}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
