@@ -33,6 +33,7 @@ from api import models as m
 from api.payloads import (
     FORMATS,
     Body,
+    BodyCache,
     RangeNotSatisfiable,
     as_npy_array,
     etag_for,
@@ -150,6 +151,7 @@ class State:
         self._caps: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
         self.replay_lock = threading.Lock()  # RefIndex (used by replay) is not thread-safe
+        self.bodies = BodyCache(int(os.environ.get("TRAJSTORE_API_CACHE_MB", "512")) << 20)
 
     @property
     def view(self) -> View:
@@ -195,6 +197,22 @@ class State:
 
 
 # -- helpers ------------------------------------------------------------------
+
+
+FILE_EXTENSIONS = {"pt": "pt", "npy": "npy", "raw": "bin"}
+
+
+def _payload_body(sb: StoredBundle, name: str, fmt: str, position: int | None, torch_dtype: str) -> Body:
+    """The response body of a payload download (decoded from the store)."""
+    if fmt == "pt":
+        return Body.of(sb.payload_file(name))
+    import numpy as np
+
+    arr = sb.payload(name) if position is None else sb.payload_rows(name, np.array([position]))
+    if fmt == "npy":
+        a = as_npy_array(arr, torch_dtype)
+        return Body.of(npy_header(a), a, shape=tuple(arr.shape))
+    return Body.of(arr, shape=tuple(arr.shape))
 
 
 def _bundle_url(key: str) -> str:
@@ -498,21 +516,13 @@ def create_app(store_dir: Path, *, token: str | None = None, poll_s: float = 0.2
             return Response(status_code=304, headers=headers)
         if position is not None and entry.get("rows") not in ("response", "total"):
             raise ApiError(400, "bad_request", f"payload {name!r} is not per-token; it has no per-sample slice")
-        if format == "pt":
-            body = Body.of(sb.payload_file(name))
-            filename = f"{name}.pt"
-        else:
-            import numpy as np
-
-            arr = sb.payload(name) if position is None else sb.payload_rows(name, np.array([position]))
-            headers["X-Shape"] = ",".join(str(d) for d in arr.shape)
-            if format == "npy":
-                a = as_npy_array(arr, str(prow["dtype"]))
-                body = Body.of(npy_header(a), a)
-                filename = f"{name}.npy"
-            else:
-                body = Body.of(arr)
-                filename = f"{name}.bin"
+        filename = f"{name}.{FILE_EXTENSIONS[format]}"
+        body = st.bodies.get(etag)
+        if body is None:
+            body = _payload_body(sb, name, format, position, str(prow["dtype"]))
+            st.bodies.put(etag, body)
+        if body.shape is not None:
+            headers["X-Shape"] = ",".join(str(d) for d in body.shape)
         headers["Content-Disposition"] = f'attachment; filename="{quote(filename)}"'
         size = body.size
         try:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,9 +61,11 @@ class Body:
     """A response body as (at most two) byte views, never copied into one buffer."""
 
     parts: tuple[memoryview, ...]
+    #: the array's shape (None for a whole .pt file)
+    shape: tuple[int, ...] | None = None
 
     @classmethod
-    def of(cls, *parts: bytes | np.ndarray) -> Body:
+    def of(cls, *parts: bytes | np.ndarray, shape: tuple[int, ...] | None = None) -> Body:
         views = []
         for p in parts:
             if isinstance(p, np.ndarray):
@@ -69,7 +73,7 @@ class Body:
                 views.append(memoryview(p.reshape(-1).view(np.uint8)))
             else:
                 views.append(memoryview(p))
-        return cls(tuple(views))
+        return cls(tuple(views), shape)
 
     @property
     def size(self) -> int:
@@ -85,6 +89,41 @@ class Body:
                 yield bytes(v[lo:step])
                 lo = step
             pos += v.nbytes
+
+
+class BodyCache:
+    """Encoded payload bodies by ETag, bounded by bytes (least recently used out).
+
+    An ETag names immutable content, so an entry is never stale. It saves the
+    decode (zstd + hash checks, the slow part) on repeated downloads and on
+    every Range request after the first, which would otherwise decode the
+    whole payload again for each range.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._bodies: OrderedDict[str, Body] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, etag: str) -> Body | None:
+        with self._lock:
+            body = self._bodies.get(etag)
+            if body is not None:
+                self._bodies.move_to_end(etag)
+            return body
+
+    def put(self, etag: str, body: Body) -> None:
+        if body.size > self.max_bytes // 4:
+            return  # one huge payload must not evict everything else
+        with self._lock:
+            if etag in self._bodies:
+                return
+            self._bodies[etag] = body
+            self._bytes += body.size
+            while self._bytes > self.max_bytes:
+                _, old = self._bodies.popitem(last=False)
+                self._bytes -= old.size
 
 
 class RangeNotSatisfiable(Exception):
