@@ -336,3 +336,15 @@ def test_ingest_and_record_from_other_processes(tmp_path: Path) -> None:
         # and the CLI can still open the catalog (the server does not hold the file)
         done = _trajstore("stats", "--store", str(store))
         assert done.returncode == 0, done.stderr
+
+
+def test_body_cache_stays_within_its_byte_bound() -> None:
+    from api.payloads import Body, BodyCache
+
+    cache = BodyCache(max_bytes=400)
+    for i in range(5):
+        cache.put(f"e{i}", Body.of(bytes(100)))
+    assert cache.get("e0") is None  # least recently used went first
+    assert all(cache.get(f"e{i}") is not None for i in (1, 2, 3, 4))
+    cache.put("huge", Body.of(bytes(200)))  # over a quarter of the bound: never cached
+    assert cache.get("huge") is None and cache.get("e4") is not None
