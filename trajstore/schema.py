@@ -17,15 +17,8 @@ from trajstore.errors import BundleError
 
 SUPPORTED_MAJORS = (1, 2)
 WRITE_FORMAT_VERSION = "1.0.0"
-STAGES_V1 = (
-    "sample",
-    "reward.raw",
-    "reward.post_process",
-    "advantage.kl",
-    "advantage.estimate",
-    "loss.policy",
-)
-STAGES_V2 = ("sample", "advantage.kl", "advantage.estimate", "loss.policy", "loss.value")
+#: stages only major 1 has: major-2 rewards arrive already post-processed
+REWARD_STAGES = ("reward.raw", "reward.post_process")
 CAPABILITIES = ("recompute", "recorded-only", "inspect-only", "unsupported")
 DEFAULT_ATOL = 1e-6
 DEFAULT_RTOL = 1e-5
@@ -426,17 +419,9 @@ class CohortComplete(Doc):
     ranks = property(lambda self: list(self.raw["ranks"]))
 
 
-def replace_raw(doc: Doc, **changes: Any) -> Doc:
-    """A copy of ``doc`` with some top-level keys changed (re-validated)."""
-    d = dict(doc.raw)
-    d.update(changes)
-    return type(doc).from_dict(d)
-
-
 __all__ = [
     "CAPABILITIES",
-    "STAGES_V1",
-    "STAGES_V2",
+    "REWARD_STAGES",
     "Complete",
     "CohortComplete",
     "Identity",

@@ -14,8 +14,8 @@ from typing import Any
 
 from trajstore.bundle.writer import BundleContents
 from trajstore.errors import UsageError
+from trajstore.schema import REWARD_STAGES
 
-REWARD_STAGES = ("reward.raw", "reward.post_process")
 MAJOR1_CONFIG_KEYS = ("n_samples_per_prompt", "grpo_std_normalization")
 FORMAT_VERSIONS = {1: "1.0.0", 2: "2.0.0"}
 LOSS_VALUE_CONTRACT = {

@@ -22,7 +22,7 @@ from trajstore.replay import kernels
 from trajstore.replay.compare import Comparison, Divergence, compare_arrays, json_number
 from trajstore.replay.selection import Selection
 from trajstore.replay.source import BundleSource, as_float, payload_rows
-from trajstore.schema import Config
+from trajstore.schema import REWARD_STAGES, Config
 
 STAGE_ORDER = (
     "sample",
@@ -34,8 +34,6 @@ STAGE_ORDER = (
     "loss.value",
     "router.consistency",
 )
-REWARD_STAGES = ("reward.raw", "reward.post_process")
-STAGE_VERSION = "v1"
 #: config keys every stage understands (replay-math.md); anything else -> unsupported
 KNOWN_CONFIG_KEYS = frozenset(Config.FIELDS)
 LOSS_FIELDS = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "kl_loss")
