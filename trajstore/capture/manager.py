@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import os
@@ -93,6 +94,8 @@ class _Record:
     metrics: list[dict[str, Any]]
     recompute: Any
     identity_extra: dict[str, Any]
+    #: the producer's own route-consistency record (expected.json router.consistency)
+    router_consistency: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -220,6 +223,17 @@ class StepCapture:
         except Exception:  # noqa: BLE001 - capture never raises into training
             self._broken = True
             self._m._count_error("snapshotting a micro-batch")
+
+    def router_consistency(self, metrics: Mapping[str, Any]) -> None:
+        """Record the producer's own route metrics (router-metrics.md names, and
+        optional hang_count/engine_error_count); replay's router.consistency
+        stage recomputes and checks them."""
+        if self._broken or self._done:
+            return
+        try:
+            self._rec.router_consistency = json.loads(json.dumps(dict(metrics), default=_json_number))
+        except (TypeError, ValueError):
+            self._m._count_error("recording router.consistency metrics")
 
     def end(self) -> bool:
         """Enqueue the step (returns immediately). True when it was queued."""
@@ -680,6 +694,8 @@ def build_contents(rec: _Record, cfg: CaptureConfig, default_recompute: dict[str
         loss = _loss_expected(rec, config)
         if loss is not None:
             expected["loss.policy"] = loss
+    if rec.router_consistency is not None:
+        expected["router.consistency"] = rec.router_consistency
     groups = sorted({r["group_index"] for r in records if r["group_index"] is not None})
     group_ids = [f"g-{g}" for g in groups]
     lineage = rec.identity_extra.get("weight_lineage")
@@ -707,6 +723,15 @@ def build_contents(rec: _Record, cfg: CaptureConfig, default_recompute: dict[str
     }
     contracts = default_stage_contracts(set(payloads), expected, records)
     contracts = _prune_contracts(contracts, records, payloads, config)
+    if rec.router_consistency is not None and {"rollout_routed_experts", "train_routed_experts"} <= set(payloads):
+        contracts["router.consistency"] = {
+            "capability": "recompute",
+            "expected_outputs": ["expected.router.consistency"],
+            "implementation": "reimplemented",
+            "inputs": sorted(n for n in payloads if "routed_experts" in n or n.endswith("log_probs")),
+            "stage": "router.consistency",
+            "version": "v1",
+        }
     anchor = f"replay-{rec.rollout_id}-{rec.step_id}" if rec.kind == "step" else f"replay-rollout-{rec.rollout_id}"
     return BundleContents(
         bundle_id=f"{cfg.run}.{anchor}",
@@ -719,3 +744,11 @@ def build_contents(rec: _Record, cfg: CaptureConfig, default_recompute: dict[str
         producer={"commit": cfg.producer_commit, "dirty_patch_digest": "", "torch_version": str(torch.__version__)},
         redaction=cfg.redaction.to_manifest(),
     )
+
+
+def _json_number(x: Any) -> Any:
+    """0-d tensors and NumPy scalars in a metrics record as plain numbers."""
+    item = getattr(x, "item", None)
+    if item is not None:
+        return item()
+    raise TypeError(f"{type(x).__name__} is not a number")

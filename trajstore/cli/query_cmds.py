@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-abs-err", type=float, metavar="X", help="divergences: abs_err >= X")
     p.add_argument("--sample", metavar="ID", help="divergences: of this sample")
     p.add_argument("--kind", choices=["step", "rollout"], help="bundles: only this kind")
+    p.add_argument(
+        "--source", choices=["producer", "replay"],
+        help="routes: metrics the producer recorded, or those replay --record recomputed",
+    )
     p.add_argument("--all-attempts", action="store_true", help="bundles: every attempt, not only the latest")
     p.add_argument("--limit", type=int, help="at most this many rows")
     p.add_argument("--format", choices=FORMATS, default="table")
@@ -96,7 +100,7 @@ def _cell(v: Any) -> str:
 STEP_COLUMNS = ["run", "rollout_id", "step_id", "attempt", "ranks", "status", "first_divergent_stage", "first_divergent_rank", "root_bundle_key", "recorded_at"]
 BUNDLE_COLUMNS = ["key", "run", "kind", "rollout_id", "step_id", "rank", "attempt", "num_samples", "logical_bytes", "published_at"]
 DIVERGENCE_COLUMNS = ["run", "rollout_id", "step_id", "bundle_key", "stage", "sample_id", "field", "token_offset", "expected", "actual", "abs_err"]
-ROUTE_COLUMNS = ["run", "rollout_id", "step_id", "route_mismatch_rate", "token_any_mismatch", "f_tau_2", "kl_k3", "logprob_abs_diff", "valid_token_layers", "metric_error"]
+ROUTE_COLUMNS = ["run", "rollout_id", "step_id", "source", "route_mismatch_rate", "token_any_mismatch", "f_tau_2", "kl_k3", "logprob_abs_diff", "valid_token_layers", "metric_error"]
 
 
 def _all_pages(fn, limit: int | None, **kw: Any) -> list[dict]:  # noqa: ANN001
@@ -138,7 +142,7 @@ def cmd_query(args: argparse.Namespace) -> int:
                               min_abs_err=args.min_abs_err, sample_id=args.sample, **rng)
             cols = DIVERGENCE_COLUMNS
         else:
-            rows = _all_pages(partial(q.query_router_metrics, cat), args.limit, run=args.run, **rng)
+            rows = _all_pages(partial(q.query_router_metrics, cat), args.limit, run=args.run, source=args.source, **rng)
             cols = ROUTE_COLUMNS
     emit_rows(rows, [c for c in cols if not rows or c in rows[0]] or cols, args.format)
     return 0

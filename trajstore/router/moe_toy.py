@@ -409,9 +409,8 @@ def dir_sink(capture_dir: Path | str) -> StepSink:
 def capture_sink(manager: Any) -> StepSink:
     """Hand each step to a `trajstore.capture.CaptureManager` (asynchronous).
 
-    CaptureManager records routes, log-probs, config.router and the GRPO
-    inputs (log-probs, advantages), but has no slot for the producer's own
-    router.consistency metrics: bundles captured this way carry none.
+    CaptureManager records routes, log-probs, config.router, the GRPO inputs
+    (log-probs, advantages) and the producer's own router.consistency metrics.
     """
     import torch
 
@@ -442,6 +441,7 @@ def capture_sink(manager: Any) -> StepSink:
                 rollout_log_probs=torch.from_numpy(rec.rollout_log_probs),
                 train_log_probs=train_lp,
             )
+            step.router_consistency(rec.metrics or producer_metrics(rec, cfg))
 
     return write
 
