@@ -360,3 +360,15 @@ def test_cohort_selection_replays_only_the_rank_holding_the_group(tmp_path: Path
     path = write_consistent_cohort(tmp_path / "c", ranks=2, groups=2, n=4)
     report = replay(path, groups=("g-3",))
     assert [b.rank for b in report.bundles] == [1]
+
+
+def test_every_stage_is_a_versioned_unit_with_declared_inputs_and_outputs() -> None:
+    from trajstore.replay.stages import STAGE_ORDER, STAGES
+
+    assert list(STAGES) == list(STAGE_ORDER)
+    for name, stage in STAGES.items():
+        assert stage.version
+        if stage.run is not None:  # loss.value is never recomputed
+            assert stage.inputs and stage.compared_with, name
+    report = replay(FIXTURES / "example_bundle")
+    assert {s.version for s in report.bundles[0].stages} == {"v1"}

@@ -211,6 +211,8 @@ def replay_bundle(
             out = StageOutcome(name, "fail", str(exc))
         out.requested = requested
         outcomes.append(out)
+    for out in outcomes:
+        out.version = STAGES[out.stage].version
     return BundleReport(
         source.label,
         source.manifest.bundle_id,

@@ -52,10 +52,12 @@ class StageOutcome:
     max_abs_error: float | None = None
     mismatch_count: int | None = None
     divergences: list[Divergence] = field(default_factory=list)
+    version: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "stage": self.stage,
+            "version": self.version,
             "status": self.status,
             "reason": self.reason,
             "requested": self.requested,
@@ -217,7 +219,9 @@ def stage_sample(ctx: ReplayContext) -> StageOutcome:
                 more = f" (+{len(lacking) - 5} more)" if len(lacking) > 5 else ""
                 msg += f"; no tokens for sample(s) {', '.join(lacking[:5])}{more} past its end"
                 divs.append(
-                    Divergence("sample", ids[first], name, have - int(offs[first]), None, None, None)
+                    Divergence(
+                        "sample", ids[first], name, have - int(offs[first]), None, None, None
+                    )
                 )
             problems.append(msg)
             continue
@@ -440,25 +444,88 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
 
 @dataclass(frozen=True)
 class StageDef:
+    """One replay stage: what it reads, what it recomputes, what that is compared with.
+
+    ``version`` changes whenever the stage's math or comparison changes, so a
+    recorded result says which implementation produced it.
+    """
+
     name: str
     run: Callable[[ReplayContext], StageOutcome] | None
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    compared_with: tuple[str, ...] = ()
     cohort_level: bool = False
+    version: str = "v1"
+
+
+def _router_stage(ctx: ReplayContext) -> StageOutcome:
+    # lives in trajstore.router, which imports this module: imported on use
+    return importlib.import_module("trajstore.router.stage").stage_router_consistency(ctx)
 
 
 STAGES: dict[str, StageDef] = {
-    "sample": StageDef("sample", stage_sample),
-    "reward.raw": StageDef("reward.raw", stage_reward_raw),
-    "reward.post_process": StageDef("reward.post_process", stage_reward_post_process),
-    "advantage.kl": StageDef("advantage.kl", stage_advantage_kl),
-    "advantage.estimate": StageDef("advantage.estimate", stage_advantage_estimate),
-    "loss.policy": StageDef("loss.policy", stage_loss_policy, cohort_level=True),
-    "loss.value": StageDef("loss.value", None, cohort_level=True),
-    # lives in trajstore.router (imported lazily: it imports this module)
-    "router.consistency": StageDef(
-        "router.consistency",
-        lambda ctx: importlib.import_module("trajstore.router.stage").stage_router_consistency(ctx),
-        cohort_level=True,
-    ),
+    s.name: s
+    for s in (
+        StageDef(
+            "sample",
+            stage_sample,
+            ("index.samples", "per-token payloads"),
+            (),
+            ("sample records against the payload layout", "finite payload values"),
+        ),
+        StageDef(
+            "reward.raw",
+            stage_reward_raw,
+            ("index.samples.raw_reward",),
+            ("raw_rewards",),
+            ("expected.reward.raw.raw_rewards",),
+        ),
+        StageDef(
+            "reward.post_process",
+            stage_reward_post_process,
+            ("raw_rewards", "index.samples.group_index", "config.n_samples_per_prompt"),
+            ("rewards",),
+            ("expected.reward.post_process.rewards", "index.samples.reward"),
+        ),
+        StageDef(
+            "advantage.kl",
+            stage_advantage_kl,
+            ("old_log_probs", "ref_log_probs", "config.kl_coef", "config.kl_loss_type"),
+            ("kl",),
+            ("payload kl",),
+        ),
+        StageDef(
+            "advantage.estimate",
+            stage_advantage_estimate,
+            ("rewards", "index.samples.response_length"),
+            ("advantages",),
+            ("payload advantages", "payload returns"),
+        ),
+        StageDef(
+            "loss.policy",
+            stage_loss_policy,
+            ("old_log_probs", "log_probs", "advantages", "entropy", "index.samples.loss_mask"),
+            LOSS_FIELDS,
+            ("expected.loss.policy",),
+            cohort_level=True,
+        ),
+        StageDef("loss.value", None, cohort_level=True),
+        StageDef(
+            "router.consistency",
+            _router_stage,
+            (
+                "rollout_routed_experts",
+                "train_routed_experts",
+                "rollout_log_probs",
+                "train_log_probs",
+                "config.router",
+            ),
+            ("route metrics",),
+            ("expected.router.consistency",),
+            cohort_level=True,
+        ),
+    )
 }
 
 
