@@ -54,7 +54,7 @@ def sample_record_problems(samples: list[Sample]) -> list[str]:
             )
         if len(s.loss_mask) != s.response_length:
             out.append(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {s.response_length}")
-        if any(v not in (0, 1) or isinstance(v, bool) for v in s.loss_mask):
+        if bool in set(map(type, s.loss_mask)) or not set(s.loss_mask) <= {0, 1}:
             out.append(f"{where}: loss_mask values must be 0 or 1")
         if isinstance(s.reward, list) and len(s.reward) != s.response_length:
             out.append(f"{where}: per-token reward has {len(s.reward)} entries, response_length is {s.response_length}")
