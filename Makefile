@@ -26,4 +26,4 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 clean:
-	rm -rf $(VENV) demo-store
+	rm -rf $(VENV) demo-store demo-store-work
