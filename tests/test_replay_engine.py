@@ -366,9 +366,9 @@ def test_every_stage_is_a_versioned_unit_with_declared_inputs_and_outputs() -> N
     from trajstore.replay.stages import STAGE_ORDER, STAGES
 
     assert list(STAGES) == list(STAGE_ORDER)
-    for name, stage in STAGES.items():
-        assert stage.version
-        if stage.run is not None:  # loss.value is never recomputed
-            assert stage.inputs and stage.compared_with, name
+    for name, unit in STAGES.items():
+        assert unit.version
+        if unit.run is not None:  # loss.value is never recomputed
+            assert unit.inputs and unit.compared_with, name
     report = replay(FIXTURES / "example_bundle")
     assert {s.version for s in report.bundles[0].stages} == {"v1"}
