@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -184,24 +183,9 @@ def _outcome(stage: str, comps: list[Comparison], what: str) -> StageOutcome:
 # --- stages -----------------------------------------------------------------
 
 
-def _records_plainly_valid(samples: list) -> bool:
-    """True only when `sample_record_problems` would find nothing (fast, C-level scans)."""
-    if len({s.sample_id for s in samples}) != len(samples):
-        return False
-    for s in samples:
-        r = s.response_length
-        if not (0 < r <= s.total_length) or len(s.loss_mask) != r or isinstance(s.reward, list):
-            return False
-    flat = list(chain.from_iterable(s.loss_mask for s in samples))
-    # type() is exact: a JSON true (bool) is not an int entry here.
-    return set(map(type, flat)) <= {int} and set(flat) <= {0, 1}
-
-
 def stage_sample(ctx: ReplayContext) -> StageOutcome:
     """Sample records against payload layout; non-finite payload values located."""
-    # The full check walks every mask entry in Python; run it only when the
-    # vectorised screen finds something (it then names the sample and field).
-    problems = [] if _records_plainly_valid(ctx.samples) else sample_record_problems(ctx.samples)
+    problems = sample_record_problems(ctx.samples)
     divs: list[Divergence] = []
     total = int(ctx.lengths.sum())
     for name in sorted(n for n in ctx.source.manifest.payloads if n in PER_TOKEN_PAYLOADS):
