@@ -129,3 +129,18 @@ def test_sql_refuses_a_write_statement(fixture_store: Path) -> None:
     assert "read-only" in out.stderr
     ok = run_cli("sql", "--store", str(fixture_store), "SELECT count(*) AS n FROM bundles", "--format", "json")
     assert json.loads(ok.stdout) == [{"n": 4}]
+
+
+def test_replay_all_records_a_refused_bundle_as_refused(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with Store.open(root) as store:
+        store.ingest([FIXTURES / "example_bundle"], run="r")
+    pack = max((root / "packs").glob("*.pack"), key=lambda p: p.stat().st_size)
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # corrupt one stored object
+    pack.write_bytes(bytes(data))
+    out = run_cli("replay", "--store", str(root), "--all", "--record", "--json")
+    assert out.returncode == 2
+    assert json.loads(out.stdout)["refused"] == 1
+    rows = json.loads(run_cli("query", "steps", "--store", str(root), "--status", "refused", "--format", "json").stdout)
+    assert [(r["rollout_id"], r["step_id"], r["status"]) for r in rows] == [(120, 0, "refused")]

@@ -136,33 +136,10 @@ def _replay_one(args: tuple[BatchTarget, bool]) -> tuple[str, str, str | None, s
 
 
 def _record_refusal(store: Any, target: BatchTarget, reason: str) -> None:
-    import json
-    from datetime import datetime, timezone
-
-    from trajstore.store.layout import atomic_create, new_doc_name
+    from trajstore.replay.from_store import refusal_document, write_result
 
     for key in target.keys:
-        doc = {
-            "result_version": 1,
-            "bundle_key": key,
-            "run": target.run,
-            "rollout_id": target.rollout_id,
-            "step_id": target.step_id,
-            "trajstore_version": __version__,
-            "recorded_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            "status": "refused",
-            "first_divergent_stage": None,
-            "first_divergent_rank": None,
-            "root_bundle_key": None,
-            "selection": None,
-            "reason": reason,
-            "stages": [],
-            "divergences": [],
-        }
-        atomic_create(
-            store.layout.results / f"{new_doc_name()}.json",
-            json.dumps(doc, sort_keys=True).encode(),
-        )
+        write_result(store, refusal_document(key, target.run, target.rollout_id, target.step_id, reason))
 
 
 def replay_all(

@@ -147,15 +147,9 @@ def result_document(
     stages = [] if mine is None else mine.stages
     divergences = [d.to_dict() for s in stages for d in s.divergences]
     fd = report.first_divergence()
+    ref = bundle.ref
     return {
-        "result_version": 1,
-        "bundle_key": bundle.bundle_key,
-        "run": bundle.ref["run"],
-        "rollout_id": bundle.ref["rollout_id"],
-        "step_id": bundle.ref.get("step_id"),
-        "trajstore_version": __version__,
-        "recorded_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        "status": report.status,
+        **_result_header(bundle.bundle_key, ref["run"], ref["rollout_id"], ref.get("step_id"), report.status),
         "first_divergent_stage": report.first_divergent_stage,
         "first_divergent_rank": report.first_divergent_rank,
         "root_bundle_key": report.root_bundle_key,
@@ -179,6 +173,46 @@ def result_document(
     }
 
 
+def refusal_document(key: str, run: str, rollout_id: int, step_id: int | None, reason: str) -> dict[str, Any]:
+    """The result document of a bundle replay refused (integrity, selection, ...)."""
+    return {
+        **_result_header(key, run, rollout_id, step_id, "refused"),
+        "first_divergent_stage": None,
+        "first_divergent_rank": None,
+        "root_bundle_key": None,
+        "selection": None,
+        "reason": reason,
+        "stages": [],
+        "divergences": [],
+    }
+
+
+def _result_header(key: str, run: str, rollout_id: int, step_id: int | None, status: str) -> dict[str, Any]:
+    return {
+        "result_version": 1,
+        "bundle_key": key,
+        "run": run,
+        "rollout_id": rollout_id,
+        "step_id": step_id,
+        "trajstore_version": __version__,
+        "recorded_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "status": status,
+    }
+
+
+def write_result(store: Any, doc: dict[str, Any]) -> str:
+    """Publish one immutable result document (no catalog lock); returns its name."""
+    from trajstore.store.layout import atomic_create, new_doc_name
+
+    name = new_doc_name()
+    atomic_create(
+        store.layout.results / f"{name}.json",
+        json.dumps(doc, sort_keys=True, default=_json_default).encode(),
+        durable=store.durable,
+    )
+    return name
+
+
 def _router_metrics(bundle: Any) -> dict[str, Any] | None:
     """Route metrics recomputed from a routed bundle's payloads (catalog source 'replay')."""
     if "rollout_routed_experts" not in bundle.manifest.payloads and "router" not in bundle.index.config:
@@ -200,19 +234,7 @@ def record_report(
     selection: SelectionRequest | None = None,
 ) -> list[str]:
     """Write one immutable result document per replayed bundle (no catalog lock)."""
-    from trajstore.store.layout import atomic_create, new_doc_name
-
-    names = []
-    for src in sources:
-        doc = result_document(report, src, selection=selection)
-        name = new_doc_name()
-        atomic_create(
-            store.layout.results / f"{name}.json",
-            json.dumps(doc, sort_keys=True, default=_json_default).encode(),
-            durable=store.durable,
-        )
-        names.append(name)
-    return names
+    return [write_result(store, result_document(report, src, selection=selection)) for src in sources]
 
 
 def _json_default(x: Any) -> Any:
