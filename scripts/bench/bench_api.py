@@ -34,6 +34,24 @@ from trajstore.bundle.writer import write_bundle  # noqa: E402
 from trajstore.store import Store  # noqa: E402
 
 
+def time_downloads(
+    client: httpx.Client, url: str, pt: Path, repeats: int
+) -> tuple[list[float], dict[str, list[float]], int]:
+    """Interleaved timings of torch.load(pt) and GET url (npy, raw); and the payload's bytes."""
+    loads: list[float] = []
+    gets: dict[str, list[float]] = {"npy": [], "raw": []}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        tensor = torch.load(pt, weights_only=True)
+        loads.append(time.perf_counter() - t)
+        for fmt, times in gets.items():
+            t = time.perf_counter()
+            body = client.get(url, params={"format": fmt}).content
+            times.append(time.perf_counter() - t)
+            assert len(body) >= tensor.numel() * tensor.element_size()
+    return loads, gets, tensor.numel() * tensor.element_size()
+
+
 def build(root: Path, steps: int, tokens: int) -> Path:
     cap = root / "capture"
     cap.mkdir()
@@ -101,22 +119,13 @@ def main() -> int:
 
             pt = big / "payloads" / "log_probs.pt"
             url = "/v1/bundles/bench/step-999999-0/a1/payloads/log_probs"
-            loads, gets = [], {"npy": [], "raw": []}
             cold = {}
-            for fmt in gets:  # first download: decoded from the store (not yet in the body cache)
+            for fmt in ("npy", "raw"):  # first download: decoded from the store (not yet in the body cache)
                 t = time.perf_counter()
                 c.get(url, params={"format": fmt}).raise_for_status()
                 cold[fmt] = time.perf_counter() - t
-            for _ in range(5):
-                t = time.perf_counter()
-                tensor = torch.load(pt, weights_only=True)
-                loads.append(time.perf_counter() - t)
-                for fmt in gets:
-                    t = time.perf_counter()
-                    body = c.get(url, params={"format": fmt}).content
-                    gets[fmt].append(time.perf_counter() - t)
-                    assert len(body) >= tensor.numel() * 4
-            mb = tensor.numel() * tensor.element_size() / 1e6
+            loads, gets, nbytes = time_downloads(c, url, pt, 5)
+            mb = nbytes / 1e6
             tl = float(np.median(loads))
             print(f"payload {mb:.1f} MB: torch.load {mb / tl:.0f} MB/s")
             for fmt, ts in gets.items():

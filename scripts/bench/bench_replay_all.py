@@ -111,7 +111,7 @@ def stored_nolink(store_root: Path, run: str, lo: int, hi: int) -> tuple[int, fl
 
 def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int, scratch: Path) -> None:
     import httpx
-    import torch
+    from bench_api import time_downloads  # beside this script
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -151,17 +151,8 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
             store.close()
             pt = d / "payloads" / "log_probs.pt"
             url = f"/v1/bundles/{b.bundle_key}/payloads/log_probs"
-            loads, gets = [], {"npy": [], "raw": []}
-            for _ in range(20):
-                t = time.perf_counter()
-                tensor = torch.load(pt, weights_only=True)
-                loads.append(time.perf_counter() - t)
-                for fmt in gets:
-                    t = time.perf_counter()
-                    body = c.get(url, params={"format": fmt}).content
-                    gets[fmt].append(time.perf_counter() - t)
-                    assert len(body) >= tensor.numel() * 4
-            kb = tensor.numel() * tensor.element_size() / 1e3
+            loads, gets, nbytes = time_downloads(c, url, pt, 20)
+            kb = nbytes / 1e3
             tl = float(np.median(loads))
             parts = [f"GET {fmt} {tl / float(np.median(ts)):.2f}x" for fmt, ts in gets.items()]
             say(f"payload log_probs {kb:.0f} kB: torch.load {tl * 1e3:.2f} ms; ratio torch.load/GET: {', '.join(parts)}")
