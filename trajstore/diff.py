@@ -2,7 +2,8 @@
 
 Each side is anything that provides the replay source interface (a bundle
 directory or a stored bundle). Per-token payloads are compared per sample,
-matched by sample_id, so a reordered bundle with the same content is equal.
+matched by sample_id, so a reordering is reported once, as a sample-order
+difference, not as a difference at every token.
 """
 
 from __future__ import annotations
@@ -121,15 +122,16 @@ def _scalar(x: Any) -> Any:
 
 
 def _first_unequal(x: np.ndarray, y: np.ndarray) -> int | None:
-    """Flat index of the first element whose bits differ (NaN equals NaN)."""
+    """Index along axis 0 of the first row whose bits differ (so NaN equals NaN); 0 if shapes differ."""
     if x.shape != y.shape:
         return 0
-    xb = np.ascontiguousarray(x).view(np.uint8).reshape(x.shape[0] if x.ndim else 1, -1) if x.size else x
-    yb = np.ascontiguousarray(y).view(np.uint8).reshape(y.shape[0] if y.ndim else 1, -1) if y.size else y
     if x.size == 0:
         return None
-    rows = np.flatnonzero((xb != yb).any(axis=1))
-    return int(rows[0]) if rows.size else None
+    rows = x.shape[0] if x.ndim else 1
+    xb = np.ascontiguousarray(x).view(np.uint8).reshape(rows, -1)
+    yb = np.ascontiguousarray(y).view(np.uint8).reshape(rows, -1)
+    differing = np.flatnonzero((xb != yb).any(axis=1))
+    return int(differing[0]) if differing.size else None
 
 
 def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
@@ -185,9 +187,8 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
                     break
         else:
             xa, xb = a.payload(name), b.payload(name)
-            i = _first_unequal(xa.reshape(xa.shape[0] if xa.ndim else 1, -1), xb.reshape(xb.shape[0] if xb.ndim else 1, -1)) if xa.shape == xb.shape else 0
             if xa.shape != xb.shape:
                 add(Difference("payload", name, "shape differs", a=list(xa.shape), b=list(xb.shape)))
-            elif i is not None:
-                add(Difference("payload", name, f"values differ at flat row {i}"))
+            elif (i := _first_unequal(xa, xb)) is not None:
+                add(Difference("payload", name, f"values differ at row {i}"))
     return rep
