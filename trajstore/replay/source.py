@@ -11,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from trajstore.replay.kernels import segment_offsets
 from trajstore.schema import Index, Manifest
 
 
@@ -33,10 +34,6 @@ class BundleSource(Protocol):
         ...
 
 
-def payload_dtype(source: BundleSource, name: str) -> str:
-    return source.manifest.payloads[name].dtype
-
-
 def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
     """Exact widening of bfloat16 bits (uint16) to float32."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
@@ -53,8 +50,7 @@ def as_float(arr: np.ndarray, torch_dtype: str) -> np.ndarray:
 
 def slice_rows(flat: np.ndarray, lengths: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Concatenate the token spans of ``positions`` out of a flat per-token array."""
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = segment_offsets(lengths)
     if len(positions) == 0:
         return flat[:0]
     idx = np.concatenate([np.arange(offsets[p], offsets[p + 1]) for p in positions])
