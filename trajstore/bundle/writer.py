@@ -35,6 +35,10 @@ V1_STAGES: dict[str, tuple[list[str], list[str]]] = {
         ["old_log_probs", "log_probs", "entropy", "advantages"],
         ["expected.loss.policy"],
     ),
+    "router.consistency": (
+        ["rollout_routed_experts", "train_routed_experts", "rollout_log_probs", "train_log_probs"],
+        ["expected.router.consistency"],
+    ),
 }
 
 
@@ -49,6 +53,8 @@ def default_stage_contracts(payloads: set[str], expected: dict[str, Any], sample
         "advantage.estimate": {"advantages"} <= payloads,
         "loss.policy": {"old_log_probs", "log_probs", "advantages"} <= payloads
         and "loss.policy" in expected,
+        "router.consistency": {"rollout_routed_experts", "train_routed_experts"} <= payloads
+        and "router.consistency" in expected,
     }
     out = {}
     for stage, (inputs, outputs) in V1_STAGES.items():

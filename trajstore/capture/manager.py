@@ -723,15 +723,6 @@ def build_contents(rec: _Record, cfg: CaptureConfig, default_recompute: dict[str
     }
     contracts = default_stage_contracts(set(payloads), expected, records)
     contracts = _prune_contracts(contracts, records, payloads, config)
-    if rec.router_consistency is not None and {"rollout_routed_experts", "train_routed_experts"} <= set(payloads):
-        contracts["router.consistency"] = {
-            "capability": "recompute",
-            "expected_outputs": ["expected.router.consistency"],
-            "implementation": "reimplemented",
-            "inputs": sorted(n for n in payloads if "routed_experts" in n or n.endswith("log_probs")),
-            "stage": "router.consistency",
-            "version": "v1",
-        }
     anchor = f"replay-{rec.rollout_id}-{rec.step_id}" if rec.kind == "step" else f"replay-rollout-{rec.rollout_id}"
     return BundleContents(
         bundle_id=f"{cfg.run}.{anchor}",

@@ -305,14 +305,6 @@ def step_contents(rec: StepRecord, cfg: ToyConfig, mode: str, run: str) -> Any:
         payloads["train_natural_routed_experts"] = rec.natural_routes
     expected = {"router.consistency": rec.metrics or producer_metrics(rec, cfg)}
     contracts = default_stage_contracts(set(payloads), expected, samples)
-    contracts["router.consistency"] = {
-        "capability": "recompute",
-        "expected_outputs": ["expected.router.consistency"],
-        "implementation": "reimplemented",
-        "inputs": sorted(payloads),
-        "stage": "router.consistency",
-        "version": "v1",
-    }
     return BundleContents(
         bundle_id=f"{run}-{rec.step}-0",
         identity={
