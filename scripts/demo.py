@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = Path(os.environ.get("TRAJSTORE_FIXTURES", ROOT.parent / "shared" / "fixtures" / "relax-v2"))
+FIXTURES = ROOT / "tests" / "fixtures" / "relax-v2"  # the public producer's bundles
 FAULT_ROLLOUTS = (3, 7)  # streamed-group normalization fault
 FAULT_CLIP_STEPS = ("5:1", "10:2")  # wrong eps_clip_high
 ROLLOUTS, STEPS_PER_ROLLOUT = 12, 3
@@ -81,9 +81,8 @@ def main() -> int:
         gen += ["--fault-eps", s]
     run(gen)
     trajstore("ingest", str(cap), "--store", str(store), "--run", "synthetic")
-    if FIXTURES.is_dir():
-        trajstore("ingest", str(FIXTURES / "example_capture_dir"), str(FIXTURES / "example_bundle"),
-                  "--store", str(store), "--run", "relax")
+    trajstore("ingest", str(FIXTURES / "example_capture_dir"), str(FIXTURES / "example_bundle"),
+              "--store", str(store), "--run", "relax")
 
     say("3/5 replay every bundle from the store, recording the results")
     out = trajstore("replay", "--store", str(store), "--all", "--record", "--workers", "2", "--json",

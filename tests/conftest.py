@@ -29,14 +29,9 @@ import torch
 from trajstore.bundle.writer import BundleContents, write_bundle, write_rank
 from trajstore.jsonio import canonical_bytes, sha256_bytes
 
-#: the public producer's bundles: ../shared/fixtures/relax-v2 beside the checkout
-#: (where CI lays shared/), or wherever TRAJSTORE_FIXTURES points
-FIXTURES = Path(
-    os.environ.get(
-        "TRAJSTORE_FIXTURES",
-        Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "relax-v2",
-    )
-)
+#: the public producer's bundles, kept as the project's own test data
+#: (tests/fixtures/relax-v2/README.md says where they come from)
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "relax-v2"
 FIXTURE_BUNDLES = ("example_bundle", "example_bundle_divergent")
 CAPTURE_DIR = FIXTURES / "example_capture_dir"
 

@@ -38,6 +38,7 @@ from trajstore.catalog import (
     stats,
     sync_catalog,
 )
+from conftest import FIXTURES
 from trajstore.catalog import tables as t
 from trajstore.errors import StoreError, UsageError
 
@@ -45,11 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _fixture_dir() -> Path:
-    for base in (REPO / "shared", REPO.parent / "shared"):
-        path = base / "fixtures" / "relax-v2" / "example_bundle"
-        if path.is_dir():
-            return path
-    pytest.skip("shared/fixtures/relax-v2 not found")
+    return FIXTURES / "example_bundle"
 
 
 class FakeStore:
