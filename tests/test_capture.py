@@ -14,6 +14,7 @@ import torch
 
 from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
 from trajstore.capture.manager import NULL_STEP
+from trajstore.store.api import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "sk-live-Zq9XWv3SECRETb7Tn"
@@ -301,10 +302,7 @@ def test_interpreter_exit_flushes_the_queue(tmp_path):
 
 
 def test_store_mode_ingests_completed_bundles(tmp_path):
-    pytest.importorskip("trajstore.store.api")
     store_dir = tmp_path / "store"
-    from trajstore.store.api import Store
-
     Store.open(store_dir)  # a store must exist before a trainer writes into it
     cap = CaptureManager(CaptureConfig(enabled=True, store_dir=store_dir, run="runA"))
     assert one_step(cap, 4, 2)
