@@ -1,13 +1,14 @@
 """Mathematically consistent major-1 replay bundles, with knobs to inject faults.
 
 `consistent_contents` plays the producer: it draws raw rewards and log-probs,
-then derives everything else the way replay-math.md says a correct producer
-does, with trajstore's own kernels:
+then derives everything else the way docs/replay-math.md says a correct
+producer does, with the independent torch oracle (`oracle`), never with
+`trajstore.replay.kernels`, so a wrong kernel makes these bundles fail replay:
 
-    raw rewards -> grpo_normalize (semantic groups) -> rewards
-    rewards     -> grpo_returns                     -> advantages (payload)
-    old/ref lp  -> approx_kl(kl_loss_type)          -> kl (payload; zeros when kl_coef == 0)
-    everything  -> loss_policy                      -> expected["loss.policy"]
+    raw rewards -> group_normalize (semantic groups) -> rewards
+    rewards     -> grpo_advantages                   -> advantages (payload)
+    old/ref lp  -> approx_kl(kl_loss_type)           -> kl (payload; zeros when kl_coef == 0)
+    everything  -> policy_loss                       -> expected["loss.policy"]
 
 So a bundle built without faults replays clean, and each `Faults` knob makes
 the *producer* do one thing differently while the recorded config says what
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import oracle
 
 from trajstore.bundle.reader import open_target
 from trajstore.bundle.writer import (
@@ -29,7 +31,6 @@ from trajstore.bundle.writer import (
     write_bundle,
     write_rank,
 )
-from trajstore.replay import kernels
 from trajstore.replay.runner import ReplayReport, StageRequest, replay_sources
 from trajstore.replay.selection import SelectionRequest
 from trajstore.replay.stages import StageOutcome
@@ -143,13 +144,13 @@ def consistent_contents(
 
     # --- rewards: float32-exact raw values, semantic-group normalization
     raw = rng.integers(0, 5, size=total_n).astype(np.float32) / np.float32(4)
-    correct = kernels.grpo_normalize(
+    correct = oracle.group_normalize(
         raw,
         gidx,
         n,
         rewards_normalization=cfg["rewards_normalization"],
         std_normalization=cfg["grpo_std_normalization"],
-        sample_ids=sample_ids,
+        estimator=cfg["advantage_estimator"],
     )
     rewards = correct
     if faults.physical_batch_norm:
@@ -157,7 +158,7 @@ def consistent_contents(
         rewards = np.empty_like(raw)
         for start in range(0, total_n, b):
             part = raw[start : start + b]
-            rewards[start : start + b] = kernels.grpo_normalize(part, [0] * len(part), len(part))
+            rewards[start : start + b] = oracle.group_normalize(part, [0] * len(part), len(part))
 
     # --- per-token tensors
     tokens = int(lens.sum())
@@ -169,8 +170,8 @@ def consistent_contents(
     if float(cfg["kl_coef"]) == 0.0:
         kl = np.zeros(tokens, dtype=np.float32)
     else:
-        kl = kernels.approx_kl(old, ref, kl_type)
-    advantages = kernels.grpo_returns(rewards, lens)
+        kl = oracle.approx_kl(old, ref, kl_type)
+    advantages = oracle.grpo_advantages(rewards, lens)
 
     # --- loss masks: a masked tail on every third sample
     masks = []
@@ -182,7 +183,7 @@ def consistent_contents(
         k = faults.loss_mask_shift
         producer_masks = [[0] * k + m[:-k] for m in masks]
     flat_mask = np.concatenate([np.asarray(m, dtype=np.float32) for m in producer_masks])
-    loss = kernels.loss_policy(
+    loss = oracle.policy_loss(
         old,
         new,
         advantages,
@@ -208,7 +209,7 @@ def consistent_contents(
         "kl": kl,
         "advantages": advantages,
     }
-    offsets = kernels.segment_offsets(lens)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
     if faults.nan_at is not None:
         name, sid, off = faults.nan_at
         payloads[name] = payloads[name].copy()
