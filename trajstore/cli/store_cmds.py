@@ -91,17 +91,36 @@ def _human(n: int | None) -> str:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    with _open(args, create=True) as store:
-        outcomes = store.ingest(args.paths, run=args.run, progress=None if not args.json else False)
-    refused = [o for o in outcomes if o.status == "refused"]
+    from trajstore.store.ingest import IngestOutcome
+
+    done: list[IngestOutcome] = []
+
+    def report(o: IngestOutcome) -> None:
+        """Each target's line as soon as it is stored, so an interruption loses none."""
+        done.append(o)
+        if args.json:
+            return
+        if o.status == "refused":
+            print(f"trajstore: refused: {o.path}: {o.reason}", file=sys.stderr, flush=True)
+        else:
+            print(f"{o.status:9} {o.path}: {', '.join(o.keys)}", flush=True)
+
+    try:
+        with _open(args, create=True) as store:
+            store.ingest(args.paths, run=args.run, progress=None if not args.json else False, on_outcome=report)
+    except KeyboardInterrupt:
+        stored = sum(o.status != "refused" for o in done)
+        print(
+            f"trajstore: interrupted after {stored} target(s) were stored; "
+            "run the same ingest again to store the rest (stored ones are skipped)",
+            file=sys.stderr,
+        )
+        return 130
+    refused = [o for o in done if o.status == "refused"]
     if args.json:
-        print_json([o.to_dict() for o in outcomes])
-    else:
-        for o in outcomes:
-            if o.status != "refused":
-                print(f"{o.status:9} {o.path}: {', '.join(o.keys)}")
-    for o in refused:
-        print(f"trajstore: refused: {o.path}: {o.reason}", file=sys.stderr)
+        print_json([o.to_dict() for o in done])
+        for o in refused:
+            print(f"trajstore: refused: {o.path}: {o.reason}", file=sys.stderr)
     return 2 if refused else 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +75,22 @@ class Store:
     # -- writing --
 
     def ingest(
-        self, paths: Iterable[str | os.PathLike[str]], run: str = DEFAULT_RUN, *, progress: bool | None = False
+        self,
+        paths: Iterable[str | os.PathLike[str]],
+        run: str = DEFAULT_RUN,
+        *,
+        progress: bool | None = False,
+        on_outcome: Callable[[IngestOutcome], None] | None = None,
     ) -> list[IngestOutcome]:
-        """Ingest bundles/cohorts/capture dirs; refused targets are reported, not raised."""
+        """Ingest bundles/cohorts/capture dirs; refused targets are reported, not raised.
+
+        `on_outcome` is called as each target is done (published, unchanged or
+        refused), so a caller can report progress an interruption cannot lose.
+        """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         ing = Ingestor(self.layout, self.objs, self.refs, durable=self.durable)
-        return ingest_paths(ing, [Path(p) for p in paths], run, progress=progress)
+        return ingest_paths(ing, [Path(p) for p in paths], run, progress=progress, on_outcome=on_outcome)
 
     def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
         """Tombstone bundles (by key) or a whole run; nothing is deleted until gc."""

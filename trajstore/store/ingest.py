@@ -333,6 +333,12 @@ class Progress:
         sys.stderr.write(f"\ringest [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {rate:7.1f} MB/s")
         sys.stderr.flush()
 
+    def clear(self) -> None:
+        """Erase the bar's line, so a line printed next does not start after it."""
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
     def close(self) -> None:
         if self.enabled:
             sys.stderr.write("\n")
@@ -346,7 +352,11 @@ def ingest_paths(
     progress: bool | None = None,
     on_outcome: Callable[[IngestOutcome], None] | None = None,
 ) -> list[IngestOutcome]:
-    """Ingest every bundle/cohort at or below `paths`, one at a time (bounded memory)."""
+    """Ingest every bundle/cohort at or below `paths`, one at a time (bounded memory).
+
+    `on_outcome` sees each outcome as soon as it is final (a published target's
+    refs are already created), in the order of the returned list.
+    """
     from trajstore.bundle.capture_dir import discover_targets
 
     targets: list[Path] = []
@@ -356,14 +366,17 @@ def ingest_paths(
             targets += discover_targets(p)
         except TrajstoreError as e:
             outcomes.append(IngestOutcome(str(p), "refused", reason=str(e)))
+            if on_outcome is not None:
+                on_outcome(outcomes[-1])
     bar = Progress(len(targets), progress)
     try:
         for t in targets:
             out = ingestor.ingest_target(t, run)
             outcomes.append(out)
-            bar.update(out)
             if on_outcome is not None:
+                bar.clear()
                 on_outcome(out)
+            bar.update(out)
     finally:
         bar.close()
     return outcomes
