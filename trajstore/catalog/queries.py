@@ -25,6 +25,10 @@ from trajstore.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
+#: a step filter for steps with no recorded result: their status column is null
+UNREPLAYED = "unreplayed"
+#: the values `query_steps(status=...)` accepts: a recorded verdict, or UNREPLAYED
+STEP_STATUSES = ("pass", "diverged", "unsupported", "refused", UNREPLAYED)
 JSON_COLUMNS = frozenset(
     {"cohort_ranks", "shape", "per_layer_mismatch", "metric_error", "selection"}
 )
@@ -333,10 +337,12 @@ def query_steps(
     One item per (run, rollout_id, step_id): its ranks and bundle keys, and
     the most recently recorded result of any of its rank bundles (result
     columns are null when none was recorded). Filters on the verdict apply to
-    that latest result only.
+    that latest result only; status UNREPLAYED selects the steps with none.
     """
     limit = _limit(limit)
     after = _decode_cursor("steps", cursor, 4)
+    if status is not None and status not in STEP_STATUSES:
+        raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
     b = _B
     steps_q = (
         sa.select(
@@ -387,7 +393,9 @@ def query_steps(
     )
     if first_divergent_stage is not None:
         q = q.where(latest.c.first_divergent_stage == first_divergent_stage)
-    if status is not None:
+    if status == UNREPLAYED:
+        q = q.where(latest.c.result_id.is_(None))
+    elif status is not None:
         q = q.where(latest.c.status == status)
     # The page joined with its rank bundles, in one statement: ranks and keys
     # are gathered for this page only (aggregating every step costs more).

@@ -12,6 +12,10 @@ from typing import Any
 from trajstore.cli import default_store
 from trajstore.cli._common import print_json
 
+#: `query steps --status` values (trajstore.catalog.queries.STEP_STATUSES; not
+#: imported from there so that `--help` does not load sqlalchemy)
+STEP_STATUSES = ("pass", "diverged", "unsupported", "refused", "unreplayed")
+
 FORMATS = ("table", "json", "csv")
 
 
@@ -23,7 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rollout-from", type=int, metavar="R")
     p.add_argument("--rollout-to", type=int, metavar="R")
     p.add_argument("--first-divergent-stage", metavar="S", help="steps: whose latest verdict diverged first at S")
-    p.add_argument("--status", choices=["pass", "diverged", "unsupported", "refused", "unreplayed"], help="steps: latest verdict")
+    p.add_argument(
+        "--status", choices=STEP_STATUSES,
+        help="steps: latest verdict, or unreplayed (no result recorded)",
+    )
     p.add_argument("--stage", metavar="S", help="divergences: at this stage")
     p.add_argument("--min-abs-err", type=float, metavar="X", help="divergences: abs_err >= X")
     p.add_argument("--sample", metavar="ID", help="divergences: of this sample")

@@ -1,0 +1,84 @@
+"""`--status unreplayed`: steps with no recorded replay result, the same from the
+query function, the CLI and REST (a store of real bundles, one of them replayed
+with `replay --record`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import make_contents
+from test_api import serve
+from test_store import cli
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.catalog import queries
+from trajstore.cli import query_cmds
+from trajstore.errors import UsageError
+from trajstore.store import Store
+
+STEPS = (0, 1, 2)
+REPLAYED = 1
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 7:0, 7:1, 7:2 ingested; only 7:1 replayed with --record (it diverges:
+    factory numbers are random)."""
+    root = tmp_path_factory.mktemp("status")
+    for s in STEPS:
+        write_bundle(root / "cap" / f"replay-7-{s}", make_contents(step_id=s, seed=s))
+    st = root / "store"
+    with Store.open(st) as store:
+        assert all(o.status == "published" for o in store.ingest([root / "cap"]))
+    rec = cli("replay", "--store", st, "--step", f"7:{REPLAYED}", "--record")
+    assert rec.returncode == 1, rec.stderr
+    return st
+
+
+def _steps(rows: list[dict]) -> list[tuple[int, int]]:
+    return [(r["rollout_id"], r["step_id"]) for r in rows]
+
+
+def test_query_function_lists_steps_without_a_result(store_dir: Path) -> None:
+    with Store.open(store_dir) as store, store.catalog() as cat:
+        items = queries.query_steps(cat, status="unreplayed")["items"]
+    assert _steps(items) == [(7, 0), (7, 2)]
+    assert all(r["status"] is None and r["result_id"] is None for r in items)
+
+
+def test_recorded_verdict_filter_still_excludes_unreplayed_steps(store_dir: Path) -> None:
+    with Store.open(store_dir) as store, store.catalog() as cat:
+        items = queries.query_steps(cat, status="diverged")["items"]
+    assert _steps(items) == [(7, REPLAYED)]
+
+
+def test_unknown_status_is_a_usage_error(store_dir: Path) -> None:
+    with Store.open(store_dir) as store, store.catalog() as cat, pytest.raises(UsageError, match="unreplayed"):
+        queries.query_steps(cat, status="unreplyed")
+
+
+def test_cli_offers_exactly_the_statuses_the_query_accepts() -> None:
+    assert query_cmds.STEP_STATUSES == queries.STEP_STATUSES
+
+
+def test_cli_query_steps_status_unreplayed(store_dir: Path) -> None:
+    res = cli("query", "steps", "--store", store_dir, "--status", "unreplayed", "--format", "json")
+    assert res.returncode == 0, res.stderr
+    assert _steps(json.loads(res.stdout)) == [(7, 0), (7, 2)]
+
+
+def test_rest_steps_status_unreplayed_matches_the_cli(store_dir: Path) -> None:
+    res = cli("query", "steps", "--store", store_dir, "--status", "unreplayed", "--format", "json")
+    with serve(store_dir) as client:
+        resp = client.get("/v1/runs/default/steps", params={"status": "unreplayed"})
+    assert resp.status_code == 200, resp.text
+    assert _steps(resp.json()["items"]) == _steps(json.loads(res.stdout)) == [(7, 0), (7, 2)]
+
+
+def test_rest_unknown_status_is_a_400(store_dir: Path) -> None:
+    with serve(store_dir) as client:
+        resp = client.get("/v1/runs/default/steps", params={"status": "unreplyed"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"] == "bad_request"
