@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test demo lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
+
+# Runs every benchmark (~15 min on 2 cores) and rewrites docs/benchmarks.md's measured block.
+bench: $(STAMP)
+	TRAJSTORE_BENCH_VIA_MAKE=1 $(PY) scripts/bench/run_all.py
 
 clean:
 	rm -rf $(VENV) demo-store demo-store-work

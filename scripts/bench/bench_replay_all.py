@@ -22,6 +22,12 @@ In one run (same process, same machine state), on the store:
 5. REST: `trajstore serve` on the store, p50/p99 of
    GET /v1/runs/{run}/steps/{r}:{s}, and payload download vs torch.load.
 
+`--cold` drops the page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`,
+root only; the run stops if it cannot) before each replay throughput run, before
+the server starts and before the first payload download, so those figures are
+cold; without it they are warm. `--json OUT` writes every figure as JSON (run_all.py
+reads it).
+
 Targets (issues 5 and 6): divergence query <= 100 ms, lookup <= 10 ms,
 replay-all >= 10 bundles/s per worker on 256-sample bundles, step GET p99 <= 10 ms.
 """
@@ -68,6 +74,27 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+RESULTS: dict = {}
+COLD = False
+
+
+def quantiles(xs: list[float]) -> dict:
+    ms = np.asarray(xs) * 1e3
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "max_ms": float(ms.max()), "n": len(ms)}
+
+
+def drop_caches() -> None:
+    """Empty the page cache (when --cold) so the next read comes from the disk."""
+    if not COLD:
+        return
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root or without --cold") from None
+
+
 def dir_baseline(store_root: Path, run: str, lo: int, hi: int, scratch: Path) -> tuple[int, float, float, dict]:
     """Export every bundle of rollouts [lo, hi] and replay the directories; (n, export s, replay s, statuses)."""
     from trajstore.bundle.reader import open_target
@@ -83,12 +110,13 @@ def dir_baseline(store_root: Path, run: str, lo: int, hi: int, scratch: Path) ->
     dirs = [export_bundles(bs, scratch / name) for name, bs in groups]
     t_export = time.perf_counter() - t0
     statuses: dict[str, int] = {}
+    store.close()
+    drop_caches()
     t0 = time.perf_counter()
     for d in dirs:
         rep = replay_sources(open_target(d).bundles, label=d.name)
         statuses[rep.status] = statuses.get(rep.status, 0) + 1
     t_replay = time.perf_counter() - t0
-    store.close()
     return len(dirs), t_export, t_replay, statuses
 
 
@@ -101,6 +129,7 @@ def stored_nolink(store_root: Path, run: str, lo: int, hi: int) -> tuple[int, fl
         targets.append(Target(run=run, rollout=r))
         for s in sorted({e.step_id for e in store.refs.live().values() if e.kind == "step" and e.rollout_id == r}):
             targets.append(Target(run=run, step=(r, s)))
+    drop_caches()
     t0 = time.perf_counter()
     for t in targets:
         replay_stored(store, t, link=False)
@@ -116,6 +145,7 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    drop_caches()
     t0 = time.perf_counter()
     server = subprocess.Popen(
         [sys.executable, "-m", "trajstore", "serve", "--store", str(root), "--port", str(port), "--log-level", "warning"],
@@ -130,7 +160,21 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
                     if server.poll() is not None or time.perf_counter() - t0 > 600:
                         raise SystemExit("server did not start") from None
                     time.sleep(0.2)
-            say(f"server ready in {time.perf_counter() - t0:.1f} s (startup: catalog snapshot + view)")
+            RESULTS["server_ready_s"] = time.perf_counter() - t0
+            say(f"server ready in {RESULTS['server_ready_s']:.1f} s (startup: catalog snapshot + view)")
+            # first touch of every step (in random order): the server reads each step's samples from the store
+            drop_caches()
+            order = list(steps)
+            random.Random(2).shuffle(order)
+            lat = []
+            for r, s in order:
+                t = time.perf_counter()
+                resp = c.get(f"/v1/runs/{run}/steps/{r}:{s}")
+                lat.append(time.perf_counter() - t)
+                assert resp.status_code == 200, resp.text[:300]
+            RESULTS["get_step_first"] = quantiles(lat)
+            say(f"GET /v1/runs/{run}/steps/R:S, first touch of each of {len(order)} steps "
+                f"({'cold page cache' if COLD else 'warm page cache'}): {pct(lat)}; load {load()}")
             rng = random.Random(1)
             ids = [rng.choice(steps) for _ in range(requests)]
             for r, s in ids[:200]:
@@ -142,7 +186,9 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
                 lat.append(time.perf_counter() - t)
                 assert resp.status_code == 200, resp.text[:300]
                 size = len(resp.content)
-            say(f"GET /v1/runs/{run}/steps/R:S, {requests} random steps: {pct(lat)}; body {size} bytes; load {load()}")
+            RESULTS["get_step"] = {**quantiles(lat), "body_bytes": size}
+            say(f"GET /v1/runs/{run}/steps/R:S, {requests} random steps (after warm-up): {pct(lat)}; "
+                f"body {size} bytes; load {load()}")
 
             r, s = steps[0]
             store = Store.open(root, create=False)
@@ -151,11 +197,28 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
             store.close()
             pt = d / "payloads" / "log_probs.pt"
             url = f"/v1/bundles/{b.bundle_key}/payloads/log_probs"
+            import torch
+
+            drop_caches()  # first download vs first torch.load, both from the disk when --cold
+            t = time.perf_counter()
+            torch.load(pt, weights_only=True)
+            t_load0 = time.perf_counter() - t
+            t = time.perf_counter()
+            c.get(url, params={"format": "raw"}).raise_for_status()
+            t_get0 = time.perf_counter() - t
             loads, gets, nbytes = time_downloads(c, url, pt, 20)
             kb = nbytes / 1e3
             tl = float(np.median(loads))
+            RESULTS["download"] = {
+                "bytes": nbytes, "first_load_ms": t_load0 * 1e3, "first_get_ms": t_get0 * 1e3,
+                "first_ratio": t_load0 / t_get0, "load_ms": tl * 1e3,
+                **{f"{fmt}_ms": float(np.median(ts)) * 1e3 for fmt, ts in gets.items()},
+                **{f"{fmt}_ratio": tl / float(np.median(ts)) for fmt, ts in gets.items()},
+            }
             parts = [f"GET {fmt} {tl / float(np.median(ts)):.2f}x" for fmt, ts in gets.items()]
-            say(f"payload log_probs {kb:.0f} kB: torch.load {tl * 1e3:.2f} ms; ratio torch.load/GET: {', '.join(parts)}")
+            say(f"payload log_probs {kb:.0f} kB: first (after the cache drop) torch.load {t_load0 * 1e3:.2f} ms, "
+                f"GET raw {t_get0 * 1e3:.2f} ms = {t_load0 / t_get0:.2f}x; repeated: torch.load {tl * 1e3:.2f} ms; "
+                f"ratio torch.load/GET: {', '.join(parts)}")
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -170,6 +233,12 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--mean-tokens", type=int, default=64)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--distinct", action="store_true", help="--build: every bundle its own content (no templates)")
+    ap.add_argument("--steps-per-rollout", type=int, default=8)
+    ap.add_argument("--fault-every", type=int, default=97)
+    ap.add_argument("--clip-every", type=int, default=89)
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each cold figure (root)")
+    ap.add_argument("--json", type=Path, help="write the results here as JSON")
     ap.add_argument("--rollouts", type=int, default=10, help="rollout ids whose bundles the throughput runs replay")
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--lookups", type=int, default=500)
@@ -177,6 +246,10 @@ def main() -> int:
     ap.add_argument("--skip-record", action="store_true", help="reuse recorded results (replay-all --record already ran)")
     ap.add_argument("--skip-api", action="store_true")
     args = ap.parse_args()
+    global COLD
+    COLD = args.cold
+    if COLD:
+        drop_caches()  # fail early when not allowed
 
     say(f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python {platform.python_version()}, "
         f"date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}")
@@ -184,14 +257,18 @@ def main() -> int:
         import make_big_store
 
         truth = make_big_store.make_store(
-            args.build, steps=args.steps, samples=args.samples, mean_tokens=args.mean_tokens, small=args.small
+            args.build, steps=args.steps, samples=args.samples, mean_tokens=args.mean_tokens, small=args.small,
+            distinct=args.distinct, per_rollout=args.steps_per_rollout, fault_every=args.fault_every,
+            clip_every=args.clip_every, progress=sys.stderr.isatty(),
         )
+        say(f"built {truth['bundles']} bundles in {truth['build_seconds']} s; load {load()}")
         root = args.build
         (root.parent / f"{root.name}.truth.json").write_text(json.dumps(truth, indent=1) + "\n")
     else:
         root = args.store
         truth = json.loads((root.parent / f"{root.name}.truth.json").read_text())
     run = truth["run"]
+    RESULTS.update(truth=truth, cold=COLD, store_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
     say(f"store {root}: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} rollouts, "
         f"{truth['samples_per_bundle']} samples and {truth['response_tokens_per_bundle']} response tokens per bundle; "
         f"faulty rollouts {len(truth['faulty_rollouts'])}, wrong-clip steps {len(truth['clip_steps'])}")
@@ -206,14 +283,19 @@ def main() -> int:
         lo, hi = f0 - args.rollouts // 2, f0 - args.rollouts // 2 + args.rollouts - 1
         n_dir, t_exp, t_dir, st_dir = dir_baseline(root, run, lo, hi, scratch)
         dir_bps = n_dir / t_dir
+        RESULTS["dir"] = {"bundles": n_dir, "seconds": t_dir, "bps": dir_bps, "statuses": st_dir}
         say(f"[dir]   export {n_dir} bundles (rollouts {lo}..{hi}) {t_exp:.1f} s; replay from directories "
             f"{t_dir:.1f} s = {dir_bps:.1f} bundles/s (1 process) {st_dir}; load {load()}")
         n_nl, t_nl = stored_nolink(root, run, lo, hi)
+        RESULTS["stored_nolink"] = {"bundles": n_nl, "seconds": t_nl, "bps": n_nl / t_nl}
         say(f"[store] replay_stored(link=False) in process: {n_nl / t_nl:.1f} bundles/s "
             f"({n_nl / t_nl / dir_bps:.2f}x dir); load {load()}")
         for w in (1, 2):
+            drop_caches()
             s = replay_all(root, run=run, rollout_from=lo, rollout_to=hi, workers=w, record=False, progress=False)
             bps = s.total / s.seconds
+            RESULTS[f"replay_all_w{w}"] = {"bundles": s.total, "seconds": s.seconds, "bps": bps, "per_worker": bps / w,
+                                          "passed": s.passed, "diverged": s.diverged, "refused": s.refused}
             say(f"[store] replay_all workers={w}: {s.total} bundles in {s.seconds:.1f} s = {bps:.1f} bundles/s "
                 f"({bps / w:.1f} per worker), ratio to directories {bps / dir_bps:.2f}x; "
                 f"pass {s.passed} diverged {s.diverged} refused {s.refused}; load {load()}")
@@ -221,6 +303,8 @@ def main() -> int:
         # -- 2. replay --all --record over the whole store
         if not args.skip_record:
             s = replay_all(root, workers=2, record=True, progress=sys.stderr.isatty())
+            RESULTS["record"] = {"bundles": s.total - s.skipped, "seconds": s.seconds,
+                                 "bps": (s.total - s.skipped) / s.seconds, "histogram": dict(s.histogram)}
             say(f"[store] replay_all --record workers=2, whole store: {s.total} bundles "
                 f"({s.skipped} already recorded) in {s.seconds:.0f} s = {(s.total - s.skipped) / s.seconds:.1f} bundles/s; "
                 f"histogram {dict(s.histogram)}; refused {s.refused}; load {load()}")
@@ -237,6 +321,8 @@ def main() -> int:
             roots = {i["root_bundle_key"] for i in page["items"]}
             clip = query_steps(cat, run=run, first_divergent_stage="loss.policy", limit=1000)
             got_clip = {(i["rollout_id"], i["step_id"]) for i in clip["items"]}
+            RESULTS["truth_check"] = {"reward_steps": got == want, "clip_steps": got_clip == {
+                tuple(x) for x in truth["clip_steps"]}, "rooted": all(k and "/rollout-" in k for k in roots)}
             say(f"query reward.post_process: {len(got)} steps, exactly the injected rollouts' steps: {got == want}; "
                 f"rooted in rollout bundles: {all(k and '/rollout-' in k for k in roots)}; "
                 f"loss.policy: {len(got_clip)} steps, exactly the wrong-clip steps: "
@@ -246,6 +332,7 @@ def main() -> int:
                 t = time.perf_counter()
                 query_steps(cat, run=run, first_divergent_stage="reward.post_process", limit=1000)
                 lat.append(time.perf_counter() - t)
+            RESULTS["query"] = quantiles(lat)
             say(f"query_steps(first_divergent_stage=reward.post_process, limit=1000): {pct(lat)}; load {load()}")
             lat = []
             for _ in range(args.queries):
@@ -264,12 +351,14 @@ def main() -> int:
                 rows = lookup_step(cat, run, r, s)
                 lat.append(time.perf_counter() - t)
                 assert len(rows) == 1
+            RESULTS["lookup_step"] = quantiles(lat)
             say(f"catalog.lookup_step: {pct(lat)}; load {load()}")
         lat = []
         for r, s in ids:
             t = time.perf_counter()
             (b,) = store.step(run, r, s)
             lat.append(time.perf_counter() - t)
+        RESULTS["store_step"] = quantiles(lat)
         say(f"Store.step (refs, no catalog): {pct(lat)}; load {load()}")
         store.close()
         t = time.perf_counter()
@@ -288,6 +377,8 @@ def main() -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     say(f"done; load {load()}")
+    if args.json:
+        args.json.write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
     return 0
 
 

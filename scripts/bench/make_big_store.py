@@ -2,7 +2,7 @@
 """Build a large generated store fast: N actor steps (plus their rollout bundles) with injected faults.
 
     .venv/bin/python scripts/bench/make_big_store.py OUT --steps 10000 [--samples 256] [--mean-tokens 64]
-        [--steps-per-rollout 8] [--jobs 2] [--run long] [--small]
+        [--steps-per-rollout 8] [--jobs 2] [--run long] [--small | --distinct]
 
 Writing 10,000 distinct bundles with torch.save costs 50-150 ms each here, so
 the store is built from a few *template* bundles (tests/replay_builders.py
@@ -25,6 +25,15 @@ closed, so a NaN step never reaches a store.)
 Faulty rollouts are every `--fault-every`-th rollout id starting at 17; wrong
 clip steps are (r, 3) for every `--clip-every`-th rollout id starting at 5
 (skipping faulty rollouts). The ground truth is written to OUT/../<OUT name>.truth.json.
+
+`--distinct` writes every bundle with its own seeded content instead of
+cloning templates (no hard links, no whole-bundle dedup): rollout r is drawn
+from seed r with response lengths in [mean/2, 3*mean/2]; its steps consume the
+same samples (rewards, old/ref log-probs, KL and advantages: linkage holds,
+and those payloads dedup against the rollout bundle as in a real run), and
+each step draws its own `log_probs` and `entropy` (the policy moved) and
+recomputes its expected loss from them. Slower to build (every payload is
+serialized and ingested), but the store holds honest bytes.
 
 `--small` is the fast variant (8 samples of 2-7 tokens). Bundle directories
 are generated and ingested in batches (bounded scratch space), by `--jobs`
@@ -53,6 +62,7 @@ from replay_builders import Faults, consistent_contents  # noqa: E402
 
 from trajstore.bundle.writer import write_bundle  # noqa: E402
 from trajstore.jsonio import canonical_bytes, sha256_bytes  # noqa: E402
+from trajstore.replay import kernels  # noqa: E402
 
 
 def _lengths(samples: int, mean_tokens: int, small: bool) -> list[int]:
@@ -142,6 +152,17 @@ class Cloner:
         )
 
 
+@dataclasses.dataclass
+class _DistinctWriter:
+    """A Cloner look-alike for `_work`: `clone` writes a fresh bundle instead."""
+
+    maker: DistinctMaker
+    name: str
+
+    def clone(self, dest: Path, rollout_id: int, step_id: int | None) -> None:
+        self.maker.write(dest, self.name, rollout_id, step_id)
+
+
 def plan(steps: int, per_rollout: int, fault_every: int, clip_every: int) -> dict[str, Any]:
     rollouts = -(-steps // per_rollout)
     faulty = set(range(17, rollouts, fault_every)) if fault_every else set()
@@ -159,13 +180,75 @@ def _steps_of(r: int, p: dict) -> range:
     return range(min(p["steps_per_rollout"], p["steps"] - r * p["steps_per_rollout"]))
 
 
+PBN_LARGE = 12  # physical batch of the streaming fault (not a multiple of 8 samples per group)
+FAULTS = {
+    "rollout-ok": None,
+    "rollout-bad": Faults(physical_batch_norm=PBN_LARGE),
+    "step-ok": None,
+    "step-bad": Faults(physical_batch_norm=PBN_LARGE),
+    "step-clip": Faults(eps_clip_high=0.35),
+}
+
+
+@dataclasses.dataclass
+class DistinctMaker:
+    """Writes each bundle with its own seeded content (see the module docstring, `--distinct`)."""
+
+    samples: int
+    mean_tokens: int
+
+    def write(self, dest: Path, name: str, rollout_id: int, step_id: int | None) -> None:
+        kind = "rollout" if step_id is None else "step"
+        n = 8
+        groups = max(1, self.samples // n)
+        rng = np.random.default_rng(rollout_id)
+        lo, hi = max(2, self.mean_tokens // 2), self.mean_tokens * 3 // 2
+        lengths = [int(x) for x in rng.integers(lo, hi + 1, size=groups * n)]
+        faults = FAULTS[name]
+        built = consistent_contents(
+            kind=kind, groups=groups, n=n, lengths=lengths, rollout_id=rollout_id, step_id=step_id or 0,
+            seed=rollout_id, faults=faults,
+            drop_expected=("reward.raw", "reward.post_process") if kind == "step" else (),
+            bundle_id=f"big-{kind}-{rollout_id}-{step_id}",
+        )
+        c = built.contents
+        if kind == "step":
+            c.stage_contracts = {k: v for k, v in c.stage_contracts.items() if not k.startswith("reward.")}
+            self._own_policy(c, rollout_id, step_id or 0, faults)
+        write_bundle(dest, c)
+
+    @staticmethod
+    def _own_policy(c: Any, rollout_id: int, step_id: int, faults: Faults | None) -> None:
+        """This step's own log_probs and entropy, and the loss a correct (or faulty) producer derives."""
+        rng = np.random.default_rng([rollout_id, step_id, 1])
+        p = c.payloads
+        old = p["old_log_probs"]
+        p["log_probs"] = (old + rng.normal(0.0, 0.3, old.shape[0])).astype(np.float32)
+        p["entropy"] = rng.uniform(0.0, 2.0, old.shape[0]).astype(np.float32)
+        cfg = c.config
+        lens = np.asarray([s["response_length"] for s in c.samples], dtype=np.int64)
+        mask = np.concatenate([np.asarray(s["loss_mask"], dtype=np.float32) for s in c.samples])
+        eps_high = faults.eps_clip_high if faults and faults.eps_clip_high is not None else cfg.get("eps_clip_high")
+        c.expected["loss.policy"] = kernels.loss_policy(
+            old, p["log_probs"], p["advantages"], p["entropy"], mask, lens,
+            eps_clip=float(cfg["eps_clip"]), eps_clip_high=eps_high, eps_clip_c=cfg.get("eps_clip_c"),
+            entropy_coef=float(cfg["entropy_coef"]), use_kl_loss=bool(cfg.get("use_kl_loss", False)),
+            kl_loss_coef=float(cfg.get("kl_loss_coef", 0.0)), kl_loss_type=cfg["kl_loss_type"],
+            ref_log_probs=p["ref_log_probs"], use_unbiased_kl=bool(cfg.get("use_unbiased_kl", False)),
+        )
+
+
 def _work(args: tuple) -> tuple[int, int, float]:
     """Generate and ingest rollouts [lo, hi): returns (bundles, refused, seconds)."""
     from trajstore.store import Store
 
     out, run, tmpls, p, lo, hi, scratch = args
     t0 = time.perf_counter()
-    cloners = {k: Cloner(Path(v)) for k, v in tmpls.items()}
+    if "distinct" in tmpls:
+        maker = DistinctMaker(**tmpls["distinct"])
+        cloners = {k: _DistinctWriter(maker, k) for k in FAULTS}
+    else:
+        cloners = {k: Cloner(Path(v)) for k, v in tmpls.items()}
     faulty, clip = set(p["faulty_rollouts"]), {tuple(x) for x in p["clip_steps"]}
     cap = Path(tempfile.mkdtemp(prefix=f"cap-{lo}-", dir=scratch))
     try:
@@ -190,7 +273,7 @@ def _work(args: tuple) -> tuple[int, int, float]:
 
 def make_store(
     out: Path, *, steps: int, samples: int = 256, mean_tokens: int = 64, per_rollout: int = 8,
-    small: bool = False, jobs: int = 2, batch_rollouts: int = 25, run: str = "long",
+    small: bool = False, distinct: bool = False, jobs: int = 2, batch_rollouts: int = 25, run: str = "long",
     fault_every: int = 97, clip_every: int = 89, progress: bool = True,
 ) -> dict[str, Any]:
     """Build the store at `out` (must not exist); returns the plan (ground truth) plus timings."""
@@ -205,10 +288,14 @@ def make_store(
     t0 = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="bigstore-", dir=out.parent))
     try:
-        tmpls = {k: str(v) for k, v in build_templates(scratch, samples, mean_tokens, small).items()}
+        if distinct:
+            tmpls: dict[str, Any] = {"distinct": {"samples": samples, "mean_tokens": mean_tokens}}
+            tokens = None  # varies per rollout; mean below
+        else:
+            tmpls = {k: str(v) for k, v in build_templates(scratch, samples, mean_tokens, small).items()}
+            lens = json.loads((Path(tmpls["step-ok"]) / "index.json").read_bytes())["samples"]
+            tokens = sum(s["response_length"] for s in lens)
         Store.open(out, durable=False).close()
-        lens = json.loads((Path(tmpls["step-ok"]) / "index.json").read_bytes())["samples"]
-        tokens = sum(s["response_length"] for s in lens)
         chunks = [(lo, min(lo + batch_rollouts, p["rollouts"])) for lo in range(0, p["rollouts"], batch_rollouts)]
         jobs_args = [(str(out), run, tmpls, p, lo, hi, str(scratch)) for lo, hi in chunks]
         done = refused = 0
@@ -236,7 +323,13 @@ def make_store(
         shutil.rmtree(scratch, ignore_errors=True)
     if refused:
         raise SystemExit(f"{refused} bundles were refused by ingest")
+    if tokens is None:  # distinct: mean response tokens per bundle over the rollouts' own lengths
+        per = [sum(int(x) for x in np.random.default_rng(r).integers(max(2, mean_tokens // 2), mean_tokens * 3 // 2 + 1,
+                                                                      size=max(1, samples // 8) * 8))
+               for r in range(p["rollouts"])]
+        tokens = round(float(np.mean(per)))
     p.update(
+        distinct=distinct, mean_tokens=mean_tokens,
         run=run, samples_per_bundle=samples, response_tokens_per_bundle=tokens, bundles=done,
         build_seconds=round(time.perf_counter() - t0, 1), store=str(out),
     )
@@ -251,6 +344,7 @@ def main() -> int:
     ap.add_argument("--mean-tokens", type=int, default=64, help="mean response length per sample")
     ap.add_argument("--steps-per-rollout", type=int, default=8)
     ap.add_argument("--small", action="store_true", help="8 samples of 2-7 tokens (fast)")
+    ap.add_argument("--distinct", action="store_true", help="every bundle its own seeded content (no templates)")
     ap.add_argument("--jobs", type=int, default=2, help="parallel ingest processes")
     ap.add_argument("--batch-rollouts", type=int, default=25, help="rollouts per generate+ingest batch")
     ap.add_argument("--fault-every", type=int, default=97)
@@ -259,7 +353,7 @@ def main() -> int:
     args = ap.parse_args()
     p = make_store(
         args.out, steps=args.steps, samples=args.samples, mean_tokens=args.mean_tokens,
-        per_rollout=args.steps_per_rollout, small=args.small, jobs=args.jobs,
+        per_rollout=args.steps_per_rollout, small=args.small, distinct=args.distinct, jobs=args.jobs,
         batch_rollouts=args.batch_rollouts, run=args.run, fault_every=args.fault_every,
         clip_every=args.clip_every,
     )
