@@ -1,7 +1,8 @@
 """Tests of the NumPy GRPO replay kernels (contract: docs/replay-math.md).
 
-Hand-computed pins, hypothesis properties, a torch parity check written
-straight from the spec, and the public producer's real fixture bundle.
+Hand-computed pins, hypothesis properties, parity with the independent torch
+oracle (tests/oracle.py, the same one replay tests build bundles with), and the
+public producer's real fixture bundle.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import oracle
 import pytest
 import torch
 from conftest import FIXTURES
@@ -424,65 +426,6 @@ def test_property_sum_of_sample_mean_of_ones_counts_masked_samples(batch) -> Non
 # --------------------------------------------------------------------------- torch parity
 
 
-def torch_approx_kl(lp, base, kl_type, importance_ratio=None):
-    log_ratio = lp.float() - base.float()
-    if kl_type == "k1":
-        kl = log_ratio
-    elif kl_type == "k2":
-        kl = log_ratio**2 / 2
-    else:
-        kl = torch.exp(-log_ratio) - 1 + log_ratio
-    if importance_ratio is not None:
-        kl = importance_ratio * kl
-    if kl_type == "low_var_kl":
-        kl = torch.clamp(kl, -10, 10)
-    return kl
-
-
-def torch_sum_of_sample_mean(x, mask, lengths):
-    total = torch.zeros((), dtype=x.dtype)
-    for xi, mi in zip(torch.split(x, lengths), torch.split(mask.to(x.dtype), lengths), strict=True):
-        total = total + (xi * mi).sum() / torch.clamp_min(mi.sum(), 1)
-    return total
-
-
-def torch_loss_policy(old, lp, adv, ent, mask, lengths, cfg):
-    ppo_kl = old - lp
-    ratio = torch.exp(-ppo_kl)
-    pg1 = -ratio * adv
-    pg2 = -torch.clamp(ratio, 1 - cfg["eps_clip"], 1 + cfg["eps_clip_high"]) * adv
-    pg = torch.maximum(pg1, pg2)
-    clipfrac = (pg2 > pg1).float()
-    if cfg["eps_clip_c"]:
-        pg = torch.where(adv < 0, torch.minimum(-cfg["eps_clip_c"] * adv, pg), pg)
-    out = {
-        "pg_loss": torch_sum_of_sample_mean(pg, mask, lengths),
-        "pg_clipfrac": torch_sum_of_sample_mean(clipfrac, mask, lengths),
-        "ppo_kl": torch_sum_of_sample_mean(ppo_kl, mask, lengths),
-        "entropy_loss": torch_sum_of_sample_mean(ent, mask, lengths),
-    }
-    loss = out["pg_loss"] - cfg["entropy_coef"] * out["entropy_loss"]
-    if cfg["use_kl_loss"]:
-        ir = torch.exp(lp - old) if cfg["use_unbiased_kl"] else None
-        kl = torch_approx_kl(lp, cfg["ref"], cfg["kl_loss_type"], importance_ratio=ir)
-        out["kl_loss"] = torch_sum_of_sample_mean(kl, mask, lengths)
-        loss = loss + cfg["kl_loss_coef"] * out["kl_loss"]
-    out["loss"] = loss
-    return {k: float(v) for k, v in out.items()}
-
-
-def torch_grpo_normalize(raw, gi, n, std_norm=True):
-    rewards = torch.tensor(raw, dtype=torch.float)
-    out = torch.empty_like(rewards)
-    for g in sorted(set(gi)):
-        pos = [i for i, x in enumerate(gi) if x == g]
-        r = rewards[pos] - rewards[pos].mean()
-        if std_norm and n > 1:
-            r = r / (r.std() + 1e-6)
-        out[pos] = r
-    return out
-
-
 def _random_batch(seed: int, n_samples: int = 24):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 40, n_samples).tolist()
@@ -502,13 +445,7 @@ def test_parity_approx_kl(kl_type: str, with_ratio: bool) -> None:
     _, old, lp, ref, _, _, _ = _random_batch(1)
     ratio = np.exp(lp - old) * 3 if with_ratio else None
     ours = approx_kl(lp, ref, kl_type, importance_ratio=ratio)
-    theirs = torch_approx_kl(
-        torch.from_numpy(lp),
-        torch.from_numpy(ref),
-        kl_type,
-        None if ratio is None else torch.from_numpy(ratio),
-    )
-    close(ours, theirs.numpy())
+    close(ours, oracle.approx_kl(lp, ref, kl_type, importance_ratio=ratio))
 
 
 @pytest.mark.parametrize(
@@ -551,10 +488,7 @@ def test_parity_approx_kl(kl_type: str, with_ratio: bool) -> None:
 def test_parity_loss_policy(cfg: dict, seed: int) -> None:
     lengths, old, lp, ref, adv, ent, mask = _random_batch(seed)
     ours = loss_policy(old, lp, adv, ent, mask, lengths, ref_log_probs=ref, **cfg)
-    t = torch.from_numpy
-    theirs = torch_loss_policy(
-        t(old), t(lp), t(adv), t(ent), t(mask), lengths, {**cfg, "ref": t(ref)}
-    )
+    theirs = oracle.policy_loss(old, lp, adv, ent, mask, lengths, ref_log_probs=ref, **cfg)
     assert ours.keys() == theirs.keys()
     for key, val in theirs.items():
         assert ours[key] == pytest.approx(val, abs=ATOL, rel=RTOL), key
@@ -580,7 +514,7 @@ def test_parity_grpo_normalize(n: int) -> None:
     rng = np.random.default_rng(n)
     gi = rng.permutation(np.repeat(np.arange(5), n)).tolist()
     raw = (rng.random(len(gi)) * 4 - 1).round(3).tolist()
-    close(grpo_normalize(raw, gi, n), torch_grpo_normalize(raw, gi, n).numpy())
+    close(grpo_normalize(raw, gi, n), oracle.group_normalize(raw, gi, n))
 
 
 def test_float64_inputs_stay_float64() -> None:
