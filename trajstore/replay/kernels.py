@@ -1,4 +1,4 @@
-"""NumPy kernels of the GRPO replay stage chain (spec: shared/spec/replay-math.md).
+"""NumPy kernels of the GRPO replay stage chain (contract: docs/replay-math.md).
 
 Why NumPy: importing torch costs more than a whole replay may take, so this
 module never imports it. Element-wise math follows torch's dtype behaviour
@@ -12,7 +12,7 @@ comparison tolerance).
 Dtype rule: a NumPy float64 array keeps float64 math; anything else (float32
 arrays, other dtypes, Python lists from JSON) is computed in float32, as the
 producer's `torch.tensor(..., dtype=torch.float)` / `.float()` do.
-`approx_kl` always computes in float32, because the spec's formula casts with
+`approx_kl` always computes in float32, because the contract's formula casts with
 `.float()`.
 
 Per-token arrays are flat: sample 0's response tokens, then sample 1's, ...

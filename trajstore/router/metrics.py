@@ -1,4 +1,4 @@
-"""Route-consistency and log-prob drift metrics (shared/spec/router-metrics.md).
+"""Route-consistency and log-prob drift metrics (contract: docs/router-metrics.md).
 
 Only masked response tokens count: the response region of sample i is the last
 ``response_length_i`` of its ``total_length_i`` tokens in the flat ``[T, L, K]``
