@@ -1,6 +1,6 @@
 """The docs stand on their own: every relative link resolves inside the repository.
 
-A link to a file beside the checkout (``../shared/...``) works only on the
+A link to a file beside the checkout (``../<elsewhere>/...``) works only on the
 machine it was written on; a user's clone has nothing there. So every
 relative link of README.md and docs/*.md must name a file of this
 repository (and, with ``#anchor``, a heading of that file), and no page may
@@ -74,21 +74,28 @@ def test_the_pages_are_found() -> None:
     assert {"replay-math.md", "router-metrics.md", "bundle-format.md"} <= {p.name for p in PAGES}
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_relative_link_names_a_file_of_the_repository(page: Path) -> None:
+def _broken_links(page: Path, root: Path = ROOT) -> list[str]:
+    """One line per relative link of ``page`` that leaves ``root`` or names nothing."""
+    page, root = page.resolve(), root.resolve()
     bad = []
     for n, target in _links(page):
         if not _relative(target):
             continue
         path_part, _, anchor = target.partition("#")
         dest = page if not path_part else (page.parent / path_part).resolve()
-        where = f"{page.relative_to(ROOT)}:{n}: {target}"
-        if not dest.is_relative_to(ROOT):
+        where = f"{page.relative_to(root)}:{n}: {target}"
+        if not dest.is_relative_to(root):
             bad.append(f"{where} points outside the repository")
         elif not dest.exists():
             bad.append(f"{where} names no file")
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
-            bad.append(f"{where} names no heading of {dest.relative_to(ROOT)}")
+            bad.append(f"{where} names no heading of {dest.relative_to(root)}")
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_names_a_file_of_the_repository(page: Path) -> None:
+    bad = _broken_links(page)
     assert not bad, "\n".join(bad)
 
 
@@ -103,17 +110,37 @@ def test_no_page_mentions_a_path_beside_the_checkout(page: Path) -> None:
 
 
 def test_link_checker_sees_a_broken_link(tmp_path: Path) -> None:
-    """The checker itself: a missing file and a path above the root are found."""
+    """The checker itself: links in prose are found, links in code are not."""
     page = tmp_path / "p.md"
     page.write_text(
-        "See [a](missing.md), [b](../shared/spec/x.md), `[c](ignored.md)`,\n"
+        "See [a](missing.md), [b](../outside/x.md), `[c](ignored.md)`,\n"
         "```\n[d](also-ignored.md)\n```\n[e](https://example.com).\n",
         encoding="utf-8",
     )
-    assert [t for _, t in _links(page)] == [
-        "missing.md",
-        "../shared/spec/x.md",
-        "https://example.com",
-    ]
-    assert not _relative("https://example.com") and _relative("../shared/spec/x.md")
+    assert [t for _, t in _links(page)] == ["missing.md", "../outside/x.md", "https://example.com"]
+    assert not _relative("https://example.com") and _relative("../outside/x.md")
 
+
+def test_broken_links_are_reported(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (tmp_path / "beside.md").write_text("# Beside\n", encoding="utf-8")
+    (repo / "docs" / "a.md").write_text("# Title\n\n## A section\n", encoding="utf-8")
+    page = repo / "docs" / "p.md"
+    page.write_text(
+        "[ok](a.md#a-section) [gone](b.md) [out](../../beside.md) [anchor](a.md#nope)\n",
+        encoding="utf-8",
+    )
+    assert [line.split(": ", 1)[1] for line in _broken_links(page, repo)] == [
+        "b.md names no file",
+        "../../beside.md points outside the repository",
+        "a.md#nope names no heading of docs/a.md",
+    ]
+
+
+def test_outside_path_pattern_matches_the_sibling_checkout() -> None:
+    # assembled here so that the repository itself never spells the path
+    sibling = ".." + "/" + "shared"
+    assert _OUTSIDE.search(f"see {sibling}/spec/replay-math.md")
+    assert _OUTSIDE.search("shared" + "/DESIGN.md")
+    assert not _OUTSIDE.search("shared memory / spec sheet")
