@@ -1,14 +1,16 @@
 """Catalog: indexing refs/results, latest attempts, tombstones, migrations,
-read-only SQL, concurrency through the file lock, in-memory snapshots."""
+read-only SQL, concurrency through the file lock, in-memory snapshots.
+
+Every ref, tombstone and result here is written by the real store: bundles are
+written with trajstore's writer and ingested, `Store.remove` tombstones them,
+and results go through the writer `replay --record` uses.
+"""
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import itertools
 import json
 import os
-import secrets
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from conftest import FIXTURES, make_contents
 
+from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.catalog import (
     CATALOG_FILE,
     get_bundle,
@@ -38,52 +42,37 @@ from trajstore.catalog import (
     stats,
     sync_catalog,
 )
-from conftest import FIXTURES
 from trajstore.catalog import tables as t
 from trajstore.errors import StoreError, UsageError
+from trajstore.replay.from_store import write_result
+from trajstore.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = FIXTURES / "example_bundle"
 
 
-def _fixture_dir() -> Path:
-    return FIXTURES / "example_bundle"
+class StoreWriter:
+    """Publishes bundles, tombstones and results into a real store, as ingest,
+    `trajstore rm` and `replay --record` do."""
 
-
-class FakeStore:
-    """Writes refs, tombstones and results the way the object store does, and
-    keeps the documents as JSON files a subprocess can load too."""
-
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, work: Path) -> None:
         self.root = root
-        self.objects = root / "test-objects"
-        self.objects.mkdir(parents=True, exist_ok=True)
-        self.clock = itertools.count(1)
-        fixture = _fixture_dir()
-        self.manifest = json.loads((fixture / "manifest.json").read_text())
-        self.index = json.loads((fixture / "index.json").read_text())
-        self.expected = json.loads((fixture / "expected.json").read_text())
+        self.work = work
+        self.store = Store.open(root, durable=False)
+        self.seeds = itertools.count(1)
 
     def load(self, digest: str) -> dict:
-        return json.loads((self.objects / f"{digest}.json").read_text())
+        return self.store.load_document(digest)
 
-    def _put(self, doc: dict) -> str:
-        data = json.dumps(doc, sort_keys=True).encode()
-        digest = hashlib.sha256(data).hexdigest()
-        (self.objects / f"{digest}.json").write_bytes(data)
-        return digest
+    def _ingest(self, target: Path, run: str) -> list[str]:
+        (out,) = self.store.ingest([target], run=run)
+        assert out.status == "published", out.reason
+        return out.keys
 
-    def _name(self) -> str:
-        return f"{1_800_000_000_000_000_000 + next(self.clock) * 1000:020d}-{os.getpid()}-{secrets.token_hex(4)}"
-
-    def _write(self, directory: str, doc: dict) -> str:
-        path = self.root / directory
-        path.mkdir(parents=True, exist_ok=True)
-        name = self._name()
-        tmp = path / f".{name}.tmp"
-        tmp.write_text(json.dumps(doc))
-        os.link(tmp, path / f"{name}.json")  # atomic create
-        tmp.unlink()
-        return name
+    def ingest_example(self, run: str = "default") -> str:
+        """The public producer's example bundle (step 120:0); its key."""
+        (key,) = self._ingest(EXAMPLE, run)
+        return key
 
     def publish(
         self,
@@ -91,105 +80,65 @@ class FakeStore:
         step_id: int | None = 0,
         *,
         run: str = "default",
-        rank: int | None = None,
-        attempt: int = 1,
-        cohort_ranks: list[int] | None = None,
         router: dict | None = None,
         consistency: dict | None = None,
     ) -> str:
+        """A new single-producer bundle of step rollout_id:step_id (None: the
+        rollout bundle); new content each call, so again is the next attempt."""
+        seed = next(self.seeds)
         kind = "rollout" if step_id is None else "step"
-        index = copy.deepcopy(self.index)
-        identity = index["identity"]
-        if kind == "step":
-            identity["actor_step_id"] = {"rollout_id": rollout_id, "step_id": step_id}
-            identity["rollout_id"] = None
-        else:
-            identity["actor_step_id"] = None
-            identity["rollout_id"] = rollout_id
+        contents = make_contents(kind=kind, rollout_id=rollout_id, step_id=step_id or 0, seed=seed)
         if router is not None:
-            index["config"]["router"] = router
-        expected = copy.deepcopy(self.expected)
+            contents.config["router"] = router
         if consistency is not None:
-            expected["router.consistency"] = consistency
-        where = f"step-{rollout_id}-{step_id}" if kind == "step" else f"rollout-{rollout_id}"
-        key = f"{run}/{where}/rank-{rank}/a{attempt}"
-        ref = {
-            "ref_version": 1,
-            "key": key,
-            "run": run,
-            "kind": kind,
-            "rollout_id": rollout_id,
-            "step_id": step_id,
-            "rank": rank,
-            "cohort_ranks": cohort_ranks or ([] if rank is None else [rank]),
-            "attempt": attempt,
-            "bundle_id": index["bundle_id"],
-            "format_version": self.manifest["format_version"],
-            "content_digest": hashlib.sha256(key.encode()).hexdigest(),
-            "published_at": "2026-11-30T01:02:03.123456Z",
-            "documents": {
-                "manifest": self._put(self.manifest),
-                "index": self._put(index),
-                "expected": self._put(expected),
-            },
-            "payloads": {
-                name: {
-                    "record": hashlib.sha256(name.encode()).hexdigest(),
-                    "dtype": p["dtype"],
-                    "shape": p["shape"],
-                    "logical_bytes": 40,
-                }
-                for name, p in self.manifest["payloads"].items()
-            },
-            "physical_bytes": 1234,
-        }
-        self._write("refs/bundles", ref)
+            contents.expected["router.consistency"] = consistency
+        (key,) = self._ingest(write_bundle(self.work / f"bundle-{seed}", contents), run)
         return key
 
+    def publish_cohort(self, rollout_id: int, step_id: int, ranks: int = 2, *, run: str = "default") -> list[str]:
+        """A new cohort of step rollout_id:step_id; its keys by rank."""
+        seed = next(self.seeds)
+        dest = self.work / f"cohort-{seed}"
+        for r in range(ranks):
+            contents = make_contents(rollout_id=rollout_id, step_id=step_id, seed=seed, rank=r, world=ranks)
+            write_rank(dest, contents, rank=r, expected_ranks=list(range(ranks)))
+        return self._ingest(dest, run)
+
     def tombstone(self, key: str) -> None:
-        self._write(
-            "refs/tombstones",
-            {"tombstone_version": 1, "key": key, "removed_at": "2026-12-01T00:00:00Z"},
-        )
+        assert self.store.remove([key]) == [key]
 
     def record(
         self,
         bundle_key: str,
-        rollout_id: int = 120,
-        step_id: int | None = 0,
         *,
-        run: str = "default",
         status: str = "diverged",
         stage: str | None = "advantage.estimate",
         recorded_at: str = "2026-11-30T02:00:00Z",
         version: str = "0.1.0",
-        divergences: list[dict] | None = None,
     ) -> None:
-        if divergences is None:
-            divergences = (
-                [
-                    {
-                        "stage": stage,
-                        "sample_id": f"s-{i}",
-                        "field": "advantages",
-                        "token_offset": i,
-                        "expected": 0.7,
-                        "actual": 2.0 + i,
-                        "abs_err": 1.3 + i,
-                    }
-                    for i in range(3)
-                ]
-                if stage
-                else []
-            )
-        self._write(
-            "results",
+        """A result document for the bundle; a diverged one has three divergences
+        (abs_err 1.3, 2.3, 3.3 on samples s-0, s-1, s-2)."""
+        ref = self.store.bundle(bundle_key).ref
+        divergences = [
+            {
+                "stage": stage,
+                "sample_id": f"s-{i}",
+                "field": "advantages",
+                "token_offset": i,
+                "expected": 0.7,
+                "actual": 2.0 + i,
+                "abs_err": 1.3 + i,
+            }
+            for i in range(3 if stage else 0)
+        ]
+        write_result(
+            self.store,
             {
                 "result_version": 1,
                 "bundle_key": bundle_key,
-                "run": run,
-                "rollout_id": rollout_id,
-                "step_id": step_id,
+                "run": ref["run"],
+                "rollout_id": ref["rollout_id"],
+                "step_id": ref["step_id"],
                 "trajstore_version": version,
                 "recorded_at": recorded_at,
                 "status": status,
@@ -215,11 +164,11 @@ class FakeStore:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> FakeStore:
-    return FakeStore(tmp_path / "store")
+def store(tmp_path: Path) -> StoreWriter:
+    return StoreWriter(tmp_path / "store", tmp_path / "bundles")
 
 
-def _sync(store: FakeStore):
+def _sync(store: StoreWriter):
     with open_catalog(store.root) as cat:
         return sync_catalog(cat, store.root, store.load)
 
@@ -238,7 +187,9 @@ def _answers(cat) -> dict:
 
 
 def test_index_bundle_from_ref_and_documents(store):
-    key = store.publish(120, 0)
+    key = store.ingest_example()
+    manifest = json.loads((EXAMPLE / "manifest.json").read_text())
+    index = json.loads((EXAMPLE / "index.json").read_text())
     with open_catalog(store.root) as cat:
         assert sync_catalog(cat, store.root, store.load).new_refs == 1
         (row,) = lookup_step(cat, "default", 120, 0)
@@ -248,20 +199,19 @@ def test_index_bundle_from_ref_and_documents(store):
     assert row["key"] == key and row["kind"] == "step" and row["is_latest"]
     assert row["bundle_id"] == "b-example" and row["format_version"] == "2.0.0"
     assert (row["rollout_weight"], row["actor_weight"]) == ("w-119", "w-120")
-    assert row["num_samples"] == len(store.index["samples"]) == len(samples)
-    assert row["num_response_tokens"] == sum(s["response_length"] for s in store.index["samples"])
-    assert [s["sample_id"] for s in samples] == [s["sample_id"] for s in store.index["samples"]]
+    assert row["num_samples"] == len(index["samples"]) == len(samples)
+    assert row["num_response_tokens"] == sum(s["response_length"] for s in index["samples"])
+    assert [s["sample_id"] for s in samples] == [s["sample_id"] for s in index["samples"]]
     assert samples[0]["semantic_group"] == "g-0" and samples[0]["micro_batch_id"] == "mb-0000"
     assert samples[1]["masked_tokens"] == 1
-    assert {p["name"] for p in payloads} == set(store.manifest["payloads"])
+    assert {p["name"] for p in payloads} == set(manifest["payloads"])
     assert payloads[0]["shape"] == [10]
     assert provenance["rollout_partition"] == ["rollout-119"]
     assert provenance["micro_batch"] == ["mb-0000", "mb-0001"]
 
 
 def test_sync_is_incremental_and_idempotent(store):
-    store.publish(120, 0)
-    store.record("default/step-120-0/rank-None/a1")
+    store.record(store.publish(120, 0))
     first = _sync(store)
     again = _sync(store)
     store.publish(121, 0)
@@ -275,8 +225,7 @@ def test_sync_is_incremental_and_idempotent(store):
 
 
 def test_latest_attempt_is_the_highest(store):
-    store.publish(120, 0, attempt=1)
-    store.publish(120, 0, attempt=2)
+    keys = [store.publish(120, 0), store.publish(120, 0)]
     _sync(store)
     with open_catalog(store.root) as cat:
         latest = lookup_step(cat, "default", 120, 0)
@@ -285,11 +234,11 @@ def test_latest_attempt_is_the_highest(store):
     assert [r["attempt"] for r in latest] == [2]
     assert [r["attempt"] for r in first] == [1] and not first[0]["is_latest"]
     assert [r["attempt"] for r in every] == [1, 2]
+    assert [r["key"] for r in every] == keys == ["default/step-120-0/a1", "default/step-120-0/a2"]
 
 
 def test_lookup_step_returns_every_rank(store):
-    for rank in (1, 0):
-        store.publish(120, 0, rank=rank, cohort_ranks=[0, 1])
+    store.publish_cohort(120, 0)
     store.publish(120, None)
     _sync(store)
     with open_catalog(store.root) as cat:
@@ -302,8 +251,8 @@ def test_lookup_step_returns_every_rank(store):
 
 
 def test_tombstone_hides_bundle_and_uncovers_previous_attempt(store):
-    store.publish(120, 0, attempt=1)
-    second = store.publish(120, 0, attempt=2)
+    store.publish(120, 0)
+    second = store.publish(120, 0)
     _sync(store)
     store.tombstone(second)
     assert _sync(store).new_tombstones == 1
@@ -316,7 +265,7 @@ def test_tombstone_hides_bundle_and_uncovers_previous_attempt(store):
 def test_tombstone_synced_before_its_ref_still_hides_it(store):
     key = store.publish(120, 0)
     store.tombstone(key)
-    ref = next((store.root / "refs/bundles").iterdir())
+    (ref,) = store.store.layout.bundle_refs.iterdir()
     hidden = ref.rename(store.root / "held-back.json")
     _sync(store)  # sees only the tombstone
     hidden.rename(ref)
@@ -329,10 +278,10 @@ def test_query_steps_filters_by_latest_first_divergent_stage(store):
     a = store.publish(120, 0)
     b = store.publish(121, 0)
     c = store.publish(122, 0)
-    store.record(a, 120, 0, stage="advantage.estimate")
-    store.record(b, 121, 0, stage="loss.policy")
-    store.record(c, 122, 0, stage="advantage.estimate", recorded_at="2026-11-30T01:00:00Z")
-    store.record(c, 122, 0, status="pass", stage=None, recorded_at="2026-11-30T03:00:00Z")
+    store.record(a, stage="advantage.estimate")
+    store.record(b, stage="loss.policy")
+    store.record(c, stage="advantage.estimate", recorded_at="2026-11-30T01:00:00Z")
+    store.record(c, status="pass", stage=None, recorded_at="2026-11-30T03:00:00Z")
     _sync(store)
     with open_catalog(store.root) as cat:
         hits = query_steps(cat, first_divergent_stage="advantage.estimate")["items"]
@@ -345,7 +294,7 @@ def test_query_divergences_filters(store):
     key = store.publish(120, 0)
     store.record(key)
     other = store.publish(130, 0, run="fix")
-    store.record(other, 130, 0, run="fix", stage="loss.policy")
+    store.record(other, stage="loss.policy")
     _sync(store)
     with open_catalog(store.root) as cat:
         big = query_divergences(cat, run="default", min_abs_err=2.0)["items"]
@@ -385,8 +334,7 @@ def test_router_lineage_and_producer_metrics_indexed(store):
 def test_pagination_walks_everything_exactly_once(store):
     for rollout in range(5):
         for step in range(3):
-            key = store.publish(rollout, step, attempt=1)
-            store.record(key, rollout, step)
+            store.record(store.publish(rollout, step))
         store.publish(rollout, None)
     _sync(store)
     with open_catalog(store.root) as cat:
@@ -470,16 +418,16 @@ def test_newer_catalog_is_refused(tmp_path):
 
 
 def test_reindex_after_deleting_catalog_gives_identical_answers(store):
-    first = store.publish(120, 0, attempt=1)
+    first = store.publish(120, 0)
     store.record(first)
     _sync(store)
-    store.publish(120, 0, attempt=2)
+    store.publish(120, 0)
     gone = store.publish(121, 0)
     store.publish(121, None)
     _sync(store)
     store.tombstone(gone)
-    store.record(store.publish(122, 0, rank=0, cohort_ranks=[0, 1]), 122, 0, stage="loss.policy")
-    store.publish(122, 0, rank=1, cohort_ranks=[0, 1])
+    rank0, _ = store.publish_cohort(122, 0)
+    store.record(rank0, stage="loss.policy")
     _sync(store)
     with open_catalog(store.root) as cat:
         before = _answers(cat)
@@ -558,11 +506,12 @@ def test_sync_still_works_after_readonly_sql(store):
 
 SYNCER = textwrap.dedent(
     """
-    import json, sys
+    import sys
     from pathlib import Path
     from trajstore.catalog import open_catalog, sync_catalog
+    from trajstore.store import Store
     store = Path(sys.argv[1])
-    load = lambda h: json.loads((store / "test-objects" / f"{h}.json").read_text())
+    load = Store.open(store, create=False).load_document
     with open_catalog(store, lock_timeout=120) as cat:
         sync_catalog(cat, store, load)
         if len(sys.argv) > 2:  # hold the catalog until told to let go
@@ -572,7 +521,7 @@ SYNCER = textwrap.dedent(
 )
 
 
-def _spawn(store: FakeStore, *, hold: bool = False) -> subprocess.Popen:
+def _spawn(store: StoreWriter, *, hold: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen(
         [sys.executable, "-c", SYNCER, str(store.root)] + (["hold"] if hold else []),
