@@ -4,6 +4,10 @@
 compare with ``==``; a non-finite actual where the expected is finite is a
 mismatch. Per-token mismatches are located as (sample_id, token offset in
 that sample's response); the first 10 are kept as concrete examples.
+
+Each example keeps the dtype its two values came from, so a report can print
+them with enough digits to round-trip that dtype (`format_value`): two float32
+values one ulp apart must never print the same.
 """
 
 from __future__ import annotations
@@ -13,6 +17,25 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 MAX_EXAMPLES = 10
+
+
+def format_value(x: float | None, dtype: str | None = None) -> str:
+    """The shortest decimal that reads back as ``x`` in ``dtype`` ("null" for None).
+
+    float32 needs at most 9 significant digits, float64 at most 17; without a
+    dtype the value is printed as float64 (which round-trips every float dtype).
+    """
+    if x is None:
+        return "null"
+    if dtype is not None and np.dtype(dtype).kind == "f" and np.dtype(dtype).itemsize < 8:
+        return str(np.dtype(dtype).type(x))
+    return repr(float(x))
+
+
+def float_dtype(x: object) -> str:
+    """Name of the float dtype ``x``'s values are held in (float64 for lists and ints)."""
+    dt = np.asarray(x).dtype
+    return dt.name if dt.kind == "f" else "float64"
 
 
 def json_number(x: object) -> object:
@@ -33,9 +56,16 @@ class Divergence:
     expected: float | None
     actual: float | None
     abs_err: float | None
+    #: dtype ``expected``/``actual`` were held in (None: unknown, printed as float64)
+    expected_dtype: str | None = None
+    actual_dtype: str | None = None
 
     def to_dict(self) -> dict:
-        """JSON-safe: a non-finite number becomes null (strict JSON has no NaN/Infinity)."""
+        """JSON-safe: a non-finite number becomes null (strict JSON has no NaN/Infinity).
+
+        Values are the exact float64 of what was compared (a float32 converts
+        exactly), so JSON's shortest float64 repr tells any two of them apart.
+        """
         return {k: json_number(v) for k, v in asdict(self).items()}
 
     def where(self) -> str:
@@ -80,6 +110,7 @@ def compare_arrays(
     reported as sample@offset. Without it, element i belongs to sample i
     (per-sample values) or, with no sample_ids, to the field itself.
     """
+    e_dtype, a_dtype = float_dtype(expected), float_dtype(actual)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     if e.shape != a.shape:
@@ -112,5 +143,9 @@ def compare_arrays(
             sid, off = sample_ids[i], None
         else:
             sid, off = None, None
-        examples.append(Divergence(stage, sid, field, off, _num(e[i]), _num(a[i]), _num(diff[i])))
+        examples.append(
+            Divergence(
+                stage, sid, field, off, _num(e[i]), _num(a[i]), _num(diff[i]), e_dtype, a_dtype
+            )
+        )
     return Comparison(max_err, int(idx.size), examples)
