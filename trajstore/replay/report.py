@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from trajstore.replay.compare import Divergence
+from trajstore.replay.compare import Divergence, format_value
 from trajstore.replay.runner import BundleReport, ReplayReport
 
 
-def _fmt(x: float | None) -> str:
+def _fmt_err(x: float | None) -> str:
+    """An error magnitude: 6 significant digits say how far apart, not which values."""
     return "null" if x is None else f"{x:.6g}"
 
 
-def _divergence_line(d: Divergence) -> str:
+def divergence_line(d: Divergence) -> str:
+    """One mismatch; expected/actual round-trip their dtype so they never print the same."""
+    actual = format_value(d.actual, d.actual_dtype)
     if d.expected is None and d.actual is None and d.abs_err is None:
         return f"{d.where()}: missing"
     if d.expected is None and d.abs_err is None:
-        return f"{d.where()}: actual={_fmt(d.actual)}"
-    return f"{d.where()}: expected={_fmt(d.expected)} actual={_fmt(d.actual)} abs_err={_fmt(d.abs_err)}"
+        return f"{d.where()}: actual={actual}"
+    expected = format_value(d.expected, d.expected_dtype)
+    return f"{d.where()}: expected={expected} actual={actual} abs_err={_fmt_err(d.abs_err)}"
 
 
 def format_bundle(report: BundleReport, header: str) -> list[str]:
@@ -38,7 +42,7 @@ def format_bundle(report: BundleReport, header: str) -> list[str]:
             line += "  (input only)"
         lines.append(line)
         for d in s.divergences:
-            lines.append(" " * 10 + _divergence_line(d))
+            lines.append(" " * 10 + divergence_line(d))
     return lines
 
 
