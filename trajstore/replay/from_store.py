@@ -2,9 +2,13 @@
 
 A step-level bundle consumes samples of its rollout's rollout-level bundle.
 When both are stored, the rollout bundle is replayed first and its
-*recomputed* rewards feed the step's advantage stage for the samples the step
-consumed; a divergence that starts in the rollout is then reported as rooted
-there, with the step's stages marked downstream of it.
+*recomputed* rewards give the advantages the step should have consumed, for
+the samples it consumed: the step's ``advantage.estimate`` uses them, and
+`check_linkage` checks the step's recorded advantages against them even when
+the step's producer declared no reward or advantage stage. A divergence that
+starts in the rollout and reached the step is reported as rooted there, with
+the step's stages marked downstream of it. Where the check cannot run (rollout
+not stored, no rewards recomputed, ``link=False``) the report says so.
 """
 
 from __future__ import annotations
@@ -18,8 +22,23 @@ import numpy as np
 
 from trajstore import __version__
 from trajstore.errors import NotFoundError, UsageError
-from trajstore.replay.runner import ReplayReport, StageRequest, replay_sources
+from trajstore.replay import kernels
+from trajstore.replay.compare import compare_arrays
+from trajstore.replay.runner import (
+    BundleReport,
+    Linkage,
+    ReplayReport,
+    StageRequest,
+    replay_sources,
+)
 from trajstore.replay.selection import SelectionRequest
+from trajstore.replay.stages import (
+    KNOWN_CONFIG_KEYS,
+    STAGES,
+    ReplayContext,
+    StageInputError,
+    StageOutcome,
+)
 
 #: rollout stages whose outputs a step bundle consumes
 FEEDS_STEPS = ("reward.raw", "reward.post_process")
@@ -83,6 +102,27 @@ def _upstream_rewards(rollout_report: ReplayReport) -> dict[str, float]:
     return out
 
 
+def _replay_rollout(
+    store: Any, run: str, rollout_id: int, cache: dict[tuple[str, ...], ReplayReport] | None
+) -> ReplayReport | None:
+    """The stored rollout bundle's replay (None: not stored), through the cache."""
+    try:
+        sources = store.rollout(run, rollout_id)
+    except NotFoundError:
+        return None
+    if not sources:
+        return None
+    key = tuple(src.bundle_key for src in sources)
+    report = None if cache is None else cache.get(key)
+    if report is None:
+        report = replay_sources(sources, label=sources[0].bundle_id)
+        if cache is not None:
+            while len(cache) >= ROLLOUT_CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            cache[key] = report
+    return report
+
+
 def replay_stored(
     store: Any,
     target: Target,
@@ -93,50 +133,211 @@ def replay_stored(
     rollout_cache: dict[tuple[str, ...], ReplayReport] | None = None,
 ) -> ReplayReport:
     """Replay a stored step/rollout/bundle; gives the report replaying its export gives,
-    plus the rollout linkage when the rollout bundle is stored too.
+    plus the rollout linkage check of a step (``report.linkage``).
 
     ``rollout_cache`` (rollout bundle keys -> report) lets a caller replaying many
     steps of one rollout replay that rollout once; it is kept to a few entries.
     """
+    request = request or StageRequest()
     sources = stored_sources(store, target)
     first = sources[0]
-    kind = first.index.identity.kind
     label = first.bundle_id if len(sources) == 1 else f"{first.bundle_id} ({len(sources)} ranks)"
+    if first.index.identity.kind != "step":
+        return replay_sources(sources, label=label, request=request, selection=selection)
+    unchecked = "the advantages this step consumed are not checked against its rollout's rewards"
+    if not link:
+        report = replay_sources(sources, label=label, request=request, selection=selection)
+        report.linkage = Linkage("skipped", f"turned off (no-link); {unchecked}")
+        return report
+    run, rollout_id = first.ref["run"], first.index.identity.rollout_id
+    rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache)
+    rewards = {} if rollout_report is None else _upstream_rewards(rollout_report)
     upstream = None
-    rollout_report = None
-    if link and kind == "step":
-        run = first.ref["run"]
-        try:
-            rollout_sources = store.rollout(run, first.index.identity.rollout_id)
-        except NotFoundError:
-            rollout_sources = []
-        if rollout_sources:
-            cache_key = tuple(src.bundle_key for src in rollout_sources)
-            rollout_report = None if rollout_cache is None else rollout_cache.get(cache_key)
-            if rollout_report is None:
-                rollout_report = replay_sources(rollout_sources, label=rollout_sources[0].bundle_id)
-                if rollout_cache is not None:
-                    while len(rollout_cache) >= ROLLOUT_CACHE_SIZE:
-                        rollout_cache.pop(next(iter(rollout_cache)))
-                    rollout_cache[cache_key] = rollout_report
-            rewards = _upstream_rewards(rollout_report)
-            if rewards:
-                upstream = []
-                for src in sources:
-                    ids = [s.sample_id for s in src.index.samples]
-                    if all(i in rewards for i in ids):
-                        upstream.append({"rewards_by_id": rewards})
-                    else:
-                        upstream.append(None)
+    if rewards:
+        upstream = [
+            {"rewards_by_id": rewards}
+            if all(s.sample_id in rewards for s in src.index.samples)
+            else None
+            for src in sources
+        ]
     report = replay_sources(
         sources, label=label, request=request, selection=selection, upstream=upstream
     )
-    if rollout_report is not None and report.first is not None:
-        root = rollout_report.first_divergent_stage
-        if root in FEEDS_STEPS:
-            report.root_bundle_key = rollout_report.first.bundle_key
-            report.root_stage = root
+    if rollout_report is None:
+        report.linkage = Linkage(
+            "skipped", f"rollout {rollout_id} of run {run} is not in the store; {unchecked}"
+        )
+    else:
+        report.linkage = check_linkage(report, sources, rollout_report, rewards, request)
+    if (
+        report.linkage.status == "fail"
+        and report.first is not None
+        and rollout_report is not None
+        and rollout_report.first_divergent_stage in FEEDS_STEPS
+    ):
+        # The step consumed what a faulty rollout produced: the fault is rooted there.
+        report.root_bundle_key = rollout_report.first.bundle_key
+        report.root_stage = rollout_report.first_divergent_stage
     return report
+
+
+def check_linkage(
+    report: ReplayReport,
+    sources: list[Any],
+    rollout_report: ReplayReport,
+    rewards: dict[str, float],
+    request: StageRequest,
+) -> Linkage:
+    """Check the advantages each replayed rank consumed against its rollout's rewards.
+
+    The expected advantages are GRPO's (docs/replay-math.md): the rollout
+    bundle's *recomputed* post-processed reward of each sample on every response
+    token. Where the step's ``advantage.estimate`` did not run (its producer did
+    not declare it) or passed while this check fails, the check's outcome
+    takes that stage's place in the step's report, so it counts in the verdict.
+    """
+    ro = rollout_report.first or rollout_report.bundles[0]
+    ro_name = f"rollout bundle {ro.bundle_id} ({ro.bundle_key})"
+    ro_stage = rollout_report.first_divergent_stage
+    base = {
+        "rollout_bundle_key": ro.bundle_key,
+        "rollout_bundle_id": ro.bundle_id,
+        "rollout_first_divergent_stage": ro_stage,
+    }
+    if not rewards:
+        post = next(
+            (s for b in rollout_report.bundles for s in b.stages if s.stage == "reward.post_process"),
+            None,
+        )
+        why = "" if post is None else f" (reward.post_process {post.status}: {post.reason})"
+        return Linkage(
+            "skipped",
+            f"{ro_name} recomputed no rewards{why}; the advantages this step consumed are "
+            "not checked against them",
+            **base,
+        )
+    by_key = {src.bundle_key: src for src in sources}
+    requested = not request.explicit or bool(
+        {"reward.post_process", "advantage.estimate"} & set(request.stages)
+    )
+    checked = mismatches = 0
+    max_err: float | None = None
+    missing: list[str] = []
+    skipped: list[str] = []
+    for b in report.bundles:
+        got = _linkage_outcome(by_key[b.bundle_key], b, rewards, ro_name)
+        if isinstance(got, str):
+            skipped.append(got)
+            continue
+        outcome, n, lacking = got
+        checked += n
+        missing += lacking
+        mismatches += outcome.mismatch_count or 0
+        max_err = max(max_err or 0.0, outcome.max_abs_error or 0.0)
+        _merge_linkage(b, outcome, requested)
+    if not checked:
+        return Linkage("skipped", "; ".join(skipped) or "no sample to check", **base)
+    note = ""
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        note += f"; {len(missing)} consumed sample(s) not in the rollout bundle, unchecked: "
+        note += ", ".join(missing[:5]) + more
+    if skipped:
+        note += "; " + "; ".join(skipped)
+    if mismatches == 0:
+        return Linkage(
+            "pass",
+            f"the advantages {checked} sample(s) consumed match those {ro_name}'s recomputed "
+            f"rewards give{note}",
+            samples_checked=checked,
+            max_abs_error=max_err,
+            **base,
+        )
+    where = (
+        f"the rollout diverges first at {ro_stage}"
+        if ro_stage in FEEDS_STEPS
+        else "the rollout's rewards replay clean, so the fault is this step's"
+    )
+    return Linkage(
+        "fail",
+        f"{mismatches} advantage token(s) of {checked} consumed sample(s) differ from those "
+        f"{ro_name}'s recomputed rewards give (max_abs_error={max_err:.3e}); {where}{note}",
+        samples_checked=checked,
+        mismatch_count=mismatches,
+        max_abs_error=max_err,
+        **base,
+    )
+
+
+def _linkage_outcome(
+    src: Any, b: BundleReport, rewards: dict[str, float], ro_name: str
+) -> tuple[StageOutcome, int, list[str]] | str:
+    """(outcome, samples checked, samples the rollout lacks), or why this rank is unchecked."""
+    who = f"rank {b.rank}: " if b.rank is not None else ""
+    config = src.index.config
+    estimator = config.get("advantage_estimator") or "grpo"
+    if estimator != "grpo":
+        return f"{who}advantage_estimator {estimator!r} is not recomputed (grpo only)"
+    unknown = sorted(set(config) - KNOWN_CONFIG_KEYS)
+    if unknown:
+        return f"{who}config key(s) {', '.join(unknown)} not understood by this engine"
+    if src.index.identity.cp != 1:
+        return f"{who}context parallelism cp={src.index.identity.cp} is not supported"
+    ctx = ReplayContext(src, b.selection)
+    have = [i for i, sid in enumerate(ctx.sample_ids) if sid in rewards]
+    lacking = [sid for sid in ctx.sample_ids if sid not in rewards]
+    if not have:
+        return f"{who}none of the samples this step consumed is in {ro_name}"
+    try:
+        consumed = ctx.payload("advantages")
+    except StageInputError as exc:
+        return f"{who}{exc}"
+    ids = [ctx.sample_ids[i] for i in have]
+    lengths = ctx.lengths[have]
+    if lacking:
+        consumed = np.concatenate([consumed[ctx.offsets[i] : ctx.offsets[i + 1]] for i in have])
+    from_rollout = kernels.grpo_returns(
+        np.array([rewards[sid] for sid in ids], dtype=np.float32), lengths
+    )
+    atol, rtol = src.manifest.tolerance("advantage.estimate")
+    comp = compare_arrays(
+        "advantage.estimate",
+        "advantages",
+        consumed,
+        from_rollout,
+        atol=atol,
+        rtol=rtol,
+        exact="advantages" in src.manifest.exact_fields,
+        sample_ids=ids,
+        offsets=kernels.segment_offsets(lengths),
+    )
+    if comp.ok:
+        reason = f"rollout linkage: advantages match {ro_name}'s recomputed rewards"
+    else:
+        reason = (
+            f"rollout linkage: {comp.mismatch_count} advantage token(s) differ from those "
+            f"{ro_name}'s recomputed rewards give (max_abs_error={comp.max_abs_error:.3e})"
+        )
+    outcome = StageOutcome(
+        "advantage.estimate",
+        "pass" if comp.ok else "fail",
+        reason,
+        max_abs_error=comp.max_abs_error,
+        mismatch_count=comp.mismatch_count,
+        divergences=comp.divergences,
+        version=STAGES["advantage.estimate"].version,
+    )
+    return outcome, len(have), lacking
+
+
+def _merge_linkage(b: BundleReport, outcome: StageOutcome, requested: bool) -> None:
+    """Put the check in the step's advantage.estimate slot where it adds information:
+    the stage did not run, or passed on the step's own rewards while the check fails."""
+    pos = next(i for i, s in enumerate(b.stages) if s.stage == "advantage.estimate")
+    current = b.stages[pos]
+    if current.status == "skipped" or (current.status == "pass" and outcome.status == "fail"):
+        outcome.requested = requested
+        b.stages[pos] = outcome
 
 
 def result_document(
@@ -153,6 +354,7 @@ def result_document(
         "first_divergent_stage": report.first_divergent_stage,
         "first_divergent_rank": report.first_divergent_rank,
         "root_bundle_key": report.root_bundle_key,
+        "linkage": None if report.linkage is None else report.linkage.to_dict(),
         "selection": None if selection is None or selection.empty else selection.describe(),
         "first_divergence": fd,
         "stages": [

@@ -70,6 +70,8 @@ def format_report(report: ReplayReport) -> str:
             out.append(
                 f"cohort {report.label} — all requested stages pass on {len(report.bundles)} rank(s)"
             )
+    if report.linkage is not None:
+        out.append(f"rollout linkage: {report.linkage.status} — {report.linkage.reason}")
     if report.root_bundle_key:
         out.append(
             f"first divergent stage: {report.root_stage} in upstream bundle {report.root_bundle_key}; "

@@ -81,6 +81,38 @@ class BundleReport:
 
 
 @dataclass
+class Linkage:
+    """The rollout -> step check of one stored step's replay (docs/cli.md, `replay`).
+
+    A step consumed advantages derived from its rollout's rewards whatever
+    stages its producer declared; this says whether those advantages match the
+    ones the rollout bundle's recomputed rewards give, or why that was not checked.
+    """
+
+    status: str  # pass | fail | skipped
+    reason: str
+    rollout_bundle_key: str | None = None
+    rollout_bundle_id: str | None = None
+    #: the rollout's own first divergent stage (None: it replays clean)
+    rollout_first_divergent_stage: str | None = None
+    samples_checked: int = 0
+    mismatch_count: int = 0
+    max_abs_error: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "rollout_bundle_key": self.rollout_bundle_key,
+            "rollout_bundle_id": self.rollout_bundle_id,
+            "rollout_first_divergent_stage": self.rollout_first_divergent_stage,
+            "samples_checked": self.samples_checked,
+            "mismatch_count": self.mismatch_count,
+            "max_abs_error": json_number(self.max_abs_error),
+        }
+
+
+@dataclass
 class ReplayReport:
     """One verdict over every rank replayed."""
 
@@ -92,6 +124,8 @@ class ReplayReport:
     root_bundle_key: str | None = None
     #: the upstream bundle's first divergent stage when the divergence is rooted there
     root_stage: str | None = None
+    #: the rollout -> step check (stored steps only; None where it does not apply)
+    linkage: Linkage | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -160,6 +194,7 @@ class ReplayReport:
             "requested_stages": list(self.request.stages) if self.request.explicit else "all",
             "selection": self.selection.describe(),
             "bundles": [b.to_dict() for b in self.bundles],
+            **({} if self.linkage is None else {"linkage": self.linkage.to_dict()}),
             **self.extra,
         }
 
