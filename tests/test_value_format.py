@@ -6,6 +6,8 @@ significant digits for float32, 17 for float64); JSON carries the exact value.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from replay_builders import consistent_contents
 from trajstore.bundle.writer import write_bundle
 from trajstore.replay.compare import Divergence, compare_arrays
 from trajstore.replay.report import divergence_line
+from trajstore.store import Store
 
 
 def one_divergence(expected: np.ndarray, actual: np.ndarray) -> Divergence:
@@ -67,8 +70,9 @@ def test_float64_one_ulp_apart_differ_in_json() -> None:
     assert (doc["expected"], doc["actual"]) == (x, y)
 
 
-def test_replay_report_tells_a_one_ulp_payload_change_apart(tmp_path: Path) -> None:
-    """End to end: a recorded advantage nudged by one float32 ulp, compared with zero tolerance."""
+def nudged_bundle(tmp_path: Path) -> tuple[Path, np.float32, np.float32]:
+    """A bundle whose recorded advantage at s-3@0 is one float32 ulp above the correct one,
+    compared with zero tolerance: (path, recorded, correct)."""
     built = consistent_contents(seed=5)
     c = built.contents
     c.comparison_policy = {"tolerances": {"advantage.estimate": {"atol": 0.0, "rtol": 0.0}}}
@@ -77,16 +81,40 @@ def test_replay_report_tells_a_one_ulp_payload_change_apart(tmp_path: Path) -> N
     original = adv[k]
     adv[k] = np.nextafter(original, np.float32(np.inf))
     c.payloads["advantages"] = adv
-    path = write_bundle(tmp_path / "b", c)
+    return write_bundle(tmp_path / "b", c), adv[k], original
+
+
+def test_replay_report_tells_a_one_ulp_payload_change_apart(tmp_path: Path) -> None:
+    """End to end: text and JSON of `trajstore replay` name both values exactly."""
+    path, recorded, original = nudged_bundle(tmp_path)
     cmd = [sys.executable, "-m", "trajstore", "replay", str(path), "--stage", "advantage.estimate"]
     text = subprocess.run(cmd, capture_output=True, text=True)
     assert text.returncode == 1, text.stderr
     line = next(ln for ln in text.stdout.splitlines() if "advantages s-3@0:" in ln)
-    assert np.float32(printed(line, "expected")) == adv[k]
+    assert np.float32(printed(line, "expected")) == recorded
     assert np.float32(printed(line, "actual")) == original
     as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True)
     stage = next(
         s for s in json.loads(as_json.stdout)["bundles"][0]["stages"] if s["stage"] == "advantage.estimate"
     )
     d = stage["divergences"][0]
-    assert (np.float32(d["expected"]), np.float32(d["actual"])) == (adv[k], original)
+    assert (np.float32(d["expected"]), np.float32(d["actual"])) == (recorded, original)
+
+
+def test_query_divergences_tells_a_one_ulp_change_apart(tmp_path: Path) -> None:
+    """The recorded divergence, read back from the catalog as a table and as CSV."""
+    path, recorded, original = nudged_bundle(tmp_path)
+    root = tmp_path / "store"
+    with Store.open(root) as store:
+        store.ingest([path], run="r")
+    cli = [sys.executable, "-m", "trajstore"]
+    out = subprocess.run([*cli, "replay", "--store", str(root), "--step", "120:0", "--record"], capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    query = [*cli, "query", "divergences", "--store", str(root), "--stage", "advantage.estimate", "--sample", "s-3"]
+    table = subprocess.run([*query, "--format", "table"], capture_output=True, text=True).stdout.splitlines()
+    header = table[0].split()
+    row = dict(zip(header, table[1].split(), strict=True))
+    assert (np.float32(float(row["expected"])), np.float32(float(row["actual"]))) == (recorded, original)
+    as_csv = subprocess.run([*query, "--format", "csv"], capture_output=True, text=True).stdout
+    first = next(csv.DictReader(io.StringIO(as_csv)))
+    assert (np.float32(float(first["expected"])), np.float32(float(first["actual"]))) == (recorded, original)

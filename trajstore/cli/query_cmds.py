@@ -82,23 +82,27 @@ def emit_rows(rows: list[dict[str, Any]], columns: list[str], fmt: str) -> None:
         w = csv.writer(sys.stdout)
         w.writerow(columns)
         for r in rows:
-            w.writerow(["" if r.get(c) is None else _cell(r.get(c)) for c in columns])
+            w.writerow(["" if r.get(c) is None else _cell(r.get(c), c) for c in columns])
         return
     if not rows:
         print("(no rows)")
         return
-    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    cells = [[_cell(r.get(c), c) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
 
 
-def _cell(v: Any) -> str:
+#: columns of compared values: printed to round-trip (two different values never print the same)
+EXACT_COLUMNS = frozenset({"expected", "actual"})
+
+
+def _cell(v: Any, column: str = "") -> str:
     if v is None:
         return "null"
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return repr(v) if column in EXACT_COLUMNS else f"{v:.6g}"
     if isinstance(v, (list, dict)):
         return json.dumps(v)
     return str(v)
