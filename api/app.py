@@ -394,14 +394,28 @@ def create_app(store_dir: Path, *, token: str | None = None, poll_s: float = 0.2
 
     r = APIRouter(prefix="/v1")
 
-    @r.get("/health", response_model=m.Health)
-    def health() -> m.Health:
+    @r.get(
+        "/health",
+        response_model=m.Health,
+        responses={503: {"model": m.Health, "description": "degraded: the last catalog sync failed"}},
+    )
+    def health() -> Any:
+        """"ok" (200) while the catalog syncs; "degraded" (503) with the error while it fails.
+
+        Degraded still serves the last snapshot, but documents published since
+        the failure may be missing, so a probe that reads only the status code
+        sees it.
+        """
         st = state()
         v = st.view
-        return m.Health(
-            status="ok", version=__version__, runs=len(v.runs), generation=v.generation,
-            sync_error=st.snap.last_error,
+        error = st.snap.last_error
+        body = m.Health(
+            status="ok" if error is None else "degraded", version=__version__, runs=len(v.runs),
+            generation=v.generation, sync_error=error,
         )
+        if error is None:
+            return body
+        return JSONResponse(body.model_dump(), status_code=503)
 
     @r.get("/runs", response_model=m.RunList)
     def runs() -> m.RunList:

@@ -5,7 +5,9 @@ it copies it once (`Catalog.snapshot_in_memory`) and from then on applies new
 refs, tombstones and results to the copy itself (`sync_catalog`), polling the
 three directories' mtimes. `trajstore ingest` and `replay --record` in other
 processes therefore never meet a lock held by the server, and what they publish
-is visible within about a second.
+is visible within about a second. A sync that fails (a damaged document) is
+retried at each poll; until one succeeds, `last_error` holds the error and
+/v1/health answers "degraded" (docs/rest.md "Health").
 
 On top of the snapshot sits a `View`: plain dicts of the bundle rows, the
 samples and payloads of each bundle and each bundle's latest replay result,
@@ -145,21 +147,30 @@ class CatalogSnapshot:
         self.store = store
         self.poll_s = poll_s
         self.min_interval_s = min_interval_s
+        self.last_error: str | None = None  # the last sync's failure; None once one succeeds
         self.catalog = self._initial_snapshot()
         self._lock = threading.Lock()
         self._stamp: tuple = ()
         self._last_sync = 0.0
-        self.last_error: str | None = None
         self.view = View()
         self.refresh(force=True)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _initial_snapshot(self) -> Catalog:
-        """Sync the file catalog, copy it into memory, release the file."""
+        """Sync the file catalog, copy it into memory, release the file.
+
+        A catalog that cannot be opened stops the server; a sync that fails (a
+        damaged ref or result document) does not: the server starts on what the
+        catalog already holds and reports the error through /v1/health, and the
+        background refresh retries until the document is repaired.
+        """
         cat = open_catalog(self.store.root, self.store.catalog_url)
         try:
-            sync_catalog(cat, self.store.root, self.store.load_document)
+            try:
+                sync_catalog(cat, self.store.root, self.store.load_document)
+            except Exception as exc:
+                self._failed(exc)
             if not cat.is_duckdb or cat.file is None:
                 return cat  # a server database (PostgreSQL) is shared, not copied
             return cat.snapshot_in_memory()
@@ -189,13 +200,19 @@ class CatalogSnapshot:
             if not force and ((stamp == self._stamp and not stale) or now - self._last_sync < self.min_interval_s):
                 return False
             self._last_sync = now
+            before = self._synced_count()
             try:
                 stats = sync_catalog(self.catalog, self.store.root, self.store.load_document)
-            except Exception as exc:  # keep serving the last good snapshot
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("catalog sync failed: %s", self.last_error)
-                return False
+            except Exception as exc:  # keep serving, retry at the next poll
+                self._failed(exc)
+                # batches before the bad document were committed: show them too
+                applied = self._synced_count() != before
+                if applied or force:
+                    self.view = _build_view(self.catalog, self.view, self.view.generation + 1)
+                return applied
             self._stamp = stamp
+            if self.last_error is not None:
+                log.info("catalog sync recovered")
             self.last_error = None
             changed = stats.new_refs or stats.new_tombstones or stats.new_results
             if changed or force:
@@ -203,6 +220,18 @@ class CatalogSnapshot:
             return bool(changed)
         finally:
             self._lock.release()
+
+    def _failed(self, exc: Exception) -> None:
+        """Record a sync failure (logged once per distinct message, not at every poll)."""
+        error = f"{type(exc).__name__}: {exc}"
+        if error != self.last_error:
+            log.warning("catalog sync failed: %s", error)
+        self.last_error = error
+
+    def _synced_count(self) -> int:
+        """Documents applied so far; a failed sync may still have applied some."""
+        with self.catalog.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(t.synced_documents)).scalar_one())
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):

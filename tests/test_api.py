@@ -1,8 +1,9 @@
 """REST API against a real uvicorn server on 127.0.0.1, spoken to with httpx.
 
 Stores: the Relax v2 fixtures (capture dir as run "cap", the single bundle as
-run "ex"), a 500-step store with one run, and a store written to by other
-processes while the server runs.
+run "ex", its divergent twin as run "div"), a 500-step store with one run, a
+store written to by other processes while the server runs, and stores whose
+catalog sync fails on a damaged ref.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from trajstore.store import Store
 
 STEP_DIR = CAPTURE_DIR / "replay-120-0"
 EXAMPLE = FIXTURES / "example_bundle"
+DIVERGENT = FIXTURES / "example_bundle_divergent"
 
 
 @contextlib.contextmanager
@@ -62,6 +64,7 @@ def fixture_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with Store.open(root, durable=False) as st:
         assert all(o.status == "published" for o in st.ingest([CAPTURE_DIR], run="cap"))
         assert all(o.status == "published" for o in st.ingest([EXAMPLE], run="ex"))
+        assert all(o.status == "published" for o in st.ingest([DIVERGENT], run="div"))
     return root
 
 
@@ -222,14 +225,57 @@ def test_errors_are_json_with_the_right_status(client: httpx.Client) -> None:
     _error(client.post("/v1/replay", json={"step": "120:0"}), 400)  # two runs: name one
 
 
-def test_replay_endpoint(client: httpx.Client) -> None:
-    resp = client.post("/v1/replay", json={"run": "ex", "step": "120:0", "stage": "all"})
+def _verdict(report: dict) -> dict:
+    """What a replay decided: verdict, first divergence, each stage's outcome."""
+    first = report["first_divergence"]
+    return {
+        "status": report["status"],
+        "first_divergent_stage": report["first_divergent_stage"],
+        "root_bundle_key": report["root_bundle_key"],
+        "first": None if first is None else (
+            first["stage"], first["sample_id"], first["field"], first["token_offset"], first["mismatch_count"]
+        ),
+        "stages": [
+            (b["rank"], s["stage"], s["status"], s["mismatch_count"],
+             [(d["sample_id"], d["field"], d["token_offset"]) for d in s["divergences"]])
+            for b in report["bundles"]
+            for s in b["stages"]
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    ("run", "exit_code", "status", "first"),
+    [
+        ("ex", 0, "pass", None),
+        # the fixture's known fault: s-0's reward, so its advantages from token 0 on
+        ("div", 1, "diverged", ("advantage.estimate", "s-0", "advantages", 0, 3)),
+    ],
+)
+def test_replay_endpoint_gives_the_cli_verdict(
+    client: httpx.Client, fixture_store: Path, run: str, exit_code: int, status: str, first: tuple | None
+) -> None:
+    cli = _trajstore("replay", "--store", str(fixture_store), "--run", run, "--step", "120:0", "--json")
+    resp = client.post("/v1/replay", json={"run": run, "step": "120:0"})
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    assert body["recorded"] == [] and body["exit_code"] in (0, 1)
-    assert body["report"]["status"] in ("pass", "diverged", "unsupported")
-    sel = client.post("/v1/replay", json={"run": "cap", "step": "120:0", "groups": ["g-0"]})
-    assert sel.status_code == 200, sel.text
+    assert cli.returncode == body["exit_code"] == exit_code, cli.stderr
+    assert body["recorded"] == []
+    from_cli, from_api = _verdict(json.loads(cli.stdout)), _verdict(body["report"])
+    assert from_api == from_cli
+    assert (from_api["status"], from_api["first"]) == (status, first)
+    assert from_api["first_divergent_stage"] == (None if first is None else first[0])
+
+
+def test_replay_endpoint_selection_gives_the_cli_verdict(client: httpx.Client, fixture_store: Path) -> None:
+    cli = _trajstore(
+        "replay", "--store", str(fixture_store), "--run", "cap", "--step", "120:0", "--group", "g-0", "--json"
+    )
+    resp = client.post("/v1/replay", json={"run": "cap", "step": "120:0", "groups": ["g-0"]})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["exit_code"] == cli.returncode, cli.stderr
+    assert _verdict(resp.json()["report"]) == _verdict(json.loads(cli.stdout))
+    assert resp.json()["report"]["selection"]["groups"] == ["g-0"]
 
 
 # -- pagination -----------------------------------------------------------------
@@ -286,9 +332,66 @@ def test_auth_on(fixture_store: Path) -> None:
 
 
 def test_auth_off(client: httpx.Client) -> None:
-    assert client.get("/v1/health").json()["status"] == "ok"
+    assert client.get("/v1/health").status_code == 200
     assert client.get("/openapi.json").status_code == 200
     assert client.get("/docs").status_code == 200
+
+
+# -- health: a catalog sync that fails ---------------------------------------------
+
+
+def _publish_damaged_ref(store: Path) -> Path:
+    """A ref the store wrote, published again under a new name cut in half.
+
+    Written as a dot-file and renamed, as the store publishes, so the sync
+    reads the damaged bytes and nothing else.
+    """
+    refs = store / "refs" / "bundles"
+    data = min(refs.glob("*.json")).read_bytes()
+    damaged = refs / f"{time.time_ns():020d}-{os.getpid()}-deadbeef.json"
+    tmp = refs / f".{damaged.name}.tmp"
+    tmp.write_bytes(data[: len(data) // 2])
+    tmp.rename(damaged)
+    return damaged
+
+
+def test_health_is_ok_while_the_catalog_syncs(client: httpx.Client) -> None:
+    resp = client.get("/v1/health")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert (body["status"], body["sync_error"], body["runs"]) == ("ok", None, 3)
+
+
+def test_health_reports_a_failing_sync_and_its_recovery(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with Store.open(store, durable=False) as st:
+        st.ingest([EXAMPLE], run="ex")
+    with serve(store) as c:
+        assert c.get("/v1/health").json()["status"] == "ok"
+        damaged = _publish_damaged_ref(store)
+        resp = _poll(lambda: (r := c.get("/v1/health")).status_code == 503 and r)
+        body = resp.json()
+        assert body["status"] == "degraded"
+        assert damaged.name in body["sync_error"] and "unreadable" in body["sync_error"]
+        # the last good snapshot is still served
+        assert c.get("/v1/runs/ex/steps/120:0").status_code == 200
+        damaged.unlink()  # what `trajstore fsck` would point at
+        healed = _poll(lambda: (r := c.get("/v1/health")).status_code == 200 and r)
+        assert (healed.json()["status"], healed.json()["sync_error"]) == ("ok", None)
+
+
+def test_server_starts_degraded_on_a_store_whose_sync_fails(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with Store.open(store, durable=False) as st:
+        st.ingest([EXAMPLE], run="ex")
+        assert [r["run"] for r in st.runs()] == ["ex"]  # the file catalog now holds it
+    damaged = _publish_damaged_ref(store)
+    with serve(store) as c:
+        resp = c.get("/v1/health")
+        assert resp.status_code == 503
+        assert resp.json()["status"] == "degraded" and damaged.name in resp.json()["sync_error"]
+        assert resp.json()["runs"] == 1  # what the catalog held before the damaged ref
+        assert c.get("/v1/runs/ex/steps/120:0").status_code == 200
 
 
 # -- other processes write while the server runs ---------------------------------
