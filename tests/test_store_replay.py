@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, copy_fixture, resign_bundle
+from conftest import FIXTURES, copy_fixture, make_contents, resign_bundle
 from replay_builders import Faults, consistent_contents, write_consistent
 
 from trajstore.bundle.writer import write_bundle
@@ -116,11 +117,67 @@ def test_diff_of_two_attempts_names_the_changed_token(tmp_path: Path) -> None:
     assert np.isclose(first["b"] - first["a"], 0.5)
 
 
-def test_diff_of_identical_bundles_exits_0(fixture_store: Path) -> None:
-    out = run_cli("diff", str(FIXTURES / "example_bundle"), "--store", str(fixture_store), "r2/120:0")
-    assert out.returncode == 1  # the divergent bundle differs in s-0's reward
-    same = run_cli("diff", str(FIXTURES / "example_bundle"), str(FIXTURES / "example_bundle"))
+CHANGED_SAMPLE, CHANGED_OFFSET = "s-2", 1  # lengths 3, 4, 5, 2: s-2 starts at token 7
+
+
+def _two_bundles_one_token_apart(root: Path) -> tuple[Path, Path, float, float]:
+    """Bundles a and b written by the bundle writer from the same contents, except
+    that b's log_probs differ at one token: (a, b, a's value, b's value) there."""
+    contents = make_contents(lengths=[3, 4, 5, 2], seed=3)
+    a = write_bundle(root / "a" / "replay-7-0", contents)
+    log_probs = contents.payloads["log_probs"].clone()
+    at = 3 + 4 + CHANGED_OFFSET
+    log_probs[at] -= 0.25
+    b = write_bundle(
+        root / "b" / "replay-7-0",
+        dataclasses.replace(contents, payloads={**contents.payloads, "log_probs": log_probs}),
+    )
+    return a, b, float(contents.payloads["log_probs"][at]), float(log_probs[at])
+
+
+def _only_difference(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    assert not report["same"] and len(report["differences"]) == 1, report["differences"]
+    assert report["first_payload_difference"] in (None, report["differences"][0])
+    return report["differences"][0]
+
+
+def test_diff_names_the_one_changed_token_and_nothing_else(tmp_path: Path) -> None:
+    a, b, va, vb = _two_bundles_one_token_apart(tmp_path)
+    assert all(run_cli("validate", str(x)).returncode == 0 for x in (a, b))  # both pass the gate
+    only = _only_difference(run_cli("diff", str(a), str(b), "--json"))
+    assert only == {
+        "kind": "payload", "what": "log_probs", "detail": "values differ",
+        "sample_id": CHANGED_SAMPLE, "token_offset": CHANGED_OFFSET, "a": va, "b": vb,
+    }
+
+
+def test_diff_of_two_stored_bundles_names_the_one_changed_token(tmp_path: Path) -> None:
+    a, b, va, vb = _two_bundles_one_token_apart(tmp_path)
+    with Store.open(tmp_path / "s") as store:
+        store.ingest([a.parent], run="a")
+        store.ingest([b.parent], run="b")
+    only = _only_difference(run_cli("diff", "--store", str(tmp_path / "s"), "a/7:0", "b/7:0", "--json"))
+    assert (only["what"], only["sample_id"], only["token_offset"], only["a"], only["b"]) == (
+        "log_probs", CHANGED_SAMPLE, CHANGED_OFFSET, va, vb,
+    )
+
+
+def test_diff_of_a_directory_and_the_stored_divergent_twin(fixture_store: Path) -> None:
+    # the fixtures differ in one recorded value: sample s-0's reward
+    out = run_cli("diff", str(FIXTURES / "example_bundle"), "--store", str(fixture_store), "r2/120:0", "--json")
+    only = _only_difference(out)
+    assert (only["kind"], only["what"], only["sample_id"]) == ("samples", "reward", "s-0")
+
+
+def test_diff_of_two_bundles_written_alike_exits_0(tmp_path: Path) -> None:
+    contents = make_contents(lengths=[3, 4, 5, 2], seed=3)
+    a = write_bundle(tmp_path / "a" / "replay-7-0", contents)
+    b = write_bundle(tmp_path / "b" / "replay-7-0", contents)
+    same = run_cli("diff", str(a), str(b), "--json")
     assert same.returncode == 0, same.stderr
+    assert json.loads(same.stdout)["differences"] == []
 
 
 def test_sql_refuses_a_write_statement(fixture_store: Path) -> None:
