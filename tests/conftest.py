@@ -4,9 +4,11 @@
 own writer (format major 1). Their values are deterministic per ``seed`` but
 are NOT mathematically consistent: rewards, advantages, KL and the expected
 loss numbers are random, so a replay of these bundles is expected to diverge.
-Tests that need consistent numbers must compute them (replay-math.md) and pass
-them through ``payloads=`` / ``expected=`` / ``samples=`` overrides, or build a
-``BundleContents`` with ``make_contents`` and edit it.
+Tests that need consistent numbers use `replay_builders`, or compute them with
+`oracle` (docs/replay-math.md in plain torch; never trajstore.replay.kernels,
+which the numbers are meant to check) and pass them through ``payloads=`` /
+``expected=`` / ``samples=`` overrides, or build a ``BundleContents`` with
+``make_contents`` and edit it.
 
 ``resign_bundle`` re-signs a single bundle directory after a test edited it
 (payload sizes and hashes in the manifest, metadata hashes in COMPLETE and
