@@ -147,7 +147,7 @@ def replay_stored(
     unchecked = "the advantages this step consumed are not checked against its rollout's rewards"
     if not link:
         report = replay_sources(sources, label=label, request=request, selection=selection)
-        report.linkage = Linkage("skipped", f"turned off (no-link); {unchecked}")
+        report.linkage = Linkage("skipped", f"turned off (--no-link, REST link=false); {unchecked}")
         return report
     run, rollout_id = first.ref["run"], first.index.identity.rollout_id
     rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache)
