@@ -18,7 +18,6 @@ every COMPLETE.<r>), so a test can reach the check behind the integrity gate.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from collections.abc import Callable
