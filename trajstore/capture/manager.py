@@ -54,11 +54,11 @@ from trajstore.capture.redaction import (
     filter_config,
     redact_identifier,
 )
+from trajstore.vocab import LOSS_FIELDS as LOSS_METRICS
+from trajstore.vocab import required_loss_fields
 
 logger = logging.getLogger("trajstore.capture")
 
-#: loss metrics replay compares (replay-math.md, loss.policy)
-LOSS_METRICS: tuple[str, ...] = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "kl_loss")
 #: sample keys capture reads; anything else a caller passes is never written
 SAMPLE_KEYS: frozenset[str] = frozenset(
     {"sample_id", "group_index", "response_length", "total_length", "loss_mask", "reward", "raw_reward"}
@@ -649,7 +649,7 @@ def _loss_expected(rec: _Record, config: dict[str, Any]) -> dict[str, float] | N
     """The trainer's loss metrics summed over micro-batches, or None if incomplete."""
     if not rec.metrics or not any(rec.metrics):
         return None
-    required = [m for m in LOSS_METRICS if m != "kl_loss"] + (["kl_loss"] if config.get("use_kl_loss") else [])
+    required = required_loss_fields(bool(config.get("use_kl_loss")))
     sums = {}
     for m in required:
         if not all(m in mb for mb in rec.metrics):
