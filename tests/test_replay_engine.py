@@ -363,12 +363,14 @@ def test_cohort_selection_replays_only_the_rank_holding_the_group(tmp_path: Path
 
 
 def test_every_stage_is_a_versioned_unit_with_declared_inputs_and_outputs() -> None:
-    from trajstore.replay.stages import STAGE_ORDER, STAGES
+    from trajstore.replay import builtin  # noqa: F401  (registers the built-in stages)
+    from trajstore.replay.registry import registered_stages
+    from trajstore.vocab import STAGE_ORDER
 
-    assert list(STAGES) == list(STAGE_ORDER)
-    for name, unit in STAGES.items():
+    assert [unit.name for unit in registered_stages()] == list(STAGE_ORDER)
+    for unit in registered_stages():
         assert unit.version
         if unit.run is not None:  # loss.value is never recomputed
-            assert unit.inputs and unit.compared_with, name
+            assert unit.inputs and unit.compared_with, unit.name
     report = replay(FIXTURES / "example_bundle")
     assert {s.version for s in report.bundles[0].stages} == {"v1"}

@@ -1,9 +1,10 @@
-"""Canonical JSON and file hashing shared by the bundle writer and reader."""
+"""Canonical JSON, JSON-safe values and file hashing shared by the bundle writer and reader."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,24 @@ MAX_JSON_BYTES = 256 << 20
 def canonical_dumps(obj: Any) -> str:
     """The bundle format's JSON: sorted keys, indent 2, UTF-8, trailing newline."""
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def json_safe(value: Any, *, finite_only: bool = True) -> Any:
+    """``value`` with NumPy scalars and 0-d tensors as plain numbers, dicts/lists recursed.
+
+    With ``finite_only`` (strict JSON has no NaN/Infinity) a non-finite float
+    becomes None; without it, it stays (Python's json writes NaN). The one
+    cleaner for every JSON document trajstore writes or serves.
+    """
+    if isinstance(value, float):
+        return value if not finite_only or math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item, finite_only=finite_only) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item, finite_only=finite_only) for item in value]
+    if callable(getattr(value, "item", None)):
+        return json_safe(value.item(), finite_only=finite_only)  # NumPy scalar, 0-d tensor
+    return value
 
 
 def canonical_bytes(obj: Any) -> bytes:

@@ -87,7 +87,14 @@ class Payload(_Word):
 
 
 #: the trainer's loss metrics that ``loss.policy`` records and recomputes
-LOSS_FIELDS: tuple[str, ...] = ("loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "kl_loss")
+LOSS_FIELDS: tuple[str, ...] = (
+    "loss",
+    "pg_loss",
+    "entropy_loss",
+    "pg_clipfrac",
+    "ppo_kl",
+    "kl_loss",
+)
 #: the one loss field that exists only when the trainer adds a KL loss term
 KL_LOSS_FIELD = "kl_loss"
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from trajstore.jsonio import json_safe
+
 MAX_EXAMPLES = 10
 
 
@@ -36,13 +38,6 @@ def float_dtype(x: object) -> str:
     """Name of the float dtype ``x``'s values are held in (float64 for lists and ints)."""
     dt = np.asarray(x).dtype
     return dt.name if dt.kind == "f" else "float64"
-
-
-def json_number(x: object) -> object:
-    """``x`` unchanged unless it is a non-finite float, which becomes None."""
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x
 
 
 @dataclass
@@ -66,7 +61,10 @@ class Divergence:
         Values are the exact float64 of what was compared (a float32 converts
         exactly), so JSON's shortest float64 repr tells any two of them apart.
         """
-        return {k: json_number(v) for k, v in asdict(self).items()}
+        doc = {key: json_safe(value) for key, value in asdict(self).items()}
+        # names from the vocabulary are str subclasses: serialize their plain value
+        doc["stage"], doc["field"] = str(self.stage), str(self.field)
+        return doc
 
     def where(self) -> str:
         if self.sample_id is None:
@@ -87,9 +85,10 @@ class Comparison:
         return self.mismatch_count == 0
 
 
-def _num(x: float) -> float | None:
-    x = float(x)
-    return x if np.isfinite(x) else (None if np.isnan(x) else x)
+def _num(value: float) -> float | None:
+    """A compared value as recorded: NaN becomes None, infinities stay."""
+    value = float(value)
+    return None if np.isnan(value) else value
 
 
 def compare_arrays(
@@ -114,10 +113,19 @@ def compare_arrays(
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     if e.shape != a.shape:
+        missing = Divergence(
+            stage=stage,
+            sample_id=None,
+            field=field,
+            token_offset=None,
+            expected=None,
+            actual=None,
+            abs_err=None,
+        )
         return Comparison(
-            float("inf"),
-            max(e.size, a.size),
-            [Divergence(stage, None, field, None, None, None, None)],
+            max_abs_error=float("inf"),
+            mismatch_count=max(e.size, a.size),
+            divergences=[missing],
         )
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(a - e)
@@ -138,14 +146,22 @@ def compare_arrays(
         i = int(i)
         if offsets is not None:
             pos = int(np.searchsorted(offsets, i, side="right") - 1)
-            sid, off = sample_ids[pos], i - int(offsets[pos])
+            sample_id, token_offset = sample_ids[pos], i - int(offsets[pos])
         elif sample_ids is not None:
-            sid, off = sample_ids[i], None
+            sample_id, token_offset = sample_ids[i], None
         else:
-            sid, off = None, None
+            sample_id, token_offset = None, None
         examples.append(
             Divergence(
-                stage, sid, field, off, _num(e[i]), _num(a[i]), _num(diff[i]), e_dtype, a_dtype
+                stage=stage,
+                sample_id=sample_id,
+                field=field,
+                token_offset=token_offset,
+                expected=_num(e[i]),
+                actual=_num(a[i]),
+                abs_err=_num(diff[i]),
+                expected_dtype=e_dtype,
+                actual_dtype=a_dtype,
             )
         )
-    return Comparison(max_err, int(idx.size), examples)
+    return Comparison(max_abs_error=max_err, mismatch_count=int(idx.size), divergences=examples)

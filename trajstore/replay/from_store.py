@@ -22,8 +22,11 @@ import numpy as np
 
 from trajstore import __version__
 from trajstore.errors import NotFoundError, UsageError
+from trajstore.jsonio import json_safe
 from trajstore.replay import kernels
 from trajstore.replay.compare import compare_arrays
+from trajstore.replay.context import ReplayContext, StageInputError, StageOutcome
+from trajstore.replay.registry import get_stage
 from trajstore.replay.runner import (
     BundleReport,
     Linkage,
@@ -32,16 +35,11 @@ from trajstore.replay.runner import (
     replay_sources,
 )
 from trajstore.replay.selection import SelectionRequest
-from trajstore.replay.stages import (
-    KNOWN_CONFIG_KEYS,
-    STAGES,
-    ReplayContext,
-    StageInputError,
-    StageOutcome,
-)
+from trajstore.replay.stages import KNOWN_CONFIG_KEYS
+from trajstore.vocab import REWARD_STAGES, Payload, Stage, StageStatus
 
 #: rollout stages whose outputs a step bundle consumes
-FEEDS_STEPS = ("reward.raw", "reward.post_process")
+FEEDS_STEPS = REWARD_STAGES
 ROLLOUT_CACHE_SIZE = 8
 
 
@@ -147,7 +145,10 @@ def replay_stored(
     unchecked = "the advantages this step consumed are not checked against its rollout's rewards"
     if not link:
         report = replay_sources(sources, label=label, request=request, selection=selection)
-        report.linkage = Linkage("skipped", f"turned off (--no-link, REST link=false); {unchecked}")
+        report.linkage = Linkage(
+            status=StageStatus.SKIPPED,
+            reason=f"turned off (--no-link, REST link=false); {unchecked}",
+        )
         return report
     run, rollout_id = first.ref["run"], first.index.identity.rollout_id
     rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache)
@@ -165,12 +166,13 @@ def replay_stored(
     )
     if rollout_report is None:
         report.linkage = Linkage(
-            "skipped", f"rollout {rollout_id} of run {run} is not in the store; {unchecked}"
+            status=StageStatus.SKIPPED,
+            reason=f"rollout {rollout_id} of run {run} is not in the store; {unchecked}",
         )
     else:
         report.linkage = check_linkage(report, sources, rollout_report, rewards, request)
     if (
-        report.linkage.status == "fail"
+        report.linkage.status == StageStatus.FAIL
         and report.first is not None
         and rollout_report is not None
         and rollout_report.first_divergent_stage in FEEDS_STEPS
@@ -206,19 +208,24 @@ def check_linkage(
     }
     if not rewards:
         post = next(
-            (s for b in rollout_report.bundles for s in b.stages if s.stage == "reward.post_process"),
+            (
+                outcome
+                for bundle in rollout_report.bundles
+                for outcome in bundle.stages
+                if outcome.stage == Stage.REWARD_POST_PROCESS
+            ),
             None,
         )
-        why = "" if post is None else f" (reward.post_process {post.status}: {post.reason})"
+        why = "" if post is None else f" ({post.stage} {post.status}: {post.reason})"
         return Linkage(
-            "skipped",
-            f"{ro_name} recomputed no rewards{why}; the advantages this step consumed are "
+            status=StageStatus.SKIPPED,
+            reason=f"{ro_name} recomputed no rewards{why}; the advantages this step consumed are "
             "not checked against them",
             **base,
         )
     by_key = {src.bundle_key: src for src in sources}
     requested = not request.explicit or bool(
-        {"reward.post_process", "advantage.estimate"} & set(request.stages)
+        {Stage.REWARD_POST_PROCESS, Stage.ADVANTAGE_ESTIMATE} & set(request.stages)
     )
     checked = mismatches = 0
     max_err: float | None = None
@@ -236,7 +243,9 @@ def check_linkage(
         max_err = max(max_err or 0.0, outcome.max_abs_error or 0.0)
         _merge_linkage(b, outcome, requested)
     if not checked:
-        return Linkage("skipped", "; ".join(skipped) or "no sample to check", **base)
+        return Linkage(
+            status=StageStatus.SKIPPED, reason="; ".join(skipped) or "no sample to check", **base
+        )
     note = ""
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -246,8 +255,8 @@ def check_linkage(
         note += "; " + "; ".join(skipped)
     if mismatches == 0:
         return Linkage(
-            "pass",
-            f"the advantages {checked} sample(s) consumed match those {ro_name}'s recomputed "
+            status=StageStatus.PASS,
+            reason=f"the advantages {checked} sample(s) consumed match those {ro_name}'s recomputed "
             f"rewards give{note}",
             samples_checked=checked,
             max_abs_error=max_err,
@@ -259,8 +268,8 @@ def check_linkage(
         else "the rollout's rewards replay clean, so the fault is this step's"
     )
     return Linkage(
-        "fail",
-        f"{mismatches} advantage token(s) of {checked} consumed sample(s) differ from those "
+        status=StageStatus.FAIL,
+        reason=f"{mismatches} advantage token(s) of {checked} consumed sample(s) differ from those "
         f"{ro_name}'s recomputed rewards give (max_abs_error={max_err:.3e}); {where}{note}",
         samples_checked=checked,
         mismatch_count=mismatches,
@@ -289,7 +298,7 @@ def _linkage_outcome(
     if not have:
         return f"{who}none of the samples this step consumed is in {ro_name}"
     try:
-        consumed = ctx.payload("advantages")
+        consumed = ctx.payload(Payload.ADVANTAGES)
     except StageInputError as exc:
         return f"{who}{exc}"
     ids = [ctx.sample_ids[i] for i in have]
@@ -299,15 +308,16 @@ def _linkage_outcome(
     from_rollout = kernels.grpo_returns(
         np.array([rewards[sid] for sid in ids], dtype=np.float32), lengths
     )
-    atol, rtol = src.manifest.tolerance("advantage.estimate")
+    stage = get_stage(Stage.ADVANTAGE_ESTIMATE)
+    atol, rtol = src.manifest.tolerance(stage.name)
     comp = compare_arrays(
-        "advantage.estimate",
-        "advantages",
+        stage.name,
+        Payload.ADVANTAGES,
         consumed,
         from_rollout,
         atol=atol,
         rtol=rtol,
-        exact="advantages" in src.manifest.exact_fields,
+        exact=Payload.ADVANTAGES in src.manifest.exact_fields,
         sample_ids=ids,
         offsets=kernels.segment_offsets(lengths),
     )
@@ -319,13 +329,13 @@ def _linkage_outcome(
             f"{ro_name}'s recomputed rewards give (max_abs_error={comp.max_abs_error:.3e})"
         )
     outcome = StageOutcome(
-        "advantage.estimate",
-        "pass" if comp.ok else "fail",
-        reason,
+        stage=stage.name,
+        status=StageStatus.PASS if comp.ok else StageStatus.FAIL,
+        reason=reason,
         max_abs_error=comp.max_abs_error,
         mismatch_count=comp.mismatch_count,
         divergences=comp.divergences,
-        version=STAGES["advantage.estimate"].version,
+        version=stage.version,
     )
     return outcome, len(have), lacking
 
@@ -333,9 +343,11 @@ def _linkage_outcome(
 def _merge_linkage(b: BundleReport, outcome: StageOutcome, requested: bool) -> None:
     """Put the check in the step's advantage.estimate slot where it adds information:
     the stage did not run, or passed on the step's own rewards while the check fails."""
-    pos = next(i for i, s in enumerate(b.stages) if s.stage == "advantage.estimate")
+    pos = next(i for i, s in enumerate(b.stages) if s.stage == Stage.ADVANTAGE_ESTIMATE)
     current = b.stages[pos]
-    if current.status == "skipped" or (current.status == "pass" and outcome.status == "fail"):
+    if current.status == StageStatus.SKIPPED or (
+        current.status == StageStatus.PASS and outcome.status == StageStatus.FAIL
+    ):
         outcome.requested = requested
         b.stages[pos] = outcome
 
@@ -350,7 +362,9 @@ def result_document(
     fd = report.first_divergence()
     ref = bundle.ref
     return {
-        **_result_header(bundle.bundle_key, ref["run"], ref["rollout_id"], ref.get("step_id"), report.status),
+        **_result_header(
+            bundle.bundle_key, ref["run"], ref["rollout_id"], ref.get("step_id"), report.status
+        ),
         "first_divergent_stage": report.first_divergent_stage,
         "first_divergent_rank": report.first_divergent_rank,
         "root_bundle_key": report.root_bundle_key,
@@ -375,7 +389,9 @@ def result_document(
     }
 
 
-def refusal_document(key: str, run: str, rollout_id: int, step_id: int | None, reason: str) -> dict[str, Any]:
+def refusal_document(
+    key: str, run: str, rollout_id: int, step_id: int | None, reason: str
+) -> dict[str, Any]:
     """The result document of a bundle replay refused (integrity, selection, ...)."""
     return {
         **_result_header(key, run, rollout_id, step_id, "refused"),
@@ -389,7 +405,9 @@ def refusal_document(key: str, run: str, rollout_id: int, step_id: int | None, r
     }
 
 
-def _result_header(key: str, run: str, rollout_id: int, step_id: int | None, status: str) -> dict[str, Any]:
+def _result_header(
+    key: str, run: str, rollout_id: int, step_id: int | None, status: str
+) -> dict[str, Any]:
     return {
         "result_version": 1,
         "bundle_key": key,
@@ -409,7 +427,7 @@ def write_result(store: Any, doc: dict[str, Any]) -> str:
     name = new_doc_name()
     atomic_create(
         store.layout.results / f"{name}.json",
-        json.dumps(doc, sort_keys=True, default=_json_default).encode(),
+        json.dumps(json_safe(doc, finite_only=False), sort_keys=True).encode(),
         durable=store.durable,
     )
     return name
@@ -417,7 +435,8 @@ def write_result(store: Any, doc: dict[str, Any]) -> str:
 
 def _router_metrics(bundle: Any) -> dict[str, Any] | None:
     """Route metrics recomputed from a routed bundle's payloads (catalog source 'replay')."""
-    if "rollout_routed_experts" not in bundle.manifest.payloads and "router" not in bundle.index.config:
+    payloads = bundle.manifest.payloads
+    if Payload.ROLLOUT_ROUTED_EXPERTS not in payloads and "router" not in bundle.index.config:
         return None
     from trajstore.errors import TrajstoreError
     from trajstore.router.stage import recompute_router_metrics
@@ -436,10 +455,6 @@ def record_report(
     selection: SelectionRequest | None = None,
 ) -> list[str]:
     """Write one immutable result document per replayed bundle (no catalog lock)."""
-    return [write_result(store, result_document(report, src, selection=selection)) for src in sources]
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"not JSON serializable: {type(x).__name__}")
+    return [
+        write_result(store, result_document(report, src, selection=selection)) for src in sources
+    ]

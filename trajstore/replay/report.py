@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from trajstore.replay.compare import Divergence, format_value
-from trajstore.replay.runner import BundleReport, ReplayReport
+from trajstore.replay.runner import NOT_REQUESTED, BundleReport, ReplayReport
+from trajstore.vocab import StageStatus
 
 
 def _fmt_err(x: float | None) -> str:
@@ -32,39 +33,40 @@ def format_bundle(report: BundleReport, header: str) -> list[str]:
             else ""
         )
         lines.append(f"  selection: {n} sample(s){extra}")
-    for s in report.stages:
-        if s.reason == "not requested":
+    for outcome in report.stages:
+        if outcome.reason == NOT_REQUESTED:
             continue
-        line = f"[{s.status:>7}] {s.stage}"
-        if s.reason:
-            line += f" — {s.reason}"
-        if not s.requested and s.status in ("pass", "fail"):
+        line = f"[{outcome.status:>7}] {outcome.stage}"
+        if outcome.reason:
+            line += f" — {outcome.reason}"
+        if not outcome.requested and outcome.status in (StageStatus.PASS, StageStatus.FAIL):
             line += "  (input only)"
         lines.append(line)
-        for d in s.divergences:
-            lines.append(" " * 10 + divergence_line(d))
+        for divergence in outcome.divergences:
+            lines.append(" " * 10 + divergence_line(divergence))
     return lines
 
 
 def format_report(report: ReplayReport) -> str:
     out: list[str] = []
     multi = len(report.bundles) > 1
-    for b in report.bundles:
-        fds = b.first_divergent_stage
-        if fds is None:
+    for bundle in report.bundles:
+        first_stage = bundle.first_divergent_stage
+        if first_stage is None:
             verdict = "all requested stages pass"
-        elif next(s for s in b.stages if s.stage == fds).status == "unsupported":
-            verdict = f"requested stage {fds} is unsupported"
+        elif bundle.outcome(first_stage).status == StageStatus.UNSUPPORTED:
+            verdict = f"requested stage {first_stage} is unsupported"
         else:
-            verdict = f"first divergent stage: {fds}"
-        name = f"bundle {b.bundle_id}" + (f" rank {b.rank}" if b.rank is not None else "")
-        out += format_bundle(b, f"{name} — {verdict}")
+            verdict = f"first divergent stage: {first_stage}"
+        rank = f" rank {bundle.rank}" if bundle.rank is not None else ""
+        out += format_bundle(bundle, f"bundle {bundle.bundle_id}{rank} — {verdict}")
         out.append("")
     if multi:
-        fds = report.first_divergent_stage
-        if fds:
+        first_stage = report.first_divergent_stage
+        if first_stage:
             out.append(
-                f"cohort {report.label} — first divergent stage: {fds} (rank {report.first_divergent_rank})"
+                f"cohort {report.label} — first divergent stage: {first_stage}"
+                f" (rank {report.first_divergent_rank})"
             )
         else:
             out.append(

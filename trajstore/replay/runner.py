@@ -12,17 +12,23 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import SelectionError, UsageError
-from trajstore.replay.compare import json_number
+from trajstore.jsonio import json_safe
+from trajstore.replay import builtin
+from trajstore.replay.context import ReplayContext, StageInputError, StageOutcome
+from trajstore.replay.registry import StageDef, registered_stages, stage_names
 from trajstore.replay.selection import Selection, SelectionRequest, select
 from trajstore.replay.source import BundleSource
-from trajstore.replay.stages import (
-    STAGE_ORDER,
-    STAGES,
-    ReplayContext,
-    StageInputError,
-    StageOutcome,
-    capability,
-)
+from trajstore.vocab import STAGE_ORDER, Capability, StageStatus, Verdict
+
+#: every built-in stage is registered before the runner reads the registry
+BUILTIN_STAGE_MODULES = builtin.STAGE_MODULES
+#: a stage that is not run because no later stage was requested
+NOT_REQUESTED = "not requested"
+
+
+def _plain(name: str | None) -> str | None:
+    """A vocabulary member as the plain string JSON documents carry."""
+    return None if name is None else str(name)
 
 
 @dataclass(frozen=True)
@@ -36,11 +42,12 @@ class StageRequest:
     def parse(cls, text: str | None) -> StageRequest:
         if text is None or text.strip() in ("", "all"):
             return cls()
-        names = tuple(s.strip() for s in text.split(",") if s.strip())
-        unknown = [s for s in names if s not in STAGES]
+        names = tuple(name.strip() for name in text.split(",") if name.strip())
+        known = stage_names()
+        unknown = [name for name in names if name not in known]
         if unknown:
             raise UsageError(
-                f"unknown stage(s) {', '.join(unknown)}; stages: all, {', '.join(STAGE_ORDER)}"
+                f"unknown stage(s) {', '.join(unknown)}; stages: all, {', '.join(known)}"
             )
         return cls(names, True)
 
@@ -57,11 +64,18 @@ class BundleReport:
     recomputed: dict[str, Any] = field(default_factory=dict, repr=False)
     sample_ids: list[str] = field(default_factory=list, repr=False)
 
+    def outcome(self, stage: str) -> StageOutcome:
+        """This bundle's outcome of ``stage``."""
+        return next(outcome for outcome in self.stages if outcome.stage == stage)
+
     @property
     def first_divergent_stage(self) -> str | None:
-        for s in self.stages:
-            if s.requested and s.status in ("fail", "unsupported"):
-                return s.stage
+        for outcome in self.stages:
+            if outcome.requested and outcome.status in (
+                StageStatus.FAIL,
+                StageStatus.UNSUPPORTED,
+            ):
+                return outcome.stage
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,8 +89,8 @@ class BundleReport:
             if self.selection.positions is None
             else len(self.selection.positions),
             "closure_added": self.selection.closure_added,
-            "first_divergent_stage": self.first_divergent_stage,
-            "stages": [s.to_dict() for s in self.stages],
+            "first_divergent_stage": _plain(self.first_divergent_stage),
+            "stages": [outcome.to_dict() for outcome in self.stages],
         }
 
 
@@ -89,7 +103,7 @@ class Linkage:
     ones the rollout bundle's recomputed rewards give, or why that was not checked.
     """
 
-    status: str  # pass | fail | skipped
+    status: StageStatus  # pass | fail | skipped
     reason: str
     rollout_bundle_key: str | None = None
     rollout_bundle_id: str | None = None
@@ -101,14 +115,14 @@ class Linkage:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "status": self.status,
+            "status": str(self.status),
             "reason": self.reason,
             "rollout_bundle_key": self.rollout_bundle_key,
             "rollout_bundle_id": self.rollout_bundle_id,
-            "rollout_first_divergent_stage": self.rollout_first_divergent_stage,
+            "rollout_first_divergent_stage": _plain(self.rollout_first_divergent_stage),
             "samples_checked": self.samples_checked,
             "mismatch_count": self.mismatch_count,
-            "max_abs_error": json_number(self.max_abs_error),
+            "max_abs_error": json_safe(self.max_abs_error),
         }
 
 
@@ -132,68 +146,73 @@ class ReplayReport:
     def first(self) -> BundleReport | None:
         """The rank whose first divergence comes earliest in the stage chain."""
         best = None
-        for b in self.bundles:
-            s = b.first_divergent_stage
-            if s is not None and (
-                best is None or STAGE_ORDER.index(s) < STAGE_ORDER.index(best.first_divergent_stage)
+        for bundle in self.bundles:
+            stage = bundle.first_divergent_stage
+            if stage is not None and (
+                best is None
+                or STAGE_ORDER.index(stage) < STAGE_ORDER.index(best.first_divergent_stage)
             ):
-                best = b
+                best = bundle
         return best
 
     @property
     def first_divergent_stage(self) -> str | None:
-        f = self.first
-        if f is None:
+        first = self.first
+        if first is None:
             return None
-        return self.root_stage or f.first_divergent_stage
+        return self.root_stage or first.first_divergent_stage
 
     @property
     def first_divergent_rank(self) -> int | None:
-        f = self.first
-        return None if f is None else f.rank
+        first = self.first
+        return None if first is None else first.rank
 
     @property
-    def status(self) -> str:
-        f = self.first
-        if f is None:
-            return "pass"
-        outcome = next(s for s in f.stages if s.stage == f.first_divergent_stage)
-        return "unsupported" if outcome.status == "unsupported" else "diverged"
+    def status(self) -> Verdict:
+        first = self.first
+        if first is None:
+            return Verdict.PASS
+        outcome = first.outcome(first.first_divergent_stage)
+        return (
+            Verdict.UNSUPPORTED if outcome.status == StageStatus.UNSUPPORTED else Verdict.DIVERGED
+        )
 
     @property
     def exit_code(self) -> int:
         return 0 if self.first is None else 1
 
     def first_divergence(self) -> dict[str, Any] | None:
-        f = self.first
-        if f is None:
+        first = self.first
+        if first is None:
             return None
-        outcome = next(s for s in f.stages if s.stage == f.first_divergent_stage)
-        d = outcome.divergences[0] if outcome.divergences else None
+        outcome = first.outcome(first.first_divergent_stage)
+        example = outcome.divergences[0] if outcome.divergences else None
         return {
-            "stage": self.root_stage or outcome.stage,
-            "bundle_key": self.root_bundle_key or f.bundle_key,
-            "downstream_stage": outcome.stage if self.root_stage else None,
-            "rank": f.rank,
-            "sample_id": d.sample_id if d else None,
-            "field": d.field if d else None,
-            "token_offset": d.token_offset if d else None,
-            "max_abs_error": json_number(outcome.max_abs_error),
+            "stage": str(self.root_stage or outcome.stage),
+            "bundle_key": self.root_bundle_key or first.bundle_key,
+            "downstream_stage": str(outcome.stage) if self.root_stage else None,
+            "rank": first.rank,
+            "sample_id": example.sample_id if example else None,
+            "field": example.field if example else None,
+            "token_offset": example.token_offset if example else None,
+            "max_abs_error": json_safe(outcome.max_abs_error),
             "mismatch_count": outcome.mismatch_count,
         }
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
-            "status": self.status,
-            "first_divergent_stage": self.first_divergent_stage,
+            "status": str(self.status),
+            "first_divergent_stage": _plain(self.first_divergent_stage),
             "first_divergent_rank": self.first_divergent_rank,
             "first_divergence": self.first_divergence(),
             "root_bundle_key": self.root_bundle_key,
-            "root_stage": self.root_stage,
-            "requested_stages": list(self.request.stages) if self.request.explicit else "all",
+            "root_stage": _plain(self.root_stage),
+            "requested_stages": [str(name) for name in self.request.stages]
+            if self.request.explicit
+            else "all",
             "selection": self.selection.describe(),
-            "bundles": [b.to_dict() for b in self.bundles],
+            "bundles": [bundle.to_dict() for bundle in self.bundles],
             **({} if self.linkage is None else {"linkage": self.linkage.to_dict()}),
             **self.extra,
         }
@@ -211,53 +230,61 @@ def replay_bundle(
     selection = selection or Selection(None, False)
     ctx = ReplayContext(source, selection, upstream)
     wanted = set(request.stages)
-    last = max(STAGE_ORDER.index(s) for s in wanted)
+    last = max(STAGE_ORDER.index(name) for name in wanted)
     outcomes: list[StageOutcome] = []
-    for i, name in enumerate(STAGE_ORDER):
+    for stage in registered_stages():
+        name = stage.name
         requested = name in wanted
-        if i > last:
-            outcomes.append(StageOutcome(name, "skipped", "not requested", requested=False))
-            continue
-        cap, why = capability(source, name)
-        if cap == "unsupported":
-            explicit = request.explicit and requested
-            status = "unsupported" if explicit else "skipped"
-            outcomes.append(StageOutcome(name, status, f"unsupported: {why}", requested=explicit))
-            continue
-        if cap == "skipped":
-            outcomes.append(StageOutcome(name, "skipped", why, requested=False))
-            continue
-        stage = STAGES[name]
-        if stage.cohort_level and selection.partial:
-            # Asked for by name, it cannot be honoured: say so (exit 1), never a silent pass.
-            explicit = request.explicit and requested
-            outcomes.append(
-                StageOutcome(
-                    name,
-                    "unsupported" if explicit else "skipped",
-                    "cohort-level stage is not replayable under a partial selection",
-                    requested=explicit,
-                )
+        explicit = request.explicit and requested
+        if STAGE_ORDER.index(name) > last:
+            outcome = StageOutcome(
+                stage=name, status=StageStatus.SKIPPED, reason=NOT_REQUESTED, requested=False
             )
-            continue
-        try:
-            out = stage.run(ctx)
-        except StageInputError as exc:
-            out = StageOutcome(name, "fail", str(exc))
-        out.requested = requested
-        outcomes.append(out)
-    for out in outcomes:
-        out.version = STAGES[out.stage].version
+        else:
+            outcome = _run_stage(stage, ctx, requested=requested, explicit=explicit)
+        outcome.version = stage.version
+        outcomes.append(outcome)
     return BundleReport(
-        source.label,
-        source.manifest.bundle_id,
-        source.rank,
-        outcomes,
-        selection,
+        label=source.label,
+        bundle_id=source.manifest.bundle_id,
+        rank=source.rank,
+        stages=outcomes,
+        selection=selection,
         bundle_key=getattr(source, "bundle_key", None),
         recomputed=ctx.recomputed,
         sample_ids=ctx.sample_ids,
     )
+
+
+def _run_stage(
+    stage: StageDef, ctx: ReplayContext, *, requested: bool, explicit: bool
+) -> StageOutcome:
+    """One stage's outcome: refused by its capability or the selection, or run."""
+    name = stage.name
+    capability, why = stage.capability(ctx.source)
+    if capability == Capability.UNSUPPORTED:
+        return StageOutcome(
+            stage=name,
+            status=StageStatus.UNSUPPORTED if explicit else StageStatus.SKIPPED,
+            reason=f"unsupported: {why}",
+            requested=explicit,
+        )
+    if capability == Capability.SKIPPED:
+        return StageOutcome(stage=name, status=StageStatus.SKIPPED, reason=why, requested=False)
+    if stage.cohort_level and ctx.partial:
+        # Asked for by name, it cannot be honoured: say so (exit 1), never a silent pass.
+        return StageOutcome(
+            stage=name,
+            status=StageStatus.UNSUPPORTED if explicit else StageStatus.SKIPPED,
+            reason="cohort-level stage is not replayable under a partial selection",
+            requested=explicit,
+        )
+    try:
+        outcome = stage.run(ctx)
+    except StageInputError as exc:
+        outcome = StageOutcome(stage=name, status=StageStatus.FAIL, reason=str(exc))
+    outcome.requested = requested
+    return outcome
 
 
 def replay_sources(

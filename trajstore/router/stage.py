@@ -25,16 +25,23 @@ import numpy as np
 
 from trajstore.errors import BundleError
 from trajstore.replay.compare import Divergence
+from trajstore.replay.context import (
+    MAX_STAGE_EXAMPLES,
+    ReplayContext,
+    StageInputError,
+    StageOutcome,
+)
+from trajstore.replay.registry import StageDef, register_stage
 from trajstore.replay.source import BundleSource, as_float
-from trajstore.replay.stages import ReplayContext, StageInputError, StageOutcome
 from trajstore.router.metrics import METRIC_NAMES, RouterMetrics, compute_router_metrics
+from trajstore.vocab import Capability, Payload, Stage, StageStatus
 
-STAGE = "router.consistency"
-ROLLOUT_ROUTES = "rollout_routed_experts"
-TRAIN_ROUTES = "train_routed_experts"
-NATURAL_ROUTES = "train_natural_routed_experts"
-ROLLOUT_LOGPROBS = "rollout_log_probs"
-TRAIN_LOGPROBS = "train_log_probs"
+STAGE = Stage.ROUTER_CONSISTENCY
+ROLLOUT_ROUTES = Payload.ROLLOUT_ROUTED_EXPERTS
+TRAIN_ROUTES = Payload.TRAIN_ROUTED_EXPERTS
+NATURAL_ROUTES = Payload.TRAIN_NATURAL_ROUTED_EXPERTS
+ROLLOUT_LOGPROBS = Payload.ROLLOUT_LOG_PROBS
+TRAIN_LOGPROBS = Payload.TRAIN_LOG_PROBS
 #: integer counts compare exactly; every other metric within the tolerance
 EXACT_METRICS = ("valid_tokens", "valid_token_layers")
 #: stability counters a producer may record next to its metrics (never recomputed)
@@ -88,21 +95,21 @@ def recompute_router_metrics(source: BundleSource) -> RouterMetrics:
     )
 
 
-def router_capability(source: BundleSource) -> tuple[str, str]:
+def router_capability(source: BundleSource) -> tuple[Capability, str]:
     """(recompute | skipped | unsupported, reason) of ``router.consistency`` on this bundle."""
     contract = source.manifest.stage_contracts.get(STAGE)
-    if contract is not None and contract.capability == "unsupported":
-        return "unsupported", "the producer declares this stage unsupported"
-    if contract is not None and contract.capability != "recompute":
-        return "skipped", f"declared {contract.capability} by the producer"
+    if contract is not None and contract.capability == Capability.UNSUPPORTED:
+        return Capability.UNSUPPORTED, "the producer declares this stage unsupported"
+    if contract is not None and contract.capability != Capability.RECOMPUTE:
+        return Capability.SKIPPED, f"declared {contract.capability} by the producer"
     recorded = source.expected.get(STAGE)
-    if not isinstance(recorded, dict) or not any(k in recorded for k in METRIC_NAMES):
-        return "skipped", "the producer recorded no router.consistency metrics"
+    if not isinstance(recorded, dict) or not any(name in recorded for name in METRIC_NAMES):
+        return Capability.SKIPPED, f"the producer recorded no {STAGE} metrics"
     try:
         router_config(source)
     except BundleError as exc:
-        return "unsupported", str(exc).split(": ", 1)[-1]
-    return "recompute", ""
+        return Capability.UNSUPPORTED, str(exc).split(": ", 1)[-1]
+    return Capability.RECOMPUTE, ""
 
 
 def _as_number(value: Any) -> float | None:
@@ -128,42 +135,60 @@ def compare_recorded(
 ) -> list[Divergence]:
     """One Divergence per recorded metric the recomputation disagrees with."""
     got = actual.to_dict()
-    divs: list[Divergence] = []
+    divergences: list[Divergence] = []
 
-    def add(field: str, e: Any, a: Any) -> None:
-        en, an = _as_number(e), _as_number(a)
-        err = abs(an - en) if en is not None and an is not None else None
-        divs.append(Divergence(STAGE, None, field, None, en, an, err))
+    def add(field: str, expected: Any, actual: Any) -> None:
+        expected_number, actual_number = _as_number(expected), _as_number(actual)
+        known = expected_number is not None and actual_number is not None
+        divergences.append(
+            Divergence(
+                stage=STAGE,
+                sample_id=None,
+                field=field,
+                token_offset=None,
+                expected=expected_number,
+                actual=actual_number,
+                abs_err=abs(actual_number - expected_number) if known else None,
+            )
+        )
 
     for name in METRIC_NAMES:
         if name not in recorded:
             continue
-        e, a = recorded[name], got[name]
+        expected, actual_value = recorded[name], got[name]
         if name == "metric_error":
-            e_codes = sorted([e] if isinstance(e, str) else list(e or []))
-            if e_codes != sorted(a):
-                divs.append(Divergence(STAGE, None, "metric_error", None, None, None, None))
+            codes = [expected] if isinstance(expected, str) else list(expected or [])
+            if sorted(codes) != sorted(actual_value):
+                add(name, None, None)
         elif name == "per_layer_mismatch":
-            if e is None or a is None or not isinstance(e, list) or len(e) != len(a):
-                if not (e is None and a is None):
+            if (
+                expected is None
+                or actual_value is None
+                or not isinstance(expected, list)
+                or len(expected) != len(actual_value)
+            ):
+                if not (expected is None and actual_value is None):
                     add(name, None, None)
                 continue
-            for i, (ei, ai) in enumerate(zip(e, a, strict=True)):
-                if _differs(ei, ai, atol, rtol, exact=False):
-                    add(f"per_layer_mismatch[{i}]", ei, ai)
-        elif _differs(e, a, atol, rtol, exact=name in EXACT_METRICS):
-            add(name, e, a)
-    return divs
+            for layer, (expected_layer, actual_layer) in enumerate(
+                zip(expected, actual_value, strict=True)
+            ):
+                if _differs(expected_layer, actual_layer, atol, rtol, exact=False):
+                    add(f"per_layer_mismatch[{layer}]", expected_layer, actual_layer)
+        elif _differs(expected, actual_value, atol, rtol, exact=name in EXACT_METRICS):
+            add(name, expected, actual_value)
+    return divergences
 
 
-def _reason(divs: list[Divergence], recorded: dict[str, Any], actual: RouterMetrics) -> str:
-    fields = ", ".join(dict.fromkeys(d.field.split("[")[0] for d in divs))
+def _reason(divergences: list[Divergence], recorded: dict[str, Any], actual: RouterMetrics) -> str:
+    fields = ", ".join(dict.fromkeys(d.field.split("[")[0] for d in divergences))
     why = f"recorded router metrics disagree with the payloads in {fields}"
-    rec = _as_number(recorded.get("route_mismatch_rate"))
-    if rec == 0.0 and (actual.route_mismatch_rate or 0.0) > 0.0:
+    recorded_rate = _as_number(recorded.get("route_mismatch_rate"))
+    if recorded_rate == 0.0 and (actual.route_mismatch_rate or 0.0) > 0.0:
         why += (
             f" (recorded route_mismatch_rate 0, routes differ: {actual.route_mismatch_rate:.4g}"
-            f" of {actual.valid_token_layers} token-layers; was the replay target compared with itself?)"
+            f" of {actual.valid_token_layers} token-layers;"
+            " was the replay target compared with itself?)"
         )
     return why
 
@@ -173,26 +198,50 @@ def stage_router_consistency(ctx: ReplayContext) -> StageOutcome:
     source = ctx.source
     recorded = source.expected.get(STAGE)
     if not isinstance(recorded, dict):
-        raise StageInputError("incomplete bundle: expected.json has no router.consistency")
+        raise StageInputError(f"incomplete bundle: expected.json has no {STAGE}")
     if ctx.partial:
         return StageOutcome(
-            STAGE, "skipped", "recorded router metrics describe the whole bundle", requested=False
+            stage=STAGE,
+            status=StageStatus.SKIPPED,
+            reason="recorded router metrics describe the whole bundle",
+            requested=False,
         )
     try:
         actual = recompute_router_metrics(source)
     except (BundleError, ValueError, TypeError) as exc:
         raise StageInputError(f"cannot recompute router metrics: {exc}") from None
     atol, rtol = ctx.tolerance(STAGE)
-    divs = compare_recorded(recorded, actual, atol=atol, rtol=rtol)
-    errs = [d.abs_err for d in divs if d.abs_err is not None]
-    max_err = max(errs, default=0.0)
-    if not divs:
-        return StageOutcome(STAGE, "pass", "", max_abs_error=max_err, mismatch_count=0)
+    divergences = compare_recorded(recorded, actual, atol=atol, rtol=rtol)
+    errors = [d.abs_err for d in divergences if d.abs_err is not None]
+    max_err = max(errors, default=0.0)
+    if not divergences:
+        return StageOutcome(
+            stage=STAGE, status=StageStatus.PASS, max_abs_error=max_err, mismatch_count=0
+        )
     return StageOutcome(
-        STAGE,
-        "fail",
-        _reason(divs, recorded, actual),
-        max_abs_error=max_err if errs else None,
-        mismatch_count=len(divs),
-        divergences=divs[:10],
+        stage=STAGE,
+        status=StageStatus.FAIL,
+        reason=_reason(divergences, recorded, actual),
+        max_abs_error=max_err if errors else None,
+        mismatch_count=len(divergences),
+        divergences=divergences[:MAX_STAGE_EXAMPLES],
     )
+
+
+register_stage(
+    StageDef(
+        name=STAGE,
+        run=stage_router_consistency,
+        capability=router_capability,
+        inputs=(
+            ROLLOUT_ROUTES,
+            TRAIN_ROUTES,
+            ROLLOUT_LOGPROBS,
+            TRAIN_LOGPROBS,
+            "config.router",
+        ),
+        outputs=("route metrics",),
+        compared_with=(f"expected.{STAGE}",),
+        cohort_level=True,
+    )
+)

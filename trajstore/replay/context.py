@@ -1,0 +1,181 @@
+"""What every replay stage works with: its inputs (`ReplayContext`) and its result.
+
+Kept apart from the stages themselves so that a stage defined anywhere (the
+GRPO chain in `trajstore.replay.stages`, the router check in
+`trajstore.router.stage`) depends on this module and the registry only, never
+on another stage's module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
+from trajstore.errors import TrajstoreError
+from trajstore.jsonio import json_safe
+from trajstore.replay import kernels
+from trajstore.replay.compare import Comparison, Divergence, compare_arrays
+from trajstore.replay.selection import Selection
+from trajstore.replay.source import BundleSource, as_float, payload_rows
+from trajstore.vocab import StageStatus
+
+#: the most concrete divergences one stage keeps as examples
+MAX_STAGE_EXAMPLES = 10
+
+
+class StageInputError(TrajstoreError):
+    """A stage cannot run on this bundle's inputs (reported as that stage's failure)."""
+
+
+@dataclass
+class StageOutcome:
+    stage: str
+    status: StageStatus
+    reason: str = ""
+    requested: bool = True
+    max_abs_error: float | None = None
+    mismatch_count: int | None = None
+    divergences: list[Divergence] = field(default_factory=list)
+    version: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": str(self.stage),
+            "version": self.version,
+            "status": str(self.status),
+            "reason": self.reason,
+            "requested": self.requested,
+            "max_abs_error": json_safe(self.max_abs_error),
+            "mismatch_count": self.mismatch_count,
+            "divergences": [divergence.to_dict() for divergence in self.divergences],
+        }
+
+
+def outcome_of(stage: str, comparisons: list[Comparison], reason_template: str) -> StageOutcome:
+    """Pass when no comparison found a mismatch; else fail with ``reason_template``
+    formatted with the mismatch count ``n`` and the largest error ``err``."""
+    mismatches = sum(comparison.mismatch_count for comparison in comparisons)
+    max_err = max((comparison.max_abs_error for comparison in comparisons), default=0.0)
+    if mismatches == 0:
+        return StageOutcome(
+            stage=stage, status=StageStatus.PASS, max_abs_error=max_err, mismatch_count=0
+        )
+    examples = [divergence for comparison in comparisons for divergence in comparison.divergences]
+    return StageOutcome(
+        stage=stage,
+        status=StageStatus.FAIL,
+        reason=reason_template.format(n=mismatches, err=max_err),
+        max_abs_error=max_err,
+        mismatch_count=mismatches,
+        divergences=examples[:MAX_STAGE_EXAMPLES],
+    )
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number (bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class ReplayContext:
+    """Selected inputs of one bundle plus the outputs recomputed so far."""
+
+    def __init__(
+        self,
+        source: BundleSource,
+        selection: Selection,
+        upstream: dict[str, Any] | None = None,
+    ):
+        self.source = source
+        self.selection = selection
+        samples = source.index.samples
+        self.all_lengths = np.array([s.response_length for s in samples], dtype=np.int64)
+        positions = selection.positions
+        self.positions = np.arange(len(samples)) if positions is None else positions
+        self.samples = [samples[i] for i in self.positions]
+        self.sample_ids = [sample.sample_id for sample in self.samples]
+        self.lengths = self.all_lengths[self.positions]
+        self.offsets = kernels.segment_offsets(self.lengths)
+        self.config = source.index.config
+        self.recomputed: dict[str, np.ndarray] = {}
+        #: values an upstream bundle recomputed for these samples (rollout -> step linkage)
+        self.upstream = upstream or {}
+        self._payloads: dict[str, np.ndarray] = {}
+
+    @property
+    def partial(self) -> bool:
+        return self.selection.partial
+
+    def cfg(self, key: str, default: Any) -> Any:
+        value = self.config.get(key, default)
+        return default if value is None else value
+
+    def has_payload(self, name: str) -> bool:
+        return name in self.source.manifest.payloads
+
+    def payload(self, name: str) -> np.ndarray:
+        if name not in self._payloads:
+            if not self.has_payload(name):
+                raise StageInputError(f"incomplete bundle: payload '{name}' is missing")
+            shape = tuple(self.source.manifest.payloads[name].shape)
+            want = int(self.all_lengths.sum())
+            if name in PER_TOKEN_PAYLOADS and shape != (want,):
+                # Never slice or compare a payload that does not follow the sample layout.
+                raise StageInputError(
+                    f"payload '{name}' has shape {list(shape)}, samples have {want} response tokens"
+                )
+            raw = payload_rows(self.source, name, self.selection.positions, self.all_lengths)
+            self._payloads[name] = as_float(raw, self.source.manifest.payloads[name].dtype)
+        return self._payloads[name]
+
+    def mask(self) -> np.ndarray:
+        if self.samples:
+            return np.concatenate(
+                [np.asarray(sample.loss_mask, dtype=np.float32) for sample in self.samples]
+            )
+        return np.zeros(0, dtype=np.float32)
+
+    def expected_per_sample(self, stage: str, key: str) -> np.ndarray | None:
+        """A per-sample list from expected.json, restricted to the selection."""
+        record = self.source.expected.get(stage, {})
+        if not isinstance(record, dict) or key not in record:
+            return None
+        values = record[key]
+        count = len(self.source.index.samples)
+        if not isinstance(values, list) or len(values) != count:
+            raise StageInputError(
+                f"expected.json {stage}.{key} must list {count} values (one per sample)"
+            )
+        bad = next((i for i, value in enumerate(values) if not is_number(value)), None)
+        if bad is not None:
+            raise StageInputError(
+                f"expected.json {stage}.{key}[{bad}] is {values[bad]!r}, not a number"
+            )
+        return np.asarray(values, dtype=np.float64)[self.positions]
+
+    def tolerance(self, stage: str) -> tuple[float, float]:
+        return self.source.manifest.tolerance(stage)
+
+    def compare(
+        self,
+        stage: str,
+        field_name: str,
+        expected: np.ndarray,
+        actual: np.ndarray,
+        *,
+        per_token: bool,
+    ) -> Comparison:
+        atol, rtol = self.tolerance(stage)
+        return compare_arrays(
+            stage,
+            field_name,
+            expected,
+            actual,
+            atol=atol,
+            rtol=rtol,
+            exact=field_name in self.source.manifest.exact_fields,
+            sample_ids=self.sample_ids,
+            offsets=self.offsets if per_token else None,
+        )

@@ -1,0 +1,80 @@
+"""The one registry of replay stages, read by the runner.
+
+Each stage registers itself where it is defined (`register_stage`); the runner
+asks for them by name (`get_stage`) or in chain order (`registered_stages`).
+`trajstore.replay.builtin` imports every module that registers a built-in
+stage, so the registry depends on no stage and no stage on another's module.
+
+Adding a stage: name it in `trajstore.vocab.Stage` (its position there is its
+place in the chain), write its run and capability functions next to the code
+they check, and register a `StageDef` there; list that module in
+`trajstore.replay.builtin`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trajstore.errors import UsageError
+from trajstore.replay.context import ReplayContext, StageOutcome
+from trajstore.replay.source import BundleSource
+from trajstore.vocab import STAGE_ORDER, Capability, Stage
+
+#: what a stage's capability check returns: whether it runs here, and why not
+CapabilityCheck = Callable[[BundleSource], tuple[Capability, str]]
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """One replay stage: what it reads, what it recomputes, what that is compared with.
+
+    ``capability`` says, per bundle, whether this engine recomputes the stage
+    (and why not). ``run`` is None for a stage that is never recomputed.
+    ``version`` changes whenever the stage's math or comparison changes, so a
+    recorded result says which implementation produced it.
+    """
+
+    name: Stage
+    run: Callable[[ReplayContext], StageOutcome] | None
+    capability: CapabilityCheck
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    compared_with: tuple[str, ...] = ()
+    cohort_level: bool = False
+    version: str = "v1"
+
+
+_STAGES: dict[Stage, StageDef] = {}
+
+
+def register_stage(stage: StageDef) -> StageDef:
+    """Add ``stage`` to the registry; its name must be a `Stage` not yet registered."""
+    name = Stage(stage.name)
+    if name in _STAGES and _STAGES[name] is not stage:
+        raise ValueError(f"replay stage {name} is registered twice")
+    _STAGES[name] = stage
+    return stage
+
+
+def get_stage(name: str) -> StageDef:
+    """The registered stage called ``name``; UsageError (exit 2) for an unknown one."""
+    try:
+        return _STAGES[Stage(name)]
+    except (ValueError, KeyError):
+        raise UsageError(f"unknown stage {name}; stages: {', '.join(stage_names())}") from None
+
+
+def registered_stages() -> list[StageDef]:
+    """Every registered stage, upstream first (the order of `trajstore.vocab.Stage`)."""
+    return [_STAGES[name] for name in STAGE_ORDER if name in _STAGES]
+
+
+def stage_names() -> tuple[Stage, ...]:
+    """Names of the registered stages, upstream first."""
+    return tuple(stage.name for stage in registered_stages())
+
+
+def capability(source: BundleSource, stage: str) -> tuple[Capability, str]:
+    """(recompute | skipped | unsupported, reason) of ``stage`` on this bundle."""
+    return get_stage(stage).capability(source)
