@@ -49,11 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_store() -> str | None:
-    """`TRAJSTORE_STORE` may stand for --store."""
-    return os.environ.get("TRAJSTORE_STORE") or None
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+
+def default_store() -> str | None:
+    """`TRAJSTORE_STORE` may stand for --store (here, not in the package's __init__, so that
+    command modules never import the module that imports them)."""
+    return os.environ.get("TRAJSTORE_STORE") or None
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:

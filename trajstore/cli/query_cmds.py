@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trajstore.cli import default_store
-from trajstore.cli._common import print_json
+from trajstore.cli._common import default_store, print_json
 
 #: `query steps --status` values (trajstore.catalog.queries.STEP_STATUSES; not
 #: imported from there so that `--help` does not load sqlalchemy)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trajstore.cli import default_store
-from trajstore.cli._common import print_json, target_selector
+from trajstore.cli._common import default_store, print_json, target_selector
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:

@@ -58,7 +58,7 @@ def _usage(p: argparse.ArgumentParser) -> int:
 
 
 def _store_path(args: argparse.Namespace) -> str:
-    from trajstore.cli import default_store
+    from trajstore.cli._common import default_store
     from trajstore.errors import UsageError
 
     path = args.store or default_store()

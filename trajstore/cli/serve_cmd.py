@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from trajstore.cli import default_store
+from trajstore.cli._common import default_store
 
 
 def register(sub: argparse._SubParsersAction) -> None:

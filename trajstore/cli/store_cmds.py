@@ -9,7 +9,7 @@ from trajstore.cli._common import print_json
 
 
 def _store_arg(p: argparse.ArgumentParser) -> None:
-    from trajstore.cli import default_store
+    from trajstore.cli._common import default_store
 
     p.add_argument(
         "--store", default=default_store(), metavar="DIR", help="store directory (default: $TRAJSTORE_STORE)"
