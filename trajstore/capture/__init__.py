@@ -10,8 +10,9 @@ then ``capture.rollout(...)`` after advantages are computed and
 """
 
 from trajstore.capture.config import CaptureConfig, CaptureConfigError
-from trajstore.capture.manager import CaptureManager, CaptureStats, StepCapture
+from trajstore.capture.manager import CaptureManager, StepCapture
 from trajstore.capture.redaction import RedactionPolicy
+from trajstore.capture.stats import CaptureStats
 
 __all__ = [
     "CaptureConfig",

@@ -119,6 +119,17 @@ class RedactionPolicy:
             return {f"{field}_hash": digest(text)}
         return {field: text[: int(rule.split(":", 1)[1])]}
 
+    def redact_sample(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        """The record keys that stand for a sample's text fields and locators, in order."""
+        out: dict[str, Any] = {}
+        for name in (*TEXT_FIELDS, *LOCATOR_FIELDS):
+            out.update(self.apply(name, sample.get(name)))
+        return out
+
+    def identifier(self, value: Any) -> str | None:
+        """`redact_identifier` (the same rule for every policy)."""
+        return redact_identifier(value)
+
 
 def redact_identifier(value: Any) -> str | None:
     """A short identifier kept as is; a path or URL (e.g. a checkpoint) hashed."""

@@ -1,0 +1,149 @@
+"""The capture writer thread: assemble, write and (in store mode) ingest bundles.
+
+Why a thread of its own: the training thread only snapshots and enqueues
+(`trajstore.capture.manager`); everything slow (assembling the bundle, torch
+serialization, fsync, the store's ingest) happens here, at a lower OS
+priority, and every failure is logged and counted instead of raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from trajstore.bundle.assemble import CapturedRecord, build_contents
+from trajstore.bundle.capture_dir import rollout_dir_name, step_dir_name
+from trajstore.bundle.writer import write_bundle, write_rank
+from trajstore.capture.config import CaptureConfig
+from trajstore.capture.redaction import filter_config
+from trajstore.capture.stats import CaptureStats
+
+logger = logging.getLogger("trajstore.capture")
+
+#: store mode stages bundles under ``<store>/.capture-staging/<run>/`` before ingest
+STAGING = ".capture-staging"
+_STOP = object()
+
+
+class CaptureWriter:
+    """A bounded queue of snapshot records and the daemon thread that drains it."""
+
+    def __init__(
+        self, config: CaptureConfig, stats: CaptureStats, default_recompute: dict[str, Any]
+    ):
+        self.config = config
+        self.stats = stats
+        self._default_recompute = default_recompute
+        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._thread = threading.Thread(
+            target=self._run, name="trajstore-capture-writer", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, rec: CapturedRecord) -> bool:
+        """Queue a record (waiting for space when configured to block); False when full."""
+        try:
+            if self.config.block:
+                self._queue.put(rec)
+            else:
+                self._queue.put_nowait(rec)
+        except queue.Full:
+            return False
+        return True
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Write everything queued, then stop. False when still busy after ``timeout``."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):  # a lower priority: training first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        while True:
+            rec = self._queue.get()
+            if rec is _STOP:
+                return
+            try:
+                self._write(rec)
+                self.stats.written += 1
+            except Exception:  # noqa: BLE001 - logged and counted, never raised
+                what = (
+                    f"writing step {rec.rollout_id}:{rec.step_id}"
+                    if rec.kind == "step"
+                    else f"writing rollout {rec.rollout_id}"
+                )
+                self.stats.count_error(what)
+
+    def _base_dir(self) -> Path:
+        cfg = self.config
+        if cfg.store_dir is not None:
+            return cfg.store_dir / STAGING / cfg.run
+        assert cfg.output_dir is not None
+        return cfg.output_dir
+
+    def _producers(self, kind: str) -> tuple[int, ...] | None:
+        cfg = self.config
+        if kind == "rollout" and cfg.rollout_ranks is not None:
+            return cfg.rollout_ranks
+        return cfg.producer_ranks
+
+    def _write(self, rec: CapturedRecord) -> None:
+        if rec.recompute is not None:
+            recompute, _ = filter_config(rec.recompute)
+        else:
+            recompute = dict(self._default_recompute)
+        contents = build_contents(rec, self.config, recompute)
+        name = (
+            rollout_dir_name(rec.rollout_id)
+            if rec.kind == "rollout"
+            else step_dir_name(rec.rollout_id, rec.step_id)
+        )
+        if self.config.store_dir is not None:
+            self._open_store().close()  # the store must exist before staging lives inside it
+        dest = self._base_dir() / name
+        ranks = self._producers(rec.kind)
+        if ranks is not None and len(ranks) > 1:
+            write_rank(dest, contents, rank=int(self.config.rank), expected_ranks=list(ranks))
+            complete = (dest / "COMPLETE").exists()
+        else:
+            write_bundle(dest, contents)
+            complete = True
+        if complete and self.config.store_dir is not None:
+            self._ingest(dest)
+
+    def _open_store(self) -> Any:
+        from trajstore.store.api import Store  # lazy: the store is optional for capture
+
+        return Store.open(self.config.store_dir)
+
+    def _ingest(self, path: Path) -> None:
+        """Ingest a completed staged bundle/cohort once (whichever rank claims it).
+
+        On success the staged copy is removed; on refusal it stays for a later
+        ``trajstore ingest`` and the failure is counted.
+        """
+        claims = path.parent / ".claims"
+        claims.mkdir(parents=True, exist_ok=True)
+        # Keyed by the COMPLETE bytes: a re-capture of the same step (resume) is a new claim.
+        key = hashlib.sha256((path / "COMPLETE").read_bytes()).hexdigest()[:16]
+        try:
+            fd = os.open(claims / f"{path.name}.{key}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return
+        os.close(fd)
+        with self._open_store() as store:
+            outcomes = store.ingest([path], run=self.config.run)
+        refused = [o for o in outcomes if getattr(o, "status", "published") == "refused"]
+        if refused or not outcomes:
+            why = refused[0].reason if refused else "nothing ingested"
+            raise RuntimeError(f"store refused {path.name}: {why}; staged copy kept at {path}")
+        self.stats.ingested += 1
+        shutil.rmtree(path, ignore_errors=True)
