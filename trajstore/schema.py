@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from trajstore.errors import BundleError
+from trajstore.vocab import REWARD_STAGES
 
 SUPPORTED_MAJORS = (1, 2)
 WRITE_FORMAT_VERSION = "1.0.0"
 #: stages only major 1 has: major-2 rewards arrive already post-processed
-REWARD_STAGES = ("reward.raw", "reward.post_process")
 CAPABILITIES = ("recompute", "recorded-only", "inspect-only", "unsupported")
 DEFAULT_ATOL = 1e-6
 DEFAULT_RTOL = 1e-5

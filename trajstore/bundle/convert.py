@@ -14,7 +14,7 @@ from typing import Any
 
 from trajstore.bundle.writer import BundleContents
 from trajstore.errors import UsageError
-from trajstore.schema import REWARD_STAGES
+from trajstore.vocab import REWARD_STAGES, Stage
 
 MAJOR1_CONFIG_KEYS = ("n_samples_per_prompt", "grpo_std_normalization")
 FORMAT_VERSIONS = {1: "1.0.0", 2: "2.0.0"}
@@ -23,7 +23,7 @@ LOSS_VALUE_CONTRACT = {
     "expected_outputs": [],
     "implementation": "reuse",
     "inputs": [],
-    "stage": "loss.value",
+    "stage": Stage.LOSS_VALUE,
     "version": "v2",
 }
 
@@ -51,14 +51,14 @@ def convert_contents(
         for k in MAJOR1_CONFIG_KEYS:
             config.pop(k, None)
         identity.pop("normalization_cohort_ids", None)
-        contracts["loss.value"] = dict(LOSS_VALUE_CONTRACT)
+        contracts[Stage.LOSS_VALUE] = dict(LOSS_VALUE_CONTRACT)
     else:
         per_token = [s["sample_id"] for s in samples if isinstance(s.get("reward"), list)]
         if per_token:
             raise UsageError(
                 f"sample(s) {', '.join(per_token[:5])} carry per-token rewards, which major 1 cannot express"
             )
-        contracts.pop("loss.value", None)
+        contracts.pop(Stage.LOSS_VALUE, None)
     for c in contracts.values():
         c["version"] = version
     known = {"bundle_id", "comparison_policy", "format_version", "payloads", "producer", "redaction", "stage_contracts"}

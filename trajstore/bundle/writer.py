@@ -23,21 +23,27 @@ from trajstore.bundle.reader import check_payload_name
 from trajstore.errors import BundleError
 from trajstore.jsonio import canonical_bytes, read_json, sha256_bytes
 from trajstore.schema import WRITE_FORMAT_VERSION, CohortComplete, Index, Manifest, RankShard
+from trajstore.vocab import Payload, Stage
 
 #: stage -> (inputs, expected outputs) of the major-1 contract ("v1").
 V1_STAGES: dict[str, tuple[list[str], list[str]]] = {
-    "sample": (["index.samples"], []),
-    "reward.raw": (["index.samples.raw_reward"], ["expected.reward.raw"]),
-    "reward.post_process": (["reward.raw"], ["expected.reward.post_process"]),
-    "advantage.kl": (["old_log_probs", "ref_log_probs"], ["kl"]),
-    "advantage.estimate": (["index.samples.reward", "kl"], ["advantages"]),
-    "loss.policy": (
-        ["old_log_probs", "log_probs", "entropy", "advantages"],
-        ["expected.loss.policy"],
+    Stage.SAMPLE: (["index.samples"], []),
+    Stage.REWARD_RAW: (["index.samples.raw_reward"], [f"expected.{Stage.REWARD_RAW}"]),
+    Stage.REWARD_POST_PROCESS: ([Stage.REWARD_RAW], [f"expected.{Stage.REWARD_POST_PROCESS}"]),
+    Stage.ADVANTAGE_KL: ([Payload.OLD_LOG_PROBS, Payload.REF_LOG_PROBS], [Payload.KL]),
+    Stage.ADVANTAGE_ESTIMATE: (["index.samples.reward", Payload.KL], [Payload.ADVANTAGES]),
+    Stage.LOSS_POLICY: (
+        [Payload.OLD_LOG_PROBS, Payload.LOG_PROBS, Payload.ENTROPY, Payload.ADVANTAGES],
+        [f"expected.{Stage.LOSS_POLICY}"],
     ),
-    "router.consistency": (
-        ["rollout_routed_experts", "train_routed_experts", "rollout_log_probs", "train_log_probs"],
-        ["expected.router.consistency"],
+    Stage.ROUTER_CONSISTENCY: (
+        [
+            Payload.ROLLOUT_ROUTED_EXPERTS,
+            Payload.TRAIN_ROUTED_EXPERTS,
+            Payload.ROLLOUT_LOG_PROBS,
+            Payload.TRAIN_LOG_PROBS,
+        ],
+        [f"expected.{Stage.ROUTER_CONSISTENCY}"],
     ),
 }
 
@@ -45,16 +51,16 @@ V1_STAGES: dict[str, tuple[list[str], list[str]]] = {
 def default_stage_contracts(payloads: set[str], expected: dict[str, Any], samples: list[dict]) -> dict:
     """Declare the v1 stages whose inputs this bundle actually carries."""
     has_raw = bool(samples) and all("raw_reward" in s for s in samples)
+    routes = {Payload.ROLLOUT_ROUTED_EXPERTS, Payload.TRAIN_ROUTED_EXPERTS}
     present = {
-        "sample": True,
-        "reward.raw": has_raw and "reward.raw" in expected,
-        "reward.post_process": has_raw and "reward.post_process" in expected,
-        "advantage.kl": {"kl"} <= payloads,
-        "advantage.estimate": {"advantages"} <= payloads,
-        "loss.policy": {"old_log_probs", "log_probs", "advantages"} <= payloads
-        and "loss.policy" in expected,
-        "router.consistency": {"rollout_routed_experts", "train_routed_experts"} <= payloads
-        and "router.consistency" in expected,
+        Stage.SAMPLE: True,
+        Stage.REWARD_RAW: has_raw and Stage.REWARD_RAW in expected,
+        Stage.REWARD_POST_PROCESS: has_raw and Stage.REWARD_POST_PROCESS in expected,
+        Stage.ADVANTAGE_KL: {Payload.KL} <= payloads,
+        Stage.ADVANTAGE_ESTIMATE: {Payload.ADVANTAGES} <= payloads,
+        Stage.LOSS_POLICY: {Payload.OLD_LOG_PROBS, Payload.LOG_PROBS, Payload.ADVANTAGES} <= payloads
+        and Stage.LOSS_POLICY in expected,
+        Stage.ROUTER_CONSISTENCY: routes <= payloads and Stage.ROUTER_CONSISTENCY in expected,
     }
     out = {}
     for stage, (inputs, outputs) in V1_STAGES.items():

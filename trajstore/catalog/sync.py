@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from trajstore.catalog import tables as t
 from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
 from trajstore.errors import NotFoundError, StoreError
+from trajstore.vocab import Stage
 
 LoadDocument = Callable[[str], dict]
 Group = tuple  # (run, kind, rollout_id, step_id, rank)
@@ -288,7 +289,7 @@ def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: di
                 "train_weight": _str(router.get("train_weight")),
             }
         )
-    consistency = expected.get("router.consistency")
+    consistency = expected.get(Stage.ROUTER_CONSISTENCY)
     if isinstance(consistency, dict):
         rows["router_metrics"].append(
             _metric_row(
