@@ -23,7 +23,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check trajstore api migrations tests scripts
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py
+	$(PY) -m trajstore demo demo-store
 
 # Runs every benchmark (~15 min on 2 cores) and rewrites docs/benchmarks.md's measured block.
 bench: $(STAMP)

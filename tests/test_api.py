@@ -26,8 +26,8 @@ import pytest
 import torch
 import uvicorn
 from conftest import CAPTURE_DIR, FIXTURES, make_contents
+from trajstore.api.app import create_app
 
-from api.app import create_app
 from trajstore.bundle.writer import write_bundle
 from trajstore.store import Store
 
@@ -442,7 +442,7 @@ def test_ingest_and_record_from_other_processes(tmp_path: Path) -> None:
 
 
 def test_body_cache_stays_within_its_byte_bound() -> None:
-    from api.payloads import Body, BodyCache
+    from trajstore.api.payloads import Body, BodyCache
 
     cache = BodyCache(max_bytes=400)
     for i in range(5):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trajstore.examples import tiny_grpo as tiny
 
 from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
 from trajstore.capture.manager import NULL_STEP
@@ -18,17 +18,6 @@ from trajstore.store.api import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "sk-live-Zq9XWv3SECRETb7Tn"
-
-
-def _load_tiny():
-    spec = importlib.util.spec_from_file_location("tiny_grpo", ROOT / "scripts" / "tiny_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["tiny_grpo"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tiny = _load_tiny()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -43,7 +32,7 @@ def enabled(out: Path, **kw) -> CaptureConfig:
 
 def one_step(cap: CaptureManager, rollout_id: int = 0, step_id: int = 0, **tensors) -> bool:
     """A one-micro-batch step of two samples (3 + 2 response tokens)."""
-    t = {
+    step_tensors = {
         "log_probs": torch.tensor([-1.0, -0.5, -2.0, -0.1, -0.3]),
         "old_log_probs": torch.tensor([-1.1, -0.4, -2.0, -0.2, -0.3]),
         "advantages": torch.tensor([0.7, 0.7, 0.7, -0.7, -0.7]),
@@ -56,7 +45,7 @@ def one_step(cap: CaptureManager, rollout_id: int = 0, step_id: int = 0, **tenso
         {"sample_id": "b", "group_index": 0, "response_length": 2, "total_length": 4, "reward": -0.7},
     ]
     with cap.step(rollout_id, step_id) as st:
-        st.add(0, samples=samples, **t)
+        st.add(0, samples=samples, **step_tensors)
     return st is not NULL_STEP
 
 
@@ -285,8 +274,7 @@ def test_bad_input_to_add_is_counted_not_raised(tmp_path):
 
 def test_interpreter_exit_flushes_the_queue(tmp_path):
     code = (
-        "import sys, torch; sys.path.insert(0, 'tests');"
-        "from test_capture import one_step;"
+        "from tests.test_capture import one_step;"
         "from trajstore.capture import CaptureManager;"
         "cap = CaptureManager.from_env();"
         "[one_step(cap, 0, s) for s in range(5)]"  # no close(): atexit must flush

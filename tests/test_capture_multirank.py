@@ -42,8 +42,7 @@ def _capture(rank: int, dest: str, mode: str, ranks: list[int] = RANKS):
 
 def _rank_worker(rank: int, dest: str, mode: str, my_turn, next_turn, ranks: list[int] = RANKS) -> None:
     """One DP rank: a real tiny GRPO step on its own data, captured when its turn comes."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import tiny_grpo
+    from trajstore.examples import tiny_grpo
 
     cfg, manager = _capture(rank, dest, mode, ranks)
     loop = tiny_grpo.TinyGRPO(seed=rank, tag=f"k{rank}-", group_offset=1000 * rank)

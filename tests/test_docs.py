@@ -3,7 +3,7 @@
 Convention (stated at the top of the tutorial):
 
 - only fenced ```sh blocks are commands; output is shown in ```text blocks;
-- a command line is ``trajstore ...`` or ``python scripts/...``, optionally
+- a command line is ``trajstore ...`` or ``python -m trajstore.examples.<name> ...``, optionally
   preceded by ``VAR=value`` assignments, or ``export VAR=value ...``;
 - ``$VAR`` / ``${VAR}`` are expanded from the variables exported so far; the
   first ``export WORK=...`` is replaced by a fresh temporary directory;
@@ -195,10 +195,10 @@ def to_argv(line: Line, env: dict[str, str]) -> tuple[list[str], dict[str, str]]
     """argv and extra environment of a runnable line; None for `export`."""
     words = shlex.split(line.text)
     if words[0] == "export":
-        for w in words[1:]:
-            m = _ASSIGN.match(w)
-            assert m, f"tutorial.md:{line.lineno}: export needs VAR=value, got {w!r}"
-            name, value = m.groups()
+        for word in words[1:]:
+            assignment = _ASSIGN.match(word)
+            assert assignment, f"tutorial.md:{line.lineno}: export needs VAR=value, got {word!r}"
+            name, value = assignment.groups()
             if name == "WORK" and not env.get("_WORK_SEEN"):
                 env["_WORK_SEEN"] = "1"  # the first WORK is the test's own temporary directory
                 continue
@@ -209,14 +209,15 @@ def to_argv(line: Line, env: dict[str, str]) -> tuple[list[str], dict[str, str]]
         name, value = _ASSIGN.match(words[0]).groups()
         extra[name] = expand(value, env)
         words.pop(0)
-    words = [expand(w, env) for w in words]
+    words = [expand(word, env) for word in words]
     if words[0] == "trajstore":
         argv = [sys.executable, "-m", "trajstore", *words[1:]]
-    elif words[0] == "python" and len(words) > 1 and words[1].startswith("scripts/"):
+    elif words[:2] == ["python", "-m"] and words[2:3] and words[2].startswith("trajstore.examples."):
         argv = [sys.executable, *words[1:]]
     else:
         raise AssertionError(
-            f"tutorial.md:{line.lineno}: {line.text!r} is neither `trajstore ...` nor `python scripts/...`; "
+            f"tutorial.md:{line.lineno}: {line.text!r} is neither `trajstore ...` nor "
+            "`python -m trajstore.examples.<name> ...`; "
             f"run it here or mark it {NOT_RUN!r}"
         )
     return argv, extra
@@ -384,7 +385,7 @@ def test_tutorial_parser() -> None:
             "export WORK=/tmp/x A=$WORK/a",
             "trajstore replay $A \\",
             "    --step 1:0   # exit 1",
-            "TRAJSTORE_RUN=r python scripts/tiny_grpo.py --from-env",
+            "TRAJSTORE_RUN=r python -m trajstore.examples.tiny_grpo --from-env",
             f"curl -s localhost:8000/v1/health   {NOT_RUN}",
             "```",
             "```text",
@@ -409,7 +410,7 @@ def test_tutorial_parser() -> None:
         "1:0",
     ]
     argv, extra = to_argv(lines[2], env)
-    assert argv == [sys.executable, "scripts/tiny_grpo.py", "--from-env"] and extra == {
+    assert argv == [sys.executable, "-m", "trajstore.examples.tiny_grpo", "--from-env"] and extra == {
         "TRAJSTORE_RUN": "r"
     }
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CAPTURE_DIR, FIXTURES
-from replay_builders import write_consistent
+from trajstore.examples.replay_builders import write_consistent
 
 from trajstore.bundle.reader import open_target
 from trajstore.store import Store

@@ -1,7 +1,7 @@
 """Tests of the NumPy GRPO replay kernels (contract: docs/replay-math.md).
 
 Hand-computed pins, hypothesis properties, parity with the independent torch
-oracle (tests/oracle.py, the same one replay tests build bundles with), and the
+oracle (examples/oracle.py, the same one replay tests build bundles with), and the
 public producer's real fixture bundle.
 """
 
@@ -13,12 +13,12 @@ import subprocess
 import sys
 
 import numpy as np
-import oracle
 import pytest
 import torch
 from conftest import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trajstore.examples import oracle
 
 from trajstore.errors import TrajstoreError
 from trajstore.replay.kernels import (

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from trajstore.examples.moe_grpo import ToyConfig, dir_sink, run_into_store, run_toy
 
 from trajstore.cli import main
-from trajstore.router.moe_toy import ToyConfig, dir_sink, run_into_store, run_toy
 
 STEPS = 3
 

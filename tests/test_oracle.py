@@ -1,4 +1,4 @@
-"""The independent oracle (tests/oracle.py) is right, and the engine agrees with it.
+"""The independent oracle (examples/oracle.py) is right, and the engine agrees with it.
 
 Replay tests trust `oracle` for the values a correct producer records, so
 the oracle itself is checked against the public producer's recorded numbers
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import oracle
 import pytest
 import torch
 from conftest import FIXTURES
-from replay_builders import replay, statuses, write_consistent
+from trajstore.examples import oracle
+from trajstore.examples.replay_builders import replay, statuses, write_consistent
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL, RTOL = 1e-6, 1e-5
@@ -157,7 +157,7 @@ def long_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     args = ["--rollouts", "2", "--steps", "2", "--samples", "16", "--per-prompt", "4"]
     args += ["--min-len", "5", "--max-len", "40", "--seed", "3"]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gen_long_run.py"), str(out), *args],
+        [sys.executable, "-m", "trajstore.examples.gen_long_run", str(out), *args],
         capture_output=True,
         text=True,
     )

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from replay_builders import Faults, consistent_contents
+from trajstore.examples.replay_builders import Faults, consistent_contents
 
 from trajstore.bundle.writer import BundleContents, write_bundle
 from trajstore.store import Store

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
-from replay_builders import Faults, consistent_contents, write_consistent
+from trajstore.examples.replay_builders import Faults, consistent_contents, write_consistent
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.cli import main

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FIXTURES
-from replay_builders import (
+from trajstore.examples.replay_builders import (
     Faults,
     consistent_contents,
     replay,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from replay_builders import Faults, consistent_contents
+from trajstore.examples.replay_builders import Faults, consistent_contents
 
 from trajstore.bundle.writer import BundleContents, write_bundle
 from trajstore.store import Store

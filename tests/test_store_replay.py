@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FIXTURES, copy_fixture, make_contents, resign_bundle
-from replay_builders import Faults, consistent_contents, write_consistent
+from trajstore.examples.replay_builders import Faults, consistent_contents, write_consistent
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.replay.from_store import Target, replay_stored

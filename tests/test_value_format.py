@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from replay_builders import consistent_contents
+from trajstore.examples.replay_builders import consistent_contents
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.replay.compare import Divergence, compare_arrays

@@ -26,12 +26,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from trajstore.examples.replay_builders import consistent_contents
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from conftest import make_contents  # noqa: E402
-
-from trajstore.bundle.writer import write_bundle  # noqa: E402
-from trajstore.store import Store  # noqa: E402
+from trajstore.bundle.writer import write_bundle
+from trajstore.store import Store
 
 
 def time_downloads(
@@ -56,16 +54,16 @@ def build(root: Path, steps: int, tokens: int) -> Path:
     cap = root / "capture"
     cap.mkdir()
     t0 = time.perf_counter()
-    for i in range(steps):
-        r, s = divmod(i, 4)
-        write_bundle(
-            cap / f"replay-{r}-{s}",
-            make_contents(groups=2, samples_per_group=2, lengths=8, rollout_id=r, step_id=s, seed=i),
+    for index in range(steps):
+        rollout_id, step_id = divmod(index, 4)
+        small = consistent_contents(
+            groups=2, n=2, lengths=8, rollout_id=rollout_id, step_id=step_id, seed=index
         )
+        write_bundle(cap / f"replay-{rollout_id}-{step_id}", small.contents)
     big = root / "big" / "replay-999999-0"
     write_bundle(
         big,
-        make_contents(groups=1, samples_per_group=2, lengths=tokens // 2, rollout_id=999999, seed=1),
+        consistent_contents(groups=1, n=2, lengths=tokens // 2, rollout_id=999999, seed=1).contents,
     )
     t1 = time.perf_counter()
     with Store.open(root / "store", durable=False) as st:

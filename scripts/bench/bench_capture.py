@@ -27,12 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trajstore.examples import tiny_grpo
 
-import tiny_grpo  # noqa: E402
-
-from trajstore.capture import CaptureConfig, CaptureManager  # noqa: E402
-from trajstore.capture.config import DEFAULT_QUEUE_SIZE  # noqa: E402
+from trajstore.capture import CaptureConfig, CaptureManager
+from trajstore.capture.config import DEFAULT_QUEUE_SIZE
 
 
 def bench_cfg(args: argparse.Namespace) -> tiny_grpo.TinyConfig:

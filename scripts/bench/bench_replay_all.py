@@ -49,9 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from trajstore.store import Store, export_bundles  # noqa: E402
+from trajstore.store import Store, export_bundles
 
 
 def cpu_model() -> str:

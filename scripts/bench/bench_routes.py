@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench/bench_routes.py [--samples 32 --diff 0.18 --json OUT]
 
 Routes are Qwen3-30B-A3B-like [T, 48, 8] uint8 with random expert ids (as
-scripts/gen_long_run.py draws them). The train routes are the rollout routes
+trajstore.examples.gen_long_run draws them). The train routes are the rollout routes
 with a fraction `--diff` of token-layers whose *whole* top-k set is redrawn
 (again as gen_long_run.py does: a re-routed token-layer picks 8 new experts,
 not one id nudged by one). Both go through `write_array` the way ingest

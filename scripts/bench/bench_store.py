@@ -87,9 +87,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         cap = tmp / "capture"
-        gen = Path(__file__).resolve().parents[1] / "gen_long_run.py"
         subprocess.run(
-            [sys.executable, str(gen), str(cap), "--rollouts", str(args.rollouts), "--steps", str(args.steps),
+            [sys.executable, "-m", "trajstore.examples.gen_long_run", str(cap), "--rollouts", str(args.rollouts), "--steps", str(args.steps),
              "--samples", str(args.samples), "--routes", "--resumed", str(args.resumed), "--ranks", str(args.ranks),
              "--seed", "1"],
             check=True,

@@ -5,7 +5,7 @@
         [--steps-per-rollout 8] [--jobs 2] [--run long] [--small | --distinct]
 
 Writing 10,000 distinct bundles with torch.save costs 50-150 ms each here, so
-the store is built from a few *template* bundles (tests/replay_builders.py
+the store is built from a few *template* bundles (trajstore.examples.replay_builders
 `consistent_contents`: mathematically consistent, so a clean one replays
 clean), each written once; a clone is a new directory whose payload files are
 hard links to the template's and whose index.json / COMPLETE files carry the
@@ -56,13 +56,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from trajstore.examples.replay_builders import Faults, consistent_contents
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from replay_builders import Faults, consistent_contents  # noqa: E402
-
-from trajstore.bundle.writer import write_bundle  # noqa: E402
-from trajstore.jsonio import canonical_bytes, sha256_bytes  # noqa: E402
-from trajstore.replay import kernels  # noqa: E402
+from trajstore.bundle.writer import write_bundle
+from trajstore.jsonio import canonical_bytes, sha256_bytes
+from trajstore.replay import kernels
 
 
 def _lengths(samples: int, mean_tokens: int, small: bool) -> list[int]:

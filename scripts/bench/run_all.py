@@ -294,7 +294,7 @@ def render(runs: dict[str, Run], mach: dict[str, str], started: str, ended: str,
 
     section("Route delta storage (issue 8)", "routes",
             "Train routes are the rollout routes with a fraction of token-layers whose whole top-k set is "
-            "redrawn (as `scripts/gen_long_run.py` does), written with `write_array(base=...)` as ingest does.")
+            "redrawn (as `trajstore.examples.gen_long_run` does), written with `write_array(base=...)` as ingest does.")
     if rt:
         add("| route payload | stored | bytes per token-layer | vs stored base | vs raw |")
         add("|---|---:|---:|---:|---:|")
@@ -417,7 +417,7 @@ def render(runs: dict[str, Run], mach: dict[str, str], started: str, ended: str,
         add("")
 
     section("Store bytes and ingest (issue 4)", "store",
-            "A routed long run from `scripts/gen_long_run.py` (routes [T, 48, 8], 18% of train-route "
+            "A routed long run from `trajstore.examples.gen_long_run` (routes [T, 48, 8], 18% of train-route "
             "token-layers redrawn, 10% resumed steps), scaled down from 6 rollouts x 4 steps x 128 samples.")
     if st and ing:
         add(f"{st.get('bundles', 0):.0f} bundles, {st.get('logical_mb', 0):.0f} MB of bundle files.")

@@ -192,8 +192,8 @@ def _current_revision(conn: sa.Connection) -> str | None:
 
 
 def migrations_dir() -> Path:
-    """The packaged `migrations/` directory (found by import, not by cwd)."""
-    import migrations
+    """The installed `trajstore.migrations` package's directory (found by import, not by cwd)."""
+    from trajstore import migrations
 
     path = Path(migrations.__file__).resolve().parent
     if not (path / "env.py").is_file():

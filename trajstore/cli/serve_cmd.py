@@ -39,7 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     Store.open(args.store, create=False).close()  # fail early, as one line
     import uvicorn
 
-    from api.app import create_app
+    from trajstore.api.app import create_app
 
     app = create_app(Path(args.store), token=os.environ.get("TRAJSTORE_API_TOKEN") or None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

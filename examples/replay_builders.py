@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import oracle
+from trajstore.examples import oracle
 
 from trajstore.bundle.reader import open_target
 from trajstore.bundle.writer import (

@@ -18,7 +18,10 @@ chosen. Every step is written as a step-level bundle with route and log-prob
 payloads, ``config.router`` lineage and the producer's own metrics under
 expected.json ``router.consistency``.
 
-torch is imported inside functions: importing trajstore.router stays cheap.
+torch is imported inside functions, so importing this module stays cheap.
+
+    python -m trajstore.examples.moe_grpo --store /tmp/moe.store --mode both --steps 20 --seed 0
+    trajstore router compare --store /tmp/moe.store --run baseline --run r3 --plot compare.png
 """
 
 from __future__ import annotations
@@ -490,7 +493,7 @@ def run_into_store(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI of scripts/moe_grpo.py."""
+    """`python -m trajstore.examples.moe_grpo`: run the modes into a store."""
     import argparse
 
     p = argparse.ArgumentParser(
@@ -517,3 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{min(mis):.4g}-{max(mis):.4g}; mean task reward {reward:.3f}"
         )
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

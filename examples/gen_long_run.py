@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Synthetic long-run generator: capture directories shaped like a real async GRPO run.
 
-    python scripts/gen_long_run.py OUT --rollouts 6 --steps 4 --samples 128 --routes --resumed 0.1
+    python -m trajstore.examples.gen_long_run OUT --rollouts 6 --steps 4 --samples 128 --routes --resumed 0.1
 
 Writes, per rollout R: `replay-rollout-R/` (every sample: rewards, KL, advantages,
 routes) and k step bundles `replay-R-S/` that each consume a subset of R's
@@ -62,9 +62,13 @@ class Rollout:
         self.total = self.resp + self.prompt
         self.groups = np.repeat(np.arange(self.n_prompts) + rid * self.n_prompts, per)
         self.raw = rng.integers(0, 2, n).astype(np.float32) * 1.0
-        self.rewards = kernels.grpo_normalize(self.raw, self.groups.tolist(), per).astype(np.float32)
+        self.rewards = kernels.grpo_normalize(self.raw, self.groups.tolist(), per).astype(
+            np.float32
+        )
         if rid in args.fault_reward_norm:  # the historical bug: physical batches, not groups
-            self.rewards = kernels.grpo_normalize(self.raw, (np.arange(n) // 16).tolist(), 16).astype(np.float32)
+            self.rewards = kernels.grpo_normalize(
+                self.raw, (np.arange(n) // 16).tolist(), 16
+            ).astype(np.float32)
         t = int(self.resp.sum())
         self.old = (-np.abs(rng.lognormal(-1.5, 1.0, t))).astype(np.float32)
         self.new = (self.old + rng.normal(0, 0.15, t)).astype(np.float32)
@@ -76,10 +80,14 @@ class Rollout:
         self.routes = self.train_routes = None
         if args.routes:
             tt = int(self.total.sum())
-            self.routes = rng.integers(0, args.experts, (tt, args.layers, args.topk), dtype=np.uint8)
+            self.routes = rng.integers(
+                0, args.experts, (tt, args.layers, args.topk), dtype=np.uint8
+            )
             diff = rng.random((tt, args.layers)) < args.route_diff
             self.train_routes = self.routes.copy()
-            self.train_routes[diff] = rng.integers(0, args.experts, (int(diff.sum()), args.topk), dtype=np.uint8)
+            self.train_routes[diff] = rng.integers(
+                0, args.experts, (int(diff.sum()), args.topk), dtype=np.uint8
+            )
         self.resp_off = np.concatenate([[0], np.cumsum(self.resp)])
         self.tot_off = np.concatenate([[0], np.cumsum(self.total)])
 
@@ -102,8 +110,16 @@ class Rollout:
             for i in idx
         ]
 
-    def contents(self, idx: list[int], *, step: int | None, args: argparse.Namespace, world: int,
-                 new: np.ndarray | None = None, eps_fault: bool = False) -> BundleContents:
+    def contents(
+        self,
+        idx: list[int],
+        *,
+        step: int | None,
+        args: argparse.Namespace,
+        world: int,
+        new: np.ndarray | None = None,
+        eps_fault: bool = False,
+    ) -> BundleContents:
         resp = self.resp[idx]
         kl = np.zeros(int(resp.sum()), np.float32)  # kl_coef 0: all-zero KL, as in real runs
         adv = kernels.grpo_returns(self.rewards[idx], resp).astype(np.float32)
@@ -123,8 +139,14 @@ class Rollout:
             payloads["entropy"] = self.take(self.entropy, idx, self.resp_off)
             mask = np.concatenate([self.masks[i] for i in idx])
             expected["loss.policy"] = kernels.loss_policy(
-                payloads["old_log_probs"], lp, adv, payloads["entropy"], mask, resp,
-                eps_clip=CONFIG["eps_clip"], eps_clip_high=0.2 if eps_fault else CONFIG["eps_clip_high"],
+                payloads["old_log_probs"],
+                lp,
+                adv,
+                payloads["entropy"],
+                mask,
+                resp,
+                eps_clip=CONFIG["eps_clip"],
+                eps_clip_high=0.2 if eps_fault else CONFIG["eps_clip_high"],
             )
         if self.routes is not None:
             payloads["rollout_routed_experts"] = self.take(self.routes, idx, self.tot_off)
@@ -132,7 +154,9 @@ class Rollout:
         groups = sorted({int(self.groups[i]) for i in idx})
         samples = self.samples(idx)
         identity = {
-            "actor_step_id": {"rollout_id": self.rid, "step_id": step} if step is not None else None,
+            "actor_step_id": {"rollout_id": self.rid, "step_id": step}
+            if step is not None
+            else None,
             "consumer_batch_ids": [f"cb-{self.rid}-{step if step is not None else 'all'}"],
             "micro_batch_ids": sorted({s["micro_batch_id"] for s in samples}),
             "normalization_cohort_ids": [f"nc-{self.rid}"],
@@ -140,25 +164,51 @@ class Rollout:
             "rollout_id": self.rid if step is None else None,
             "rollout_partition_ids": [f"rollout-{self.rid}"],
             "semantic_group_ids": [f"g-{g}" for g in groups],
-            "weight_lineage": {"actor_weight": f"w-{self.rid + 1}", "rollout_weight": f"w-{self.rid}"},
+            "weight_lineage": {
+                "actor_weight": f"w-{self.rid + 1}",
+                "rollout_weight": f"w-{self.rid}",
+            },
         }
         config = {**CONFIG, "n_samples_per_prompt": args.per_prompt}
         if self.routes is not None:
-            config["router"] = {"num_layers": args.layers, "top_k": args.topk, "num_experts": args.experts,
-                                "mode": "R3", "rollout_engine": "sglang", "train_engine": "megatron"}
+            config["router"] = {
+                "num_layers": args.layers,
+                "top_k": args.topk,
+                "num_experts": args.experts,
+                "mode": "R3",
+                "rollout_engine": "sglang",
+                "train_engine": "megatron",
+            }
         anchor = f"{self.rid}-{step}" if step is not None else f"rollout-{self.rid}"
         return BundleContents(
-            bundle_id=f"replay-{anchor}", identity=identity, samples=samples, config=config,
-            payloads=payloads, expected=expected, producer=PRODUCER,
+            bundle_id=f"replay-{anchor}",
+            identity=identity,
+            samples=samples,
+            config=config,
+            payloads=payloads,
+            expected=expected,
+            producer=PRODUCER,
         )
 
 
-def write_step(dest: Path, ro: Rollout, groups: list[int], step: int, args: argparse.Namespace,
-               rng: np.random.Generator, *, perturb: bool = False) -> None:
+def write_step(
+    dest: Path,
+    ro: Rollout,
+    groups: list[int],
+    step: int,
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+    *,
+    perturb: bool = False,
+) -> None:
     eps_fault = (ro.rid, step) in args.fault_eps
     per_rank = np.array_split(np.array(groups), args.ranks)
     for r, gs in enumerate(per_rank):
-        idx = [int(g - ro.rid * ro.n_prompts) * args.per_prompt + j for g in gs for j in range(args.per_prompt)]
+        idx = [
+            int(g - ro.rid * ro.n_prompts) * args.per_prompt + j
+            for g in gs
+            for j in range(args.per_prompt)
+        ]
         new = None
         if perturb or (ro.rid, step) in args.fault_nan:
             new = ro.take(ro.new, idx, ro.resp_off).copy()
@@ -187,8 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--route-diff", type=float, default=0.18, help="fraction of train-route token-layers differing")
-    ap.add_argument("--resumed", type=float, default=0.0, help="fraction of steps re-captured under OUT/resumed/")
+    ap.add_argument(
+        "--route-diff",
+        type=float,
+        default=0.18,
+        help="fraction of train-route token-layers differing",
+    )
+    ap.add_argument(
+        "--resumed",
+        type=float,
+        default=0.0,
+        help="fraction of steps re-captured under OUT/resumed/",
+    )
     ap.add_argument("--ranks", type=int, default=1, help="ranks per step bundle (cohorts when > 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault-reward-norm", type=int, action="append", default=[], metavar="R")
@@ -202,16 +262,29 @@ def main(argv: list[str] | None = None) -> int:
     n = 0
     for rid in range(args.first_rollout, args.first_rollout + args.rollouts):
         ro = Rollout(rid, args, rng)
-        write_bundle(args.out / f"replay-rollout-{rid}", ro.contents(list(range(args.samples)), step=None, args=args, world=1))
+        write_bundle(
+            args.out / f"replay-rollout-{rid}",
+            ro.contents(list(range(args.samples)), step=None, args=args, world=1),
+        )
         n += 1
         prompts = np.arange(ro.n_prompts) + rid * ro.n_prompts
         for s in range(args.steps):
             # each step consumes a random half of the rollout's groups, in shuffled order
-            groups = [int(g) for g in rng.permutation(prompts)[: max(args.ranks, ro.n_prompts // 2)]]
+            groups = [
+                int(g) for g in rng.permutation(prompts)[: max(args.ranks, ro.n_prompts // 2)]
+            ]
             write_step(args.out / f"replay-{rid}-{s}", ro, groups, s, args, rng)
             n += 1
             if rng.random() < args.resumed:
-                write_step(args.out / "resumed" / f"replay-{rid}-{s}", ro, groups, s, args, rng, perturb=True)
+                write_step(
+                    args.out / "resumed" / f"replay-{rid}-{s}",
+                    ro,
+                    groups,
+                    s,
+                    args,
+                    rng,
+                    perturb=True,
+                )
                 n += 1
         del ro
     print(f"wrote {n} bundles to {args.out} in {time.monotonic() - t0:.1f}s", file=sys.stderr)

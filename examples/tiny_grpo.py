@@ -9,7 +9,7 @@ steps see ratio != 1 and clipping), micro-batches with gradient
 accumulation, masked tool tokens, a reused advantage buffer, and the loss
 written with the replay-math formulas (``sum_of_sample_mean`` etc.).
 
-    python scripts/tiny_grpo.py --seed 0 --rollouts 3 --capture-dir /tmp/cap
+    python -m trajstore.examples.tiny_grpo --seed 0 --rollouts 3 --capture-dir /tmp/cap
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ class TinyPolicy(nn.Module):
         return self.mlp(self.emb(prev) + ctx)
 
 
-def token_logps(model: nn.Module, prompts: torch.Tensor, resp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(
+    model: nn.Module, prompts: torch.Tensor, resp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position log-prob of the response token and the policy entropy, [B, L]."""
     prev = torch.cat([prompts[:, -1:], resp[:, :-1]], dim=1)
     logp_all = torch.log_softmax(model(prompts, prev), dim=-1)
@@ -83,7 +85,9 @@ def flat(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return x[valid]
 
 
-def sum_of_sample_mean(x: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
+def sum_of_sample_mean(
+    x: torch.Tensor, mask: torch.Tensor, seg: torch.Tensor, n: int
+) -> torch.Tensor:
     sums = torch.zeros(n, dtype=x.dtype).index_add(0, seg, x * mask)
     counts = torch.zeros(n, dtype=x.dtype).index_add(0, seg, mask).clamp(min=1)
     return (sums / counts).sum()
@@ -119,8 +123,14 @@ class Rollout:
 class TinyGRPO:
     """The training loop; ``capture`` is a `CaptureManager` or None."""
 
-    def __init__(self, seed: int, cfg: TinyConfig | None = None, capture: Any = None, tag: str = "",
-                 group_offset: int = 0):
+    def __init__(
+        self,
+        seed: int,
+        cfg: TinyConfig | None = None,
+        capture: Any = None,
+        tag: str = "",
+        group_offset: int = 0,
+    ):
         self.cfg = cfg or TinyConfig()
         self.tag = tag  # sample-id prefix and group offset: distinct samples per DP rank
         self.group_offset = group_offset
@@ -140,17 +150,23 @@ class TinyGRPO:
         c = self.cfg
         n = c.prompts_per_rollout * c.n_samples_per_prompt
         with torch.no_grad():
-            prompts = torch.randint(2, c.vocab, (c.prompts_per_rollout, c.prompt_len), generator=self.gen)
+            prompts = torch.randint(
+                2, c.vocab, (c.prompts_per_rollout, c.prompt_len), generator=self.gen
+            )
             prompts = prompts.repeat_interleave(c.n_samples_per_prompt, dim=0)
             prev = prompts[:, -1]
             toks = []
             for _ in range(c.max_response):
                 logits = self.model(prompts, prev.unsqueeze(1))[:, 0]
-                prev = torch.multinomial(torch.softmax(logits, -1), 1, generator=self.gen).squeeze(1)
+                prev = torch.multinomial(torch.softmax(logits, -1), 1, generator=self.gen).squeeze(
+                    1
+                )
                 toks.append(prev)
             resp = torch.stack(toks, 1)
             is_eos = resp == EOS
-            first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((n,), c.max_response - 1))
+            first = torch.where(
+                is_eos.any(1), is_eos.float().argmax(1), torch.full((n,), c.max_response - 1)
+            )
             lengths = (first + 1).tolist()
             valid = torch.arange(c.max_response).unsqueeze(0) < (first + 1).unsqueeze(1)
             resp = torch.where(valid, resp, torch.full_like(resp, EOS))
@@ -167,10 +183,27 @@ class TinyGRPO:
                 rewards = rewards / (grouped.std(dim=1, keepdim=True) + 1e-6)
             rewards = rewards.reshape(-1)
             advantages = rewards.repeat_interleave(torch.tensor(lengths))
-            kl = approx_kl(old_logp, ref_logp, c.kl_loss_type) if c.kl_coef else torch.zeros_like(old_logp)
+            kl = (
+                approx_kl(old_logp, ref_logp, c.kl_loss_type)
+                if c.kl_coef
+                else torch.zeros_like(old_logp)
+            )
         groups = [i // c.n_samples_per_prompt for i in range(n)]
-        ro = Rollout(rollout_id, prompts, resp, valid, lengths, groups, old_logp, ref_logp, kl, mask,
-                     raw, rewards, advantages)
+        ro = Rollout(
+            rollout_id,
+            prompts,
+            resp,
+            valid,
+            lengths,
+            groups,
+            old_logp,
+            ref_logp,
+            kl,
+            mask,
+            raw,
+            rewards,
+            advantages,
+        )
         if self.capture is not None:
             self.capture.rollout(
                 rollout_id,
@@ -182,14 +215,19 @@ class TinyGRPO:
                 ref_log_probs=ref_logp,
                 kl=kl,
                 loss_mask=mask,
-                weight_lineage={"rollout_weight": f"w-{self.version}", "actor_weight": f"w-{self.version}"},
+                weight_lineage={
+                    "rollout_weight": f"w-{self.version}",
+                    "actor_weight": f"w-{self.version}",
+                },
             )
         return ro
 
     def _sample(self, ro: Rollout, i: int, text: bool = False) -> dict[str, Any]:
         s: dict[str, Any] = {
             "sample_id": f"{self.tag}r{ro.rollout_id}-s{i}",
-            "group_index": self.group_offset + ro.rollout_id * self.cfg.prompts_per_rollout + ro.groups[i],
+            "group_index": self.group_offset
+            + ro.rollout_id * self.cfg.prompts_per_rollout
+            + ro.groups[i],
             "response_length": ro.lengths[i],
             "total_length": self.cfg.prompt_len + ro.lengths[i],
         }
@@ -198,7 +236,9 @@ class TinyGRPO:
             s["response"] = " ".join(f"t{t}" for t in ro.resp[i, : ro.lengths[i]].tolist())
         return s
 
-    def train_step(self, ro: Rollout, step_id: int, on_metrics: Callable | None = None) -> dict[str, float]:
+    def train_step(
+        self, ro: Rollout, step_id: int, on_metrics: Callable | None = None
+    ) -> dict[str, float]:
         c = self.cfg
         gpm = c.groups_per_micro_batch
         groups_per_step = c.prompts_per_rollout // c.steps_per_rollout
@@ -207,8 +247,14 @@ class TinyGRPO:
         for n in ro.lengths:
             offsets.append(offsets[-1] + n)
         cap = (
-            self.capture.step(ro.rollout_id, step_id,
-                              weight_lineage={"rollout_weight": f"w-{ro.rollout_id}", "actor_weight": f"w-{self.version}"})
+            self.capture.step(
+                ro.rollout_id,
+                step_id,
+                weight_lineage={
+                    "rollout_weight": f"w-{ro.rollout_id}",
+                    "actor_weight": f"w-{self.version}",
+                },
+            )
             if self.capture is not None
             else None
         )
@@ -245,7 +291,9 @@ class TinyGRPO:
             }
             loss = metrics["pg_loss"] - c.entropy_coef * metrics["entropy_loss"]
             if c.use_kl_loss:
-                metrics["kl_loss"] = sum_of_sample_mean(approx_kl(logp, ref, c.kl_loss_type), mask, seg, n)
+                metrics["kl_loss"] = sum_of_sample_mean(
+                    approx_kl(logp, ref, c.kl_loss_type), mask, seg, n
+                )
                 loss = loss + c.kl_loss_coef * metrics["kl_loss"]
             metrics["loss"] = loss
             loss.backward()
@@ -294,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rollouts", type=int, default=3)
     p.add_argument("--capture-dir", help="capture every step/rollout into this directory")
-    p.add_argument("--from-env", action="store_true", help="configure capture from TRAJSTORE_CAPTURE*")
+    p.add_argument(
+        "--from-env", action="store_true", help="configure capture from TRAJSTORE_CAPTURE*"
+    )
     a = p.parse_args(argv)
     capture = None
     loop = TinyGRPO(a.seed)
@@ -304,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.from_env:
             capture = CaptureManager.from_env(recompute=loop.recompute_config())
         else:
-            capture = CaptureManager(CaptureConfig(enabled=True, output_dir=a.capture_dir, run="tiny"),
-                                     recompute=loop.recompute_config())
+            capture = CaptureManager(
+                CaptureConfig(enabled=True, output_dir=a.capture_dir, run="tiny"),
+                recompute=loop.recompute_config(),
+            )
         loop.capture = capture
     loop.train(a.rollouts)
     if capture is not None:

@@ -1,0 +1,13 @@
+"""Users of trajstore, shipped with it: small training loops and the end-to-end demo.
+
+Installed as `trajstore.examples` (the repository keeps them in `examples/`, apart from the
+library in `trajstore/`). Nothing in the library imports them, except `trajstore demo`,
+which runs `demo`.
+
+- `tiny_grpo`: a tiny dense GRPO loop with optional capture (docs/capture.md);
+- `moe_grpo`: a tiny MoE GRPO loop, bf16 rollout vs fp32 training, captured into a store
+  (docs/router.md);
+- `gen_long_run`: synthetic long-run capture directories with injectable faults;
+- `demo`: the whole job end to end (`trajstore demo`, `make demo`); its fixture bundles from
+  the public producer are in `data/relax-v2/`.
+"""

@@ -1,0 +1,250 @@
+"""`trajstore demo [DIR]` (and `make demo`): the whole job end to end on a local store, as a check.
+
+1. a tiny MoE GRPO run captures runs `baseline` and `r3` through CaptureManager;
+2. a synthetic long run with injected faults (streamed-group normalization in
+   some rollouts, a wrong clip in some steps) is ingested beside them, with the
+   public producer's fixture bundles;
+3. every bundle is replayed with --record;
+4. it prints sizes and dedup, the first-divergent-stage histogram, the steps
+   rooted in reward.post_process (checked against the injected rollouts), the
+   router comparison, and the commands to type next.
+
+Every step runs the real `trajstore` CLI, and the trainers as `python -m
+trajstore.examples.*`; everything it needs is installed with trajstore, so it
+runs from a wheel as well as from a checkout. Any failed expectation exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: the public producer's bundles the demo ingests (a copy of tests/fixtures/relax-v2's, shipped)
+FIXTURES = Path(__file__).resolve().parent / "data" / "relax-v2"
+FAULT_ROLLOUTS = (3, 7)  # streamed-group normalization fault
+FAULT_CLIP_STEPS = ("5:1", "10:2")  # wrong eps_clip_high
+ROLLOUTS, STEPS_PER_ROLLOUT = 12, 3
+T0 = time.perf_counter()
+
+
+def say(text: str) -> None:
+    print(f"\n[{time.perf_counter() - T0:6.1f}s] {text}", flush=True)
+
+
+def run(cmd: list[str], *, expect: tuple[int, ...] = (0,), show: bool = True) -> str:
+    shown = cmd[2:] if cmd[1:3] == ["-m", "trajstore"] else ["python", *cmd[1:]]
+    print("$ " + " ".join(shown), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if show:
+        sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode not in expect:
+        raise SystemExit(f"demo: `{' '.join(cmd)}` exited {proc.returncode}, expected {expect}")
+    return proc.stdout
+
+
+def trajstore(*args: str, expect: tuple[int, ...] = (0,), show: bool = True) -> str:
+    return run([sys.executable, "-m", "trajstore", *args], expect=expect, show=show)
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        raise SystemExit(f"demo: expectation failed: {what}")
+    print(f"  ok: {what}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--store", default="demo-store", help="store to (re)create (default: ./demo-store)"
+    )
+    parser.add_argument("--moe-steps", type=int, default=6)
+    args = parser.parse_args(argv)
+    store = Path(args.store)
+    work = store.parent / (store.name + "-work")
+    for own_dir in (store, work):  # the demo's own directories, recreated each run
+        shutil.rmtree(own_dir, ignore_errors=True)
+    work.mkdir(parents=True)
+
+    say("1/5 tiny MoE GRPO run, captured through CaptureManager (runs baseline and r3)")
+    run(
+        [
+            sys.executable,
+            "-m",
+            "trajstore.examples.moe_grpo",
+            "--store",
+            str(store),
+            "--mode",
+            "both",
+            "--steps",
+            str(args.moe_steps),
+            "--seed",
+            "0",
+        ]
+    )
+
+    say("2/5 synthetic long run with injected faults, plus the Relax fixture bundles")
+    capture_dir = work / "capture"
+    gen = [
+        sys.executable,
+        "-m",
+        "trajstore.examples.gen_long_run",
+        str(capture_dir),
+        "--rollouts",
+        str(ROLLOUTS),
+        "--steps",
+        str(STEPS_PER_ROLLOUT),
+        "--samples",
+        "64",
+        "--max-len",
+        "600",
+        "--resumed",
+        "0.1",
+        "--seed",
+        "7",
+    ]
+    for rollout in FAULT_ROLLOUTS:
+        gen += ["--fault-reward-norm", str(rollout)]
+    for step in FAULT_CLIP_STEPS:
+        gen += ["--fault-eps", step]
+    run(gen)
+    trajstore("ingest", str(capture_dir), "--store", str(store), "--run", "synthetic")
+    trajstore(
+        "ingest",
+        str(FIXTURES / "example_capture_dir"),
+        str(FIXTURES / "example_bundle"),
+        "--store",
+        str(store),
+        "--run",
+        "relax",
+    )
+
+    say("3/5 replay every bundle from the store, recording the results")
+    out = trajstore(
+        "replay",
+        "--store",
+        str(store),
+        "--all",
+        "--record",
+        "--workers",
+        "2",
+        "--json",
+        expect=(0, 1),
+        show=False,
+    )
+    summary = json.loads(out)
+    check(summary["refused"] == 0, f"no bundle refused ({summary['total']} replayed)")
+
+    say("4/5 what the store holds and what diverged")
+    stats = json.loads(trajstore("stats", "--store", str(store), "--json", show=False))
+    trajstore("stats", "--store", str(store))
+    check(
+        stats["dedup_ratio"] > 1.0,
+        f"dedup ratio {stats['dedup_ratio']:.2f} > 1 (logical {stats['logical_bytes']} B, physical {stats['physical_bytes']} B)",
+    )
+    print("first divergent stage histogram:")
+    for stage, count in summary["first_divergent_stage_histogram"].items():
+        print(f"  {stage:<22} {count}")
+    rows = json.loads(
+        trajstore(
+            "query",
+            "steps",
+            "--store",
+            str(store),
+            "--run",
+            "synthetic",
+            "--first-divergent-stage",
+            "reward.post_process",
+            "--format",
+            "json",
+            show=False,
+        )
+    )
+    trajstore(
+        "query",
+        "steps",
+        "--store",
+        str(store),
+        "--run",
+        "synthetic",
+        "--first-divergent-stage",
+        "reward.post_process",
+    )
+    check(
+        {row["rollout_id"] for row in rows} == set(FAULT_ROLLOUTS),
+        f"steps rooted in reward.post_process are exactly those of the injected rollouts {FAULT_ROLLOUTS}",
+    )
+    clip = json.loads(
+        trajstore(
+            "query",
+            "steps",
+            "--store",
+            str(store),
+            "--run",
+            "synthetic",
+            "--first-divergent-stage",
+            "loss.policy",
+            "--format",
+            "json",
+            show=False,
+        )
+    )
+    check(
+        {f"{row['rollout_id']}:{row['step_id']}" for row in clip} >= set(FAULT_CLIP_STEPS),
+        f"the wrong-clip steps {FAULT_CLIP_STEPS} diverge first at loss.policy",
+    )
+
+    say("5/5 MoE routing consistency: baseline vs r3")
+    plot = work / "router_compare.png"
+    trajstore(
+        "router",
+        "compare",
+        "--store",
+        str(store),
+        "--run",
+        "baseline",
+        "--run",
+        "r3",
+        "--plot",
+        str(plot),
+    )
+    comparison = json.loads(
+        trajstore(
+            "router",
+            "compare",
+            "--store",
+            str(store),
+            "--run",
+            "baseline",
+            "--run",
+            "r3",
+            "--format",
+            "json",
+            show=False,
+        )
+    )
+    baseline = [row["runs"]["baseline"]["route_mismatch_rate"] for row in comparison["steps"]]
+    r3 = [row["runs"]["r3"]["route_mismatch_rate"] for row in comparison["steps"]]
+    check(sum(rate or 0 for rate in baseline) > 0, "baseline route mismatch > 0")
+    check(all(rate == 0 for rate in r3), "r3 route mismatch exactly 0 on every step")
+    print(f"plot written to {plot}")
+
+    first = rows[0] if rows else {"rollout_id": FAULT_ROLLOUTS[0], "step_id": 0}
+    say(f"done: all expectations met in {time.perf_counter() - T0:.0f}s. Next, try:")
+    print(f"  trajstore serve --store {store}")
+    print(
+        f"  curl -s http://127.0.0.1:8000/v1/runs/synthetic/steps/{first['rollout_id']}:{first['step_id']}"
+    )
+    print(
+        f"  trajstore replay --store {store} --run synthetic --step {first['rollout_id']}:{first['step_id']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
