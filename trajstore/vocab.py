@@ -61,11 +61,20 @@ class Capability(_Word):
 
 
 class Verdict(_Word):
-    """One replay's overall status (the report's ``status``)."""
+    """One replay's overall status (the report's and the recorded result's ``status``)."""
 
     PASS = "pass"
     DIVERGED = "diverged"
     UNSUPPORTED = "unsupported"
+    #: the bundle could not be replayed at all (integrity, selection, ...)
+    REFUSED = "refused"
+
+
+#: a step filter for steps with no recorded result (not a verdict: nothing was recorded)
+UNREPLAYED = "unreplayed"
+#: the values ``query steps --status`` accepts: a recorded verdict, or UNREPLAYED (plain
+#: strings, as argparse prints them in its choices)
+STEP_STATUSES: tuple[str, ...] = (*(verdict.value for verdict in Verdict), UNREPLAYED)
 
 
 class Payload(_Word):

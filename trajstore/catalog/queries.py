@@ -22,13 +22,10 @@ import sqlalchemy as sa
 from trajstore.catalog import tables as t
 from trajstore.catalog.db import Catalog
 from trajstore.errors import UsageError
+from trajstore.vocab import STEP_STATUSES, UNREPLAYED
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
-#: a step filter for steps with no recorded result: their status column is null
-UNREPLAYED = "unreplayed"
-#: the values `query_steps(status=...)` accepts: a recorded verdict, or UNREPLAYED
-STEP_STATUSES = ("pass", "diverged", "unsupported", "refused", UNREPLAYED)
 JSON_COLUMNS = frozenset(
     {"cohort_ranks", "shape", "per_layer_mismatch", "metric_error", "selection"}
 )

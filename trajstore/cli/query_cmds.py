@@ -10,10 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trajstore.cli._common import default_store, print_json
-
-#: `query steps --status` values (trajstore.catalog.queries.STEP_STATUSES; not
-#: imported from there so that `--help` does not load sqlalchemy)
-STEP_STATUSES = ("pass", "diverged", "unsupported", "refused", "unreplayed")
+from trajstore.vocab import STEP_STATUSES
 
 FORMATS = ("table", "json", "csv")
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from trajstore import __version__
 from trajstore.errors import TrajstoreError
+from trajstore.vocab import Verdict
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,13 @@ class BatchSummary:
         return {
             "total": self.total,
             "skipped_already_recorded": self.skipped,
-            "pass": self.passed,
-            "diverged": self.diverged,
-            "unsupported": self.unsupported,
-            "refused": self.refused,
-            "first_divergent_stage_histogram": dict(sorted(self.histogram.items())),
+            Verdict.PASS.value: self.passed,
+            Verdict.DIVERGED.value: self.diverged,
+            Verdict.UNSUPPORTED.value: self.unsupported,
+            Verdict.REFUSED.value: self.refused,
+            "first_divergent_stage_histogram": {
+                str(stage): count for stage, count in sorted(self.histogram.items())
+            },
             "refusals": self.refusals[:20],
             "seconds": round(self.seconds, 3),
         }
@@ -132,7 +135,7 @@ def _replay_one(args: tuple[BatchTarget, bool]) -> tuple[str, str, str | None, s
     except TrajstoreError as exc:
         if record:
             _record_refusal(store, target, str(exc))
-        return target.describe(), "refused", None, str(exc)
+        return target.describe(), Verdict.REFUSED, None, str(exc)
 
 
 def _record_refusal(store: Any, target: BatchTarget, reason: str) -> None:
@@ -178,11 +181,11 @@ def replay_all(
         results = pool.imap_unordered(_replay_one, jobs, chunksize=4)
     try:
         for i, (what, status, stage, err) in enumerate(results, 1):
-            if status == "pass":
+            if status == Verdict.PASS:
                 summary.passed += 1
-            elif status == "diverged":
+            elif status == Verdict.DIVERGED:
                 summary.diverged += 1
-            elif status == "unsupported":
+            elif status == Verdict.UNSUPPORTED:
                 summary.unsupported += 1
             else:
                 summary.refused += 1

@@ -36,7 +36,7 @@ from trajstore.replay.runner import (
 )
 from trajstore.replay.selection import SelectionRequest
 from trajstore.replay.stages import KNOWN_CONFIG_KEYS
-from trajstore.vocab import REWARD_STAGES, Payload, Stage, StageStatus
+from trajstore.vocab import REWARD_STAGES, Payload, Stage, StageStatus, Verdict
 
 #: rollout stages whose outputs a step bundle consumes
 FEEDS_STEPS = REWARD_STAGES
@@ -394,7 +394,7 @@ def refusal_document(
 ) -> dict[str, Any]:
     """The result document of a bundle replay refused (integrity, selection, ...)."""
     return {
-        **_result_header(key, run, rollout_id, step_id, "refused"),
+        **_result_header(key, run, rollout_id, step_id, Verdict.REFUSED),
         "first_divergent_stage": None,
         "first_divergent_rank": None,
         "root_bundle_key": None,
