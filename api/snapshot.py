@@ -32,8 +32,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from trajstore.catalog import open_catalog, sync_catalog
-from trajstore.catalog import tables as t
+from trajstore.catalog import open_catalog, sync_catalog, tables
 from trajstore.catalog.db import Catalog
 from trajstore.catalog.queries import jsonable, samples_of
 from trajstore.store import Store
@@ -110,33 +109,39 @@ class View:
 
 def _build_view(catalog: Catalog, previous: View, generation: int) -> View:
     with catalog.connect() as conn:
-        bundles = {r["key"]: r for r in _rows(conn, sa.select(t.bundles))}
-        new_keys = [k for k in bundles if k not in previous.payloads]
+        bundles = {row["key"]: row for row in _rows(conn, sa.select(tables.bundles))}
+        new_keys = [key for key in bundles if key not in previous.payloads]
         payloads = dict(previous.payloads)
         for start in range(0, len(new_keys), 2000):
             part = new_keys[start : start + 2000]
-            for k in part:
-                payloads[k] = {}
-            for r in _rows(conn, sa.select(t.payloads).where(t.payloads.c.bundle_key.in_(part))):
-                payloads[r["bundle_key"]][r["name"]] = r
-        rr = t.replay_results
+            for key in part:
+                payloads[key] = {}
+            query = sa.select(tables.payloads).where(tables.payloads.c.bundle_key.in_(part))
+            for row in _rows(conn, query):
+                payloads[row["bundle_key"]][row["name"]] = row
+        results = tables.replay_results
         latest: dict[str, dict[str, Any]] = {}
-        for r in _rows(
+        for row in _rows(
             conn,
-            sa.select(rr).order_by(rr.c.recorded_at.asc().nulls_first(), rr.c.id.asc()),
+            sa.select(results).order_by(
+                results.c.recorded_at.asc().nulls_first(), results.c.id.asc()
+            ),
         ):
-            latest[r["bundle_key"]] = r
+            latest[row["bundle_key"]] = row
     groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in bundles.values():
-        if r["removed_at"] is None:
-            groups.setdefault((r["run"], r["kind"], r["rollout_id"], r["step_id"]), []).append(r)
-    runs = tuple(sorted({r["run"] for r in bundles.values() if r["removed_at"] is None}))
+    for row in bundles.values():
+        if row["removed_at"] is None:
+            group = (row["run"], row["kind"], row["rollout_id"], row["step_id"])
+            groups.setdefault(group, []).append(row)
+    runs = tuple(sorted({row["run"] for row in bundles.values() if row["removed_at"] is None}))
     steps: dict[tuple, set[int]] = {}
     for run, kind, rollout_id, step_id in groups:
         if kind == "step":
             steps.setdefault((run, rollout_id), set()).add(step_id)
-    steps_of_rollout = {k: sorted(v) for k, v in steps.items()}
-    samples = previous.samples if isinstance(previous.samples, SampleCache) else SampleCache(catalog)
+    steps_of_rollout = {key: sorted(step_ids) for key, step_ids in steps.items()}
+    samples = (
+        previous.samples if isinstance(previous.samples, SampleCache) else SampleCache(catalog)
+    )
     return View(generation, bundles, samples, payloads, latest, groups, runs, steps_of_rollout)
 
 
@@ -231,7 +236,8 @@ class CatalogSnapshot:
     def _synced_count(self) -> int:
         """Documents applied so far; a failed sync may still have applied some."""
         with self.catalog.connect() as conn:
-            return int(conn.execute(sa.select(sa.func.count()).select_from(t.synced_documents)).scalar_one())
+            count = sa.select(sa.func.count()).select_from(tables.synced_documents)
+            return int(conn.execute(count).scalar_one())
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):

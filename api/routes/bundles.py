@@ -1,0 +1,174 @@
+"""One bundle by key: its detail, its samples, and payload downloads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Literal
+from urllib.parse import quote
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from trajstore.jsonio import json_safe
+from trajstore.store.stored_bundle import StoredBundle
+
+from .. import models
+from ..detail import known_bundle, latest_verdict, payload_infos, samples_summary
+from ..errors import ApiError, error_response
+from ..params import Text
+from ..payloads import (
+    FORMATS,
+    Body,
+    RangeNotSatisfiable,
+    as_npy_array,
+    etag_for,
+    etag_matches,
+    npy_header,
+    parse_range,
+)
+from ..state import StateDep
+
+router = APIRouter()
+
+FILE_EXTENSIONS = {"pt": "pt", "npy": "npy", "raw": "bin"}
+
+
+def _payload_body(
+    stored_bundle: StoredBundle, name: str, fmt: str, position: int | None, torch_dtype: str
+) -> Body:
+    """The response body of a payload download (decoded from the store)."""
+    if fmt == "pt":
+        return Body.of(stored_bundle.payload_file(name))
+    import numpy as np
+
+    array = (
+        stored_bundle.payload(name)
+        if position is None
+        else stored_bundle.payload_rows(name, np.array([position]))
+    )
+    if fmt == "npy":
+        npy_array = as_npy_array(array, torch_dtype)
+        return Body.of(npy_header(npy_array), npy_array, shape=tuple(array.shape))
+    return Body.of(array, shape=tuple(array.shape))
+
+
+@router.get("/bundles/{key:path}/samples", response_model=models.SampleList)
+def bundle_samples(
+    state: StateDep,
+    key: str,
+    group: Annotated[
+        str | None, Query(max_length=200, description='"g-3" or a group index')
+    ] = None,
+    micro_batch: Text = None,
+) -> models.SampleList:
+    view = state.view
+    known_bundle(view, key)
+    items = view.samples.get(key, [])
+    if group is not None:
+        items = [
+            sample
+            for sample in items
+            if sample["semantic_group"] == group
+            or (group.isdigit() and sample["group_index"] == int(group))
+        ]
+    if micro_batch is not None:
+        items = [sample for sample in items if sample["micro_batch_id"] == micro_batch]
+    return models.SampleList(items=[models.SampleRow(**json_safe(sample)) for sample in items])
+
+
+@router.get(
+    "/bundles/{key:path}/payloads/{name}",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "the payload"},
+        206: {"content": {"application/octet-stream": {}}, "description": "a byte range"},
+        304: {"description": "not modified (If-None-Match)"},
+        416: {"model": models.ErrorResponse, "description": "range not satisfiable"},
+    },
+)
+def payload(
+    state: StateDep,
+    key: str,
+    name: Annotated[str, Path(max_length=200)],
+    request: Request,
+    format: Annotated[
+        Literal["npy", "raw", "pt"], Query(description=f"one of {FORMATS}")
+    ] = "npy",
+    sample: Text = None,
+) -> Response:
+    """A payload as .npy (bf16 widened to float32), raw bytes or the original .pt."""
+    view = state.view
+    row = known_bundle(view, key)
+    payload_row = view.payloads.get(key, {}).get(name)
+    if payload_row is None:
+        raise ApiError(404, "not_found", f"{key}: no payload named {name[:100]!r}")
+    position = None
+    if sample is not None:
+        if format == "pt":
+            raise ApiError(
+                400, "bad_request", "format=pt is the whole original file; no ?sample="
+            )
+        position = next(
+            (
+                sample_row["position"]
+                for sample_row in view.samples.get(key, [])
+                if sample_row["sample_id"] == sample
+            ),
+            None,
+        )
+        if position is None:
+            raise ApiError(404, "not_found", f"{key}: no sample {sample[:100]!r}")
+    stored_bundle = state.stored(row)
+    entry = stored_bundle.ref["payloads"][name]
+    content = entry["file"]["sha256"] if format == "pt" else payload_row["record"]
+    etag = etag_for(content, format, sample)
+    headers = {"ETag": etag, "Accept-Ranges": "bytes", "X-Dtype": str(payload_row["dtype"])}
+    if etag_matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=headers)
+    if position is not None and entry.get("rows") not in ("response", "total"):
+        raise ApiError(
+            400, "bad_request", f"payload {name!r} is not per-token; it has no per-sample slice"
+        )
+    filename = f"{name}.{FILE_EXTENSIONS[format]}"
+    body = state.bodies.get(etag)
+    if body is None:
+        body = _payload_body(stored_bundle, name, format, position, str(payload_row["dtype"]))
+        state.bodies.put(etag, body)
+    if body.shape is not None:
+        headers["X-Shape"] = ",".join(str(dim) for dim in body.shape)
+    headers["Content-Disposition"] = f'attachment; filename="{quote(filename)}"'
+    size = body.size
+    try:
+        byte_range = parse_range(request.headers.get("range"), size)
+    except RangeNotSatisfiable:
+        return error_response(
+            416,
+            "range_not_satisfiable",
+            f"body has {size} bytes",
+            {"Content-Range": f"bytes */{size}"},
+        )
+    status = 200
+    start, end = 0, size - 1
+    if byte_range is not None:
+        start, end = byte_range
+        status = 206
+        headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    headers["Content-Length"] = str(max(end - start + 1, 0))
+    chunks: Iterator[bytes] = body.iter_range(start, end)
+    return StreamingResponse(
+        chunks, status_code=status, headers=headers, media_type="application/octet-stream"
+    )
+
+
+@router.get("/bundles/{key:path}", response_model=models.BundleDetail)
+def bundle(state: StateDep, key: str) -> models.BundleDetail:
+    """One bundle by key (keys contain '/'): its catalog row, payloads, samples, verdict."""
+    view = state.view
+    row = known_bundle(view, key)
+    return models.BundleDetail(
+        bundle=models.Open(**json_safe(row)),
+        capabilities=state.capabilities(row),
+        payloads=payload_infos(view, key),
+        samples=samples_summary(view, [row]),
+        latest_verdict=latest_verdict(view, [key]),
+    )

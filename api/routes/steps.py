@@ -1,0 +1,86 @@
+"""Actor steps and rollouts: the step listing and one step or rollout in detail."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from trajstore.catalog import query_steps
+from trajstore.jsonio import json_safe
+
+from .. import models
+from ..detail import check_range, check_run, group_detail
+from ..errors import ApiError
+from ..params import Attempt, Cursor, Id, Limit, OptId, RunName, Text
+from ..state import StateDep
+
+router = APIRouter()
+
+
+@router.get("/runs/{run}/steps", response_model=models.StepPage)
+def steps(
+    state: StateDep,
+    run: RunName,
+    rollout_from: OptId = None,
+    rollout_to: OptId = None,
+    first_divergent_stage: Text = None,
+    status: Text = None,
+    limit: Limit = None,
+    cursor: Cursor = None,
+) -> models.StepPage:
+    """Actor steps (latest attempt) with their latest verdict, in (rollout, step) order."""
+    check_run(state.view, run)
+    check_range(rollout_from, rollout_to)
+    page = query_steps(
+        state.snap.catalog,
+        run=run,
+        first_divergent_stage=first_divergent_stage,
+        rollout_from=rollout_from,
+        rollout_to=rollout_to,
+        status=status,
+        limit=limit,
+        cursor=cursor,
+    )
+    return models.StepPage(**json_safe(page))
+
+
+@router.get("/runs/{run}/steps/{rollout_id}:{step_id}", response_model=models.StepDetail)
+def step(
+    state: StateDep, run: RunName, rollout_id: Id, step_id: Id, attempt: Attempt = None
+) -> models.StepDetail:
+    """One actor step by (rollout_id, step_id): identity, samples, payloads, verdict."""
+    return group_detail(state, run, "step", rollout_id, step_id, attempt)
+
+
+@router.get("/runs/{run}/steps/{step_ref}", include_in_schema=False)
+def bad_step(run: str, step_ref: str) -> None:
+    raise ApiError(422, "invalid_request", f"step id {step_ref[:50]!r} is not ROLLOUT:STEP")
+
+
+@router.get("/steps/{rollout_id}:{step_id}", response_model=models.StepDetail)
+def only_run_step(
+    state: StateDep, rollout_id: Id, step_id: Id, attempt: Attempt = None
+) -> models.StepDetail:
+    """The same, in a store with exactly one run."""
+    run_names = state.view.runs
+    if len(run_names) != 1:
+        if not run_names:
+            raise ApiError(404, "not_found", "the store holds no bundles")
+        raise ApiError(
+            409,
+            "ambiguous_run",
+            f"the store holds runs {list(run_names)[:20]}; use /v1/runs/{{run}}/steps/...",
+        )
+    return group_detail(state, run_names[0], "step", rollout_id, step_id, attempt)
+
+
+@router.get("/steps/{step_ref}", include_in_schema=False)
+def bad_only_run_step(step_ref: str) -> None:
+    raise ApiError(422, "invalid_request", f"step id {step_ref[:50]!r} is not ROLLOUT:STEP")
+
+
+@router.get("/runs/{run}/rollouts/{rollout_id}", response_model=models.StepDetail)
+def rollout(
+    state: StateDep, run: RunName, rollout_id: Id, attempt: Attempt = None
+) -> models.StepDetail:
+    """The rollout-level bundle(s) of a rollout, and the actor steps stored for it."""
+    return group_detail(state, run, "rollout", rollout_id, None, attempt)

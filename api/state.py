@@ -1,0 +1,98 @@
+"""`AppState`: what the endpoints share, provided to them with `Depends`.
+
+The lifespan of the app (`create_app`) opens one `AppState` and puts it on
+``app.state``; endpoints declare a `StateDep` parameter instead of reaching
+into a closure, so each router module stands alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from trajstore.errors import StoreError
+from trajstore.store import Store
+from trajstore.store.stored_bundle import StoredBundle
+
+from .errors import ApiError
+from .payloads import BodyCache
+from .snapshot import CatalogSnapshot, View
+
+_REF_NAME = re.compile(r"^[0-9]{20}-[0-9]+-[0-9a-f]+$")
+#: stored bundles kept open (refs are immutable, so a cached one never goes stale)
+_MAX_OPEN_BUNDLES = 256
+_MAX_CAPABILITY_ENTRIES = 10000
+
+
+class AppState:
+    """The store, its catalog snapshot, and the caches of bundles and bodies."""
+
+    def __init__(self, store_dir: Path, token: str | None, poll_s: float) -> None:
+        self.store = Store.open(store_dir, create=False)
+        self.token = token
+        self.snap = CatalogSnapshot(self.store, poll_s=poll_s)
+        self._bundles: OrderedDict[str, StoredBundle] = OrderedDict()
+        self._capabilities: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+        self.replay_lock = threading.Lock()  # RefIndex (used by replay) is not thread-safe
+        self.bodies = BodyCache(int(os.environ.get("TRAJSTORE_API_CACHE_MB", "512")) << 20)
+
+    @property
+    def view(self) -> View:
+        return self.snap.view
+
+    def stored(self, row: dict[str, Any]) -> StoredBundle:
+        """The StoredBundle of a known catalog row (cached; refs are immutable)."""
+        name = row["ref_name"]
+        with self._lock:
+            hit = self._bundles.get(name)
+            if hit is not None:
+                self._bundles.move_to_end(name)
+                return hit
+        if not _REF_NAME.match(name):
+            raise StoreError(f"catalog holds a malformed ref name {name!r}; run trajstore reindex")
+        stored_bundle = StoredBundle(self.store.objs, self.store.refs.read(name), name)
+        with self._lock:
+            self._bundles[name] = stored_bundle
+            while len(self._bundles) > _MAX_OPEN_BUNDLES:
+                self._bundles.popitem(last=False)
+        return stored_bundle
+
+    def capabilities(self, row: dict[str, Any]) -> dict[str, str]:
+        """Stage -> declared capability of a bundle, from its manifest (cached by hash)."""
+        manifest_hash = row.get("manifest_hash")
+        if not manifest_hash:
+            return {}
+        capabilities = self._capabilities.get(manifest_hash)
+        if capabilities is None:
+            manifest = self.store.load_document(manifest_hash)
+            capabilities = {
+                stage: str(contract.get("capability"))
+                for stage, contract in sorted((manifest.get("stage_contracts") or {}).items())
+                if isinstance(contract, dict)
+            }
+            if len(self._capabilities) > _MAX_CAPABILITY_ENTRIES:
+                self._capabilities.clear()
+            self._capabilities[manifest_hash] = capabilities
+        return capabilities
+
+    def close(self) -> None:
+        self.snap.close()
+        self.store.close()
+
+
+def get_state(request: Request) -> AppState:
+    """The app's state; 503 "starting" before the lifespan has opened the store."""
+    state = getattr(request.app.state, "trajstore", None)
+    if state is None:
+        raise ApiError(503, "starting", "the server is starting")
+    return state
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
