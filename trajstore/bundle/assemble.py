@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
 from trajstore.bundle.writer import BundleContents, default_stage_contracts
-from trajstore.vocab import required_loss_fields
+from trajstore.vocab import Stage, required_loss_fields
 
 logger = logging.getLogger("trajstore.capture")
 
@@ -157,9 +157,9 @@ def _sample_records(
     expected: dict[str, Any] = {}
     if rec.kind == "rollout":
         if "raw_rewards" in per_sample:
-            expected["reward.raw"] = {"raw_rewards": per_sample["raw_rewards"]}
+            expected[Stage.REWARD_RAW] = {"raw_rewards": per_sample["raw_rewards"]}
         if "rewards" in per_sample:
-            expected["reward.post_process"] = {"rewards": per_sample["rewards"]}
+            expected[Stage.REWARD_POST_PROCESS] = {"rewards": per_sample["rewards"]}
     return records, expected
 
 
@@ -187,18 +187,18 @@ def _prune_contracts(contracts: dict, records: list[dict], payloads: dict, confi
     have = set(payloads)
     drop = set()
     if not all("reward" in record for record in records):
-        drop.add("advantage.estimate")
+        drop.add(Stage.ADVANTAGE_ESTIMATE)
     kl_coef = float(config.get("kl_coef", 0.0) or 0.0)
     if kl_coef != 0.0 and not {"old_log_probs", "ref_log_probs"} <= have:
-        drop.add("advantage.kl")
+        drop.add(Stage.ADVANTAGE_KL)
     if not isinstance(config.get("n_samples_per_prompt"), int) or any(
         record["group_index"] is None for record in records
     ):
-        drop.add("reward.post_process")
-    if "entropy" not in have and "loss.policy" in contracts:
-        drop.add("loss.policy")
+        drop.add(Stage.REWARD_POST_PROCESS)
+    if "entropy" not in have and Stage.LOSS_POLICY in contracts:
+        drop.add(Stage.LOSS_POLICY)
     if config.get("use_kl_loss") and "ref_log_probs" not in have:
-        drop.add("loss.policy")
+        drop.add(Stage.LOSS_POLICY)
     return {stage: v for stage, v in contracts.items() if stage not in drop}
 
 
@@ -257,9 +257,9 @@ def build_contents(
     if rec.kind == "step":
         loss = _loss_expected(rec, config)
         if loss is not None:
-            expected["loss.policy"] = loss
+            expected[Stage.LOSS_POLICY] = loss
     if rec.router_consistency is not None:
-        expected["router.consistency"] = rec.router_consistency
+        expected[Stage.ROUTER_CONSISTENCY] = rec.router_consistency
     contracts = default_stage_contracts(set(payloads), expected, records)
     contracts = _prune_contracts(contracts, records, payloads, config)
     anchor = (

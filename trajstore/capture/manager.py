@@ -38,6 +38,7 @@ from trajstore.capture.config import CaptureConfig
 from trajstore.capture.redaction import LOCATOR_FIELDS, TEXT_FIELDS, filter_config
 from trajstore.capture.stats import CaptureStats
 from trajstore.capture.writer import STAGING, CaptureWriter
+from trajstore.jsonio import json_safe
 from trajstore.vocab import LOSS_FIELDS as LOSS_METRICS
 
 logger = logging.getLogger("trajstore.capture")
@@ -210,7 +211,7 @@ class StepCapture:
             return
         try:
             self._rec.router_consistency = json.loads(
-                json.dumps(dict(metrics), default=_json_number)
+                json.dumps(json_safe(dict(metrics), finite_only=False))
             )
         except (TypeError, ValueError):
             self._manager.stats.count_error("recording router.consistency metrics")
@@ -457,11 +458,3 @@ class CaptureManager:
 
     def __exit__(self, *_: Any) -> None:
         self.close()
-
-
-def _json_number(value: Any) -> Any:
-    """0-d tensors and NumPy scalars in a metrics record as plain numbers."""
-    item = getattr(value, "item", None)
-    if item is not None:
-        return item()
-    raise TypeError(f"{type(value).__name__} is not a number")
