@@ -80,24 +80,32 @@ def list_targets(
             continue
         groups.setdefault((e.run, e.kind, e.rollout_id, e.step_id), []).append(e)
     out = []
-    for (r, kind, rid, sid), entries in groups.items():
-        latest = max(e.attempt for e in entries)
-        keys = tuple(sorted(e.key for e in entries if e.attempt == latest))
-        out.append(BatchTarget(r, kind, rid, sid, keys))
+    for (run_name, kind, rollout_id, step_id), entries in groups.items():
+        latest = max(entry.attempt for entry in entries)
+        keys = tuple(sorted(entry.key for entry in entries if entry.attempt == latest))
+        out.append(BatchTarget(run_name, kind, rollout_id, step_id, keys))
     # rollouts first within a rollout id, so a step's linkage partner is replayed alongside
-    out.sort(key=lambda t: (t.run, t.rollout_id, -1 if t.step_id is None else t.step_id))
+    out.sort(
+        key=lambda target: (
+            target.run,
+            target.rollout_id,
+            -1 if target.step_id is None else target.step_id,
+        )
+    )
     return out
 
 
 def _recorded_keys(store: Any) -> set[str]:
     import sqlalchemy as sa
 
-    from trajstore.catalog import tables as t
+    from trajstore.catalog import tables
 
-    r = t.replay_results
+    results = tables.replay_results
     with store.catalog() as cat, cat.connect() as conn:
         rows = conn.execute(
-            sa.select(r.c.bundle_key).where(r.c.trajstore_version == __version__).distinct()
+            sa.select(results.c.bundle_key)
+            .where(results.c.trajstore_version == __version__)
+            .distinct()
         )
         return {row[0] for row in rows}
 
@@ -121,12 +129,12 @@ def _replay_one(args: tuple[BatchTarget, bool]) -> tuple[str, str, str | None, s
 
     store = _worker_store
     try:
-        t = Target(
+        stored_target = Target(
             run=target.run,
             step=(target.rollout_id, target.step_id) if target.kind == "step" else None,
             rollout=target.rollout_id if target.kind == "rollout" else None,
         )
-        report = replay_stored(store, t, rollout_cache=_rollout_cache)
+        report = replay_stored(store, stored_target, rollout_cache=_rollout_cache)
         if record:
             sources = [store.bundle(k) for k in target.keys]
             record_report(store, report, sources)
@@ -142,7 +150,9 @@ def _record_refusal(store: Any, target: BatchTarget, reason: str) -> None:
     from trajstore.replay.from_store import refusal_document, write_result
 
     for key in target.keys:
-        write_result(store, refusal_document(key, target.run, target.rollout_id, target.step_id, reason))
+        write_result(
+            store, refusal_document(key, target.run, target.rollout_id, target.step_id, reason)
+        )
 
 
 def replay_all(
@@ -164,11 +174,11 @@ def replay_all(
     summary = BatchSummary(total=len(targets))
     if record and not force:
         done = _recorded_keys(store)
-        todo = [t for t in targets if not all(k in done for k in t.keys)]
+        todo = [target for target in targets if not all(key in done for key in target.keys)]
         summary.skipped = len(targets) - len(todo)
         targets = todo
     show = sys.stderr.isatty() if progress is None else progress
-    jobs = [(t, record) for t in targets]
+    jobs = [(target, record) for target in targets]
     if workers <= 1:
         _worker_init(str(root))
         results = map(_replay_one, jobs)

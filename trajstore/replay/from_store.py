@@ -93,8 +93,10 @@ def _upstream_rewards(rollout_report: ReplayReport) -> dict[str, float]:
             continue
         out.update(
             {
-                sid: float(r)
-                for sid, r in zip(b.sample_ids, np.asarray(rewards).tolist(), strict=True)
+                sample_id: float(reward)
+                for sample_id, reward in zip(
+                    b.sample_ids, np.asarray(rewards).tolist(), strict=True
+                )
             }
         )
     return out

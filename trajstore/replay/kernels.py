@@ -97,16 +97,20 @@ def _check_len(arr: np.ndarray, total: int, name: str) -> None:
 
 def _mask_array(mask: Any, total: int) -> np.ndarray:
     """Validated flat 0/1 loss mask, in its own numeric dtype (cast where used)."""
-    m = np.asarray(mask)
-    if m.ndim != 1:
-        raise KernelInputError(f"mask: expected a flat 1-D array, got shape {m.shape}")
-    if m.dtype.kind not in "biuf":
-        raise KernelInputError(f"mask: expected numeric 0/1 values, got dtype {m.dtype}")
-    _check_len(m, total, "mask")
-    if m.dtype.kind != "b" and np.count_nonzero(m == 0) + np.count_nonzero(m == 1) != m.size:
-        bad = int(np.argmax((m != 0) & (m != 1)))
-        raise KernelInputError(f"mask token {bad} is not 0/1 ({m[bad]!r})")
-    return m
+    mask_values = np.asarray(mask)
+    if mask_values.ndim != 1:
+        raise KernelInputError(f"mask: expected a flat 1-D array, got shape {mask_values.shape}")
+    if mask_values.dtype.kind not in "biuf":
+        raise KernelInputError(f"mask: expected numeric 0/1 values, got dtype {mask_values.dtype}")
+    _check_len(mask_values, total, "mask")
+    if (
+        mask_values.dtype.kind != "b"
+        and np.count_nonzero(mask_values == 0) + np.count_nonzero(mask_values == 1)
+        != mask_values.size
+    ):
+        bad = int(np.argmax((mask_values != 0) & (mask_values != 1)))
+        raise KernelInputError(f"mask token {bad} is not 0/1 ({mask_values[bad]!r})")
+    return mask_values
 
 
 def segment_offsets(response_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -205,8 +209,8 @@ def sum_of_sample_mean(
     total = int(lengths.sum())
     xa = _float_array(x, "x")
     _check_len(xa, total, "x")
-    m = _mask_array(mask, total)
-    return _sums_of_sample_means([xa], m, lengths)[0]
+    mask_values = _mask_array(mask, total)
+    return _sums_of_sample_means([xa], mask_values, lengths)[0]
 
 
 def approx_kl(
@@ -263,13 +267,13 @@ def grpo_normalize(
     ``n_samples_per_prompt`` refuses with KernelInputError naming the sample or
     group (``sample_ids`` make the message name samples, else positions).
 
-    ``r - mean``, then ``/ (std + 1e-6)`` with the unbiased std of the centred
+    ``reward - mean``, then ``/ (std + 1e-6)`` with the unbiased std of the centred
     rewards, only for estimator "grpo" with std normalization and n > 1. As in
     the producer, std division is nested under ``rewards_normalization``: with
     it off, rewards pass through unchanged.
     """
-    r = _float_array(raw_rewards, "raw_rewards")
-    n_total = r.shape[0]
+    rewards_array = _float_array(raw_rewards, "raw_rewards")
+    n_total = rewards_array.shape[0]
     groups = list(group_index)
     if len(groups) != n_total:
         raise KernelInputError(f"group_index has {len(groups)} entries for {n_total} rewards")
@@ -309,14 +313,14 @@ def grpo_normalize(
             )
 
     if not rewards_normalization:
-        return r.copy()
+        return rewards_array.copy()
     order = np.argsort(gi, kind="stable")
-    grouped = r[order].reshape(-1, n)
+    grouped = rewards_array[order].reshape(-1, n)
     centred = grouped - grouped.mean(axis=1, keepdims=True)
     if estimator == "grpo" and std_normalization and n > 1:
         std = centred.std(axis=1, ddof=1, keepdims=True)
         centred = centred / (std + GRPO_STD_EPS)
-    out = np.empty_like(r)
+    out = np.empty_like(rewards_array)
     out[order] = centred.reshape(-1)
     return out
 
@@ -334,10 +338,10 @@ def grpo_returns(
     if isinstance(rewards, np.ndarray) or not any(
         isinstance(x, (list, tuple, np.ndarray)) for x in rewards
     ):
-        r = _float_array(rewards, "rewards")
-        if r.shape[0] != lengths.size:
-            raise KernelInputError(f"{r.shape[0]} rewards for {lengths.size} samples")
-        return np.repeat(r, lengths)
+        rewards_array = _float_array(rewards, "rewards")
+        if rewards_array.shape[0] != lengths.size:
+            raise KernelInputError(f"{rewards_array.shape[0]} rewards for {lengths.size} samples")
+        return np.repeat(rewards_array, lengths)
     if len(rewards) != lengths.size:
         raise KernelInputError(f"{len(rewards)} rewards for {lengths.size} samples")
     parts = []
@@ -432,7 +436,7 @@ def loss_policy(
     _check_len(pg, total, "old_log_probs/log_probs/advantages")
     ent = _float_array(entropy, "entropy")
     _check_len(ent, total, "entropy")
-    m = _mask_array(mask, total)
+    mask_values = _mask_array(mask, total)
     columns = [pg, clipfrac, ppo_kl, ent]
     if use_kl_loss:
         if ref_log_probs is None:
@@ -442,7 +446,7 @@ def loss_policy(
             np.exp(lp - _float_array(old_log_probs, "old_log_probs")) if use_unbiased_kl else None
         )
         columns.append(approx_kl(lp, ref_log_probs, kl_loss_type, importance_ratio=ratio))
-    reduced = _sums_of_sample_means(columns, m, lengths)
+    reduced = _sums_of_sample_means(columns, mask_values, lengths)
     pg_loss, pg_clipfrac, ppo_kl_s, entropy_loss = reduced[:4]
     loss = pg_loss - entropy_coef * entropy_loss
     out = {

@@ -47,10 +47,10 @@ class Selection:
 
 
 def parse_group(text: str) -> int:
-    m = _GROUP.match(text)
-    if not m:
+    match = _GROUP.match(text)
+    if not match:
         raise SelectionError(f"group id {text!r} is not of the form g-N")
-    return int(m.group(1))
+    return int(match.group(1))
 
 
 def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> Selection | None:
