@@ -105,7 +105,7 @@ def step_metrics(
     per_rank = [_metrics_or_missing(s) for s in sources]
     stability: dict[str, int] = {}
     disagrees = False
-    for src, m in zip(sources, per_rank, strict=True):
+    for src, metrics in zip(sources, per_rank, strict=True):
         recorded = src.expected.get(STAGE)
         if not isinstance(recorded, dict):
             continue
@@ -114,7 +114,7 @@ def step_metrics(
             if isinstance(v, int) and not isinstance(v, bool):
                 stability[key] = stability.get(key, 0) + v
         atol, rtol = src.manifest.tolerance(STAGE)
-        disagrees |= bool(compare_recorded(recorded, m, atol=atol, rtol=rtol))
+        disagrees |= bool(compare_recorded(recorded, metrics, atol=atol, rtol=rtol))
     mode = None
     router = sources[0].index.config.get("router") if sources else None
     if isinstance(router, dict):
@@ -176,7 +176,7 @@ class RunComparison:
         """Per run: steps, missing steps, metric-error counts, producer-recorded counters."""
         out: dict[str, dict[str, Any]] = {}
         for run in self.runs:
-            cells = [c for (r, _), c in self.cells.items() if r == run]
+            cells = [cell for (cell_run, _), cell in self.cells.items() if cell_run == run]
             errors = {code: 0 for code in ERROR_CODES}
             for c in cells:
                 for code in c.metrics.metric_error:
@@ -236,12 +236,12 @@ class RunComparison:
             "valid_tokens",
             "metric_error",
         ]
-        w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
-        w.writeheader()
+        writer = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+        writer.writeheader()
         for row in self.rows():
             row = dict(row)
             row["metric_error"] = ";".join(row["metric_error"])
-            w.writerow({k: ("null" if v is None else v) for k, v in row.items()})
+            writer.writerow({k: ("null" if v is None else v) for k, v in row.items()})
         return buf.getvalue()
 
     def format_table(self) -> str:
@@ -293,10 +293,10 @@ def format_comparison(cmp: RunComparison) -> str:
                 continue
             d = cell.metrics.to_dict()
             body.append([label, run, *(fmt(d[c]) for c in STEP_COLUMNS), fmt(d["metric_error"])])
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
     lines = [
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [head, *body]
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [head, *body]
     ]
     last = cmp.runs[-1]
     lines += ["", f"ratio of each run to {last} (min-max over steps):"]

@@ -156,9 +156,7 @@ class RouterMetrics:
         }
         if include_counts:
             c = self.counts
-            out["counts"] = {
-                k: (list(v) if isinstance(v, list) else v) for k, v in vars(c).items()
-            }
+            out["counts"] = {k: (list(v) if isinstance(v, list) else v) for k, v in vars(c).items()}
         return out
 
     @classmethod
@@ -198,20 +196,22 @@ def _sample_layout(
     if (rl < 0).any() or (rl > tl).any():
         raise ValueError("need 0 <= response_length <= total_length for every sample")
     r_total = int(rl.sum())
-    if isinstance(loss_masks, np.ndarray) or (
-        len(loss_masks) > 0 and np.isscalar(loss_masks[0])
-    ):
+    if isinstance(loss_masks, np.ndarray) or (len(loss_masks) > 0 and np.isscalar(loss_masks[0])):
         mask = np.asarray(loss_masks).reshape(-1)
         if mask.size != r_total:
             raise ValueError(f"flat loss mask has {mask.size} entries, expected R={r_total}")
     else:
         if len(loss_masks) != tl.size:
             raise ValueError("one loss_mask per sample is required")
-        for i, (m, n) in enumerate(zip(loss_masks, rl, strict=True)):
-            if len(m) != n:
-                raise ValueError(f"loss_mask of sample {i} has {len(m)} entries, expected {n}")
-        mask = np.concatenate([np.asarray(m).reshape(-1) for m in loss_masks]) if r_total else (
-            np.zeros(0, dtype=np.int8)
+        for i, (sample_mask, n) in enumerate(zip(loss_masks, rl, strict=True)):
+            if len(sample_mask) != n:
+                raise ValueError(
+                    f"loss_mask of sample {i} has {len(sample_mask)} entries, expected {n}"
+                )
+        mask = (
+            np.concatenate([np.asarray(sample_mask).reshape(-1) for sample_mask in loss_masks])
+            if r_total
+            else (np.zeros(0, dtype=np.int8))
         )
     if mask.size and not np.isin(mask, (0, 1)).all():
         raise ValueError("loss_mask values must be 0 or 1")
@@ -247,27 +247,25 @@ def _compare_chunk(
     c, n_layers, k = a.shape
     at = np.ascontiguousarray(a.reshape(-1, k).T)
     bt = np.ascontiguousarray(b.reshape(-1, k).T)
-    m = at.shape[1]
+    n_slots = at.shape[1]
     malformed = False
     if signed:
         neg_a, neg_b = at == -1, bt == -1
         all_a, all_b = neg_a.all(0), neg_b.all(0)
         dense = all_a & all_b
-        if (neg_a.any(0) != all_a).any() or (neg_b.any(0) != all_b).any() or (
-            all_a != all_b
-        ).any():
+        if (neg_a.any(0) != all_a).any() or (neg_b.any(0) != all_b).any() or (all_a != all_b).any():
             malformed = True
     else:
-        dense = np.zeros(m, dtype=bool)
+        dense = np.zeros(n_slots, dtype=bool)
     sa, sb = _sort_rows(at), _sort_rows(bt)
     if k > 1:
         live = ~dense
         if ((sa[1:] == sa[:-1]).any(0) & live).any() or ((sb[1:] == sb[:-1]).any(0) & live).any():
             malformed = True
-    same = np.ones(m, dtype=bool)
+    same = np.ones(n_slots, dtype=bool)
     for i in range(k):
         same &= sa[i] == sb[i]
-    missing = np.zeros(m, dtype=np.int32)
+    missing = np.zeros(n_slots, dtype=np.int32)
     diff = np.flatnonzero(~same)
     if diff.size:
         xa, xb = sa[:, diff], sb[:, diff]
@@ -321,9 +319,7 @@ def _route_counts(
     per_layer_obs = np.zeros(n_layers_all, dtype=np.int64)
     layer_idx = np.arange(n_layers_all) if keep_layers is None else keep_layers
     n_layers = layer_idx.size
-    signed = np.issubdtype(a.dtype, np.signedinteger) or np.issubdtype(
-        b.dtype, np.signedinteger
-    )
+    signed = np.issubdtype(a.dtype, np.signedinteger) or np.issubdtype(b.dtype, np.signedinteger)
     step = max(1, _CHUNK_OBS // max(1, n_layers))
     work = _work_dtype(a.dtype, b.dtype, num_experts)
     malformed = False
@@ -480,14 +476,14 @@ def aggregate(metrics_list: Sequence[RouterMetrics]) -> RouterMetrics:
         raise ValueError("aggregate needs at least one RouterMetrics")
     codes: set[str] = set()
     total = RouterCounts(routes_measured=True, logprob_measured=True)
-    top_ks = {m.counts.top_k for m in metrics_list if m.counts.routes_measured}
+    top_ks = {metrics.counts.top_k for metrics in metrics_list if metrics.counts.routes_measured}
     if len(top_ks) > 1:
         raise ValueError(f"cannot aggregate different top_k values {sorted(top_ks)}")
     total.top_k = top_ks.pop() if top_ks else metrics_list[0].counts.top_k
     layer_counts = {
-        len(m.counts.per_layer_valid_token_layers)
-        for m in metrics_list
-        if m.counts.routes_measured
+        len(metrics.counts.per_layer_valid_token_layers)
+        for metrics in metrics_list
+        if metrics.counts.routes_measured
     }
     if len(layer_counts) > 1:
         raise ValueError(f"cannot aggregate different layer counts {sorted(layer_counts)}")
@@ -496,9 +492,9 @@ def aggregate(metrics_list: Sequence[RouterMetrics]) -> RouterMetrics:
     total.per_layer_valid_token_layers = [0] * n_layers
     diffs: list[np.ndarray] = []
     keep_diffs = True
-    for m in metrics_list:
-        c = m.counts
-        codes.update(e for e in m.metric_error if e != "empty_response_mask")
+    for metrics in metrics_list:
+        c = metrics.counts
+        codes.update(e for e in metrics.metric_error if e != "empty_response_mask")
         total.valid_tokens += c.valid_tokens
         total.routes_measured &= c.routes_measured
         total.logprob_measured &= c.logprob_measured
@@ -515,8 +511,8 @@ def aggregate(metrics_list: Sequence[RouterMetrics]) -> RouterMetrics:
             total.kl_k1_sum += c.kl_k1_sum
             total.kl_k3_sum += c.kl_k3_sum
             total.logprob_abs_diff_sum += c.logprob_abs_diff_sum
-            if m.logprob_diff is not None:
-                diffs.append(m.logprob_diff)
+            if metrics.logprob_diff is not None:
+                diffs.append(metrics.logprob_diff)
             elif c.valid_tokens:
                 keep_diffs = False
     diff = np.concatenate(diffs) if keep_diffs and total.logprob_measured and diffs else None

@@ -21,7 +21,7 @@ def plot_comparison(cmp: RunComparison, path: Path | str, *, title: str | None =
     import matplotlib.pyplot as plt
 
     steps = cmp.steps
-    labels = [f"{r}:{s}" for r, s in steps]
+    labels = [f"{rollout}:{step}" for rollout, step in steps]
     xs = list(range(len(steps)))
     metrics = RATIO_METRICS
     fig, axes = plt.subplots(len(metrics), 1, figsize=(8, 2.2 * len(metrics)), sharex=True)
