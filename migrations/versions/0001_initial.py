@@ -3,6 +3,12 @@ tombstones, replay results, stage results, divergences, synced documents.
 
 Revision ID: 0001
 Revises:
+
+Frozen: released catalogs were built by this DDL, so it is never edited; a
+schema change is a new revision. The head schema is also declared in
+trajstore/catalog/tables.py; tests/test_catalog.py::
+test_migrations_build_exactly_the_declared_tables checks that all migrations
+together build exactly those tables.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from trajstore.catalog import tables as t
+from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog
 from trajstore.errors import UsageError
 from trajstore.vocab import STEP_STATUSES, UNREPLAYED
@@ -111,7 +111,7 @@ def _rollout_range(col, rollout_from: int | None, rollout_to: int | None) -> lis
 
 # -- bundles -----------------------------------------------------------------
 
-_B = t.bundles
+_B = tables.bundles
 _BUNDLE_SORT = [
     _B.c.run,
     _B.c.rollout_id,
@@ -147,8 +147,8 @@ def list_runs(catalog: Catalog) -> list[dict]:
     )
     q = (
         sa.select(
-            t.runs.c.run,
-            t.runs.c.first_published_at,
+            tables.runs.c.run,
+            tables.runs.c.first_published_at,
             visible.c.last_published_at,
             sa.func.coalesce(visible.c.num_bundles, 0).label("num_bundles"),
             sa.func.coalesce(visible.c.num_step_bundles, 0).label("num_step_bundles"),
@@ -156,8 +156,8 @@ def list_runs(catalog: Catalog) -> list[dict]:
             visible.c.min_rollout_id,
             visible.c.max_rollout_id,
         )
-        .select_from(t.runs.outerjoin(visible, visible.c.run == t.runs.c.run))
-        .order_by(t.runs.c.run)
+        .select_from(tables.runs.outerjoin(visible, visible.c.run == tables.runs.c.run))
+        .order_by(tables.runs.c.run)
     )
     with catalog.connect() as conn:
         return [_row(r) for r in conn.execute(q)]
@@ -239,7 +239,7 @@ def samples_of(
     micro_batch: str | None = None,
 ) -> list[dict]:
     """Samples of a bundle in bundle order; group is "g-<i>" or the group_index."""
-    s = t.samples
+    s = tables.samples
     q = sa.select(s).where(s.c.bundle_key == bundle_key)
     if isinstance(group, int) and not isinstance(group, bool):
         q = q.where(s.c.group_index == group)
@@ -253,7 +253,7 @@ def samples_of(
 
 def payloads_of(catalog: Catalog, bundle_key: str) -> list[dict]:
     """Payload records of a bundle, by name."""
-    p = t.payloads
+    p = tables.payloads
     q = sa.select(p).where(p.c.bundle_key == bundle_key).order_by(p.c.name)
     with catalog.connect() as conn:
         return [_row(r) for r in conn.execute(q)]
@@ -261,7 +261,7 @@ def payloads_of(catalog: Catalog, bundle_key: str) -> list[dict]:
 
 def provenance_of(catalog: Catalog, bundle_key: str) -> dict[str, list[str]]:
     """Physical/semantic provenance of a bundle: {kind: [value, ...]}."""
-    p = t.provenance
+    p = tables.provenance
     q = sa.select(p.c.kind, p.c.value).where(p.c.bundle_key == bundle_key)
     out: dict[str, list[str]] = {}
     with catalog.connect() as conn:
@@ -272,7 +272,7 @@ def provenance_of(catalog: Catalog, bundle_key: str) -> dict[str, list[str]]:
 
 def router_lineage_of(catalog: Catalog, bundle_key: str) -> dict | None:
     """config.router of a bundle, or None when it has no routes."""
-    r = t.router_lineage
+    r = tables.router_lineage
     with catalog.connect() as conn:
         row = conn.execute(sa.select(r).where(r.c.bundle_key == bundle_key)).first()
     return None if row is None else _row(row)
@@ -285,7 +285,7 @@ def _latest_results(run: str | None, kind: str | None = "step"):
     """Per cohort (run, kind, rollout, step, attempt) of visible bundles, its result
     with the latest recorded_at: a subquery with the bundle's identity columns."""
     bb = _B.alias("rb")
-    r = t.replay_results
+    r = tables.replay_results
     q = (
         sa.select(
             bb.c.run,
@@ -319,6 +319,117 @@ def _latest_results(run: str | None, kind: str | None = "step"):
     return sa.select(ranked).where(ranked.c.rn == 1).subquery("latest")
 
 
+_STEP_IDENTITY = ("run", "rollout_id", "step_id", "attempt")
+
+
+def _latest_attempt_steps(run: str | None, rollout_from: int | None, rollout_to: int | None):
+    """One row per actor step (its latest attempt): bundle count, sizes, publish time."""
+    bundles = _B
+    query = (
+        sa.select(
+            bundles.c.run,
+            bundles.c.rollout_id,
+            bundles.c.step_id,
+            bundles.c.attempt,
+            sa.func.count().label("num_bundles"),
+            sa.func.sum(bundles.c.num_samples).label("num_samples"),
+            sa.func.sum(bundles.c.num_tokens).label("num_tokens"),
+            sa.func.max(bundles.c.published_at).label("published_at"),
+        )
+        .where(bundles.c.kind == "step", bundles.c.is_latest)
+        .where(*_rollout_range(bundles.c.rollout_id, rollout_from, rollout_to))
+        .group_by(bundles.c.run, bundles.c.rollout_id, bundles.c.step_id, bundles.c.attempt)
+    )
+    if run is not None:
+        query = query.where(bundles.c.run == run)
+    return query.subquery("steps")
+
+
+def _steps_page(
+    steps,
+    latest,
+    *,
+    first_divergent_stage: str | None,
+    status: str | None,
+    after: list | None,
+    limit: int,
+):
+    """The steps joined with their latest verdict, filtered on it; limit + 1 rows, in order."""
+    sort = [steps.c.run, steps.c.rollout_id, steps.c.step_id, steps.c.attempt]
+    query = (
+        sa.select(
+            steps,
+            latest.c.result_id,
+            latest.c.bundle_key.label("result_bundle_key"),
+            latest.c.status,
+            latest.c.first_divergent_stage,
+            latest.c.first_divergent_rank,
+            latest.c.root_bundle_key,
+            latest.c.recorded_at,
+            latest.c.trajstore_version,
+        )
+        .select_from(
+            steps.outerjoin(
+                latest,
+                sa.and_(*(latest.c[name] == steps.c[name] for name in _STEP_IDENTITY)),
+            )
+        )
+        .where(_after(sort, after))
+        .order_by(*sort)
+        .limit(limit + 1)
+    )
+    if first_divergent_stage is not None:
+        query = query.where(latest.c.first_divergent_stage == first_divergent_stage)
+    if status == UNREPLAYED:
+        query = query.where(latest.c.result_id.is_(None))
+    elif status is not None:
+        query = query.where(latest.c.status == status)
+    return query
+
+
+def _with_rank_bundles(page_query):
+    """The page joined with its rank bundles, in one statement: ranks and keys
+    are gathered for this page only (aggregating every step costs more)."""
+    page = page_query.subquery("page")
+    member = _B.alias("member")
+    return (
+        sa.select(page, member.c.rank.label("member_rank"), member.c.key.label("member_key"))
+        .select_from(
+            page.join(
+                member,
+                sa.and_(
+                    member.c.kind == "step",
+                    member.c.is_latest,
+                    *(member.c[name] == page.c[name] for name in _STEP_IDENTITY),
+                ),
+            )
+        )
+        .order_by(
+            *(page.c[name] for name in _STEP_IDENTITY),
+            sa.func.coalesce(member.c.rank, -1),
+            member.c.key,
+        )
+    )
+
+
+def _collate_steps(rows: list) -> list[dict]:
+    """One item per step from its rows (one per rank bundle): ``ranks``, ``bundle_keys``."""
+    items: list[dict] = []
+    last_identity = None
+    for row in rows:
+        identity = (row.run, row.rollout_id, row.step_id, row.attempt)
+        if identity != last_identity:
+            item = _row(row)
+            del item["member_rank"], item["member_key"]
+            item["ranks"], item["bundle_keys"] = [], []
+            items.append(item)
+            last_identity = identity
+        if row.member_rank is not None:
+            items[-1]["ranks"].append(row.member_rank)
+        items[-1]["bundle_keys"].append(row.member_key)
+    return items
+
+
 def query_steps(
     catalog: Catalog,
     run: str | None = None,
@@ -340,112 +451,23 @@ def query_steps(
     after = _decode_cursor("steps", cursor, 4)
     if status is not None and status not in STEP_STATUSES:
         raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
-    b = _B
-    steps_q = (
-        sa.select(
-            b.c.run,
-            b.c.rollout_id,
-            b.c.step_id,
-            b.c.attempt,
-            sa.func.count().label("num_bundles"),
-            sa.func.sum(b.c.num_samples).label("num_samples"),
-            sa.func.sum(b.c.num_tokens).label("num_tokens"),
-            sa.func.max(b.c.published_at).label("published_at"),
-        )
-        .where(b.c.kind == "step", b.c.is_latest)
-        .where(*_rollout_range(b.c.rollout_id, rollout_from, rollout_to))
-        .group_by(b.c.run, b.c.rollout_id, b.c.step_id, b.c.attempt)
-    )
-    if run is not None:
-        steps_q = steps_q.where(b.c.run == run)
-    steps = steps_q.subquery("steps")
-    latest = _latest_results(run)
-    sort = [steps.c.run, steps.c.rollout_id, steps.c.step_id, steps.c.attempt]
-    q = (
-        sa.select(
-            steps,
-            latest.c.result_id,
-            latest.c.bundle_key.label("result_bundle_key"),
-            latest.c.status,
-            latest.c.first_divergent_stage,
-            latest.c.first_divergent_rank,
-            latest.c.root_bundle_key,
-            latest.c.recorded_at,
-            latest.c.trajstore_version,
-        )
-        .select_from(
-            steps.outerjoin(
-                latest,
-                sa.and_(
-                    latest.c.run == steps.c.run,
-                    latest.c.rollout_id == steps.c.rollout_id,
-                    latest.c.step_id == steps.c.step_id,
-                    latest.c.attempt == steps.c.attempt,
-                ),
-            )
-        )
-        .where(_after(sort, after))
-        .order_by(*sort)
-        .limit(limit + 1)
-    )
-    if first_divergent_stage is not None:
-        q = q.where(latest.c.first_divergent_stage == first_divergent_stage)
-    if status == UNREPLAYED:
-        q = q.where(latest.c.result_id.is_(None))
-    elif status is not None:
-        q = q.where(latest.c.status == status)
-    # The page joined with its rank bundles, in one statement: ranks and keys
-    # are gathered for this page only (aggregating every step costs more).
-    page_q = q.subquery("page")
-    m = b.alias("member")
-    full = (
-        sa.select(page_q, m.c.rank.label("member_rank"), m.c.key.label("member_key"))
-        .select_from(
-            page_q.join(
-                m,
-                sa.and_(
-                    m.c.kind == "step",
-                    m.c.is_latest,
-                    m.c.run == page_q.c.run,
-                    m.c.rollout_id == page_q.c.rollout_id,
-                    m.c.step_id == page_q.c.step_id,
-                    m.c.attempt == page_q.c.attempt,
-                ),
-            )
-        )
-        .order_by(
-            page_q.c.run,
-            page_q.c.rollout_id,
-            page_q.c.step_id,
-            page_q.c.attempt,
-            sa.func.coalesce(m.c.rank, -1),
-            m.c.key,
-        )
+    page_query = _steps_page(
+        _latest_attempt_steps(run, rollout_from, rollout_to),
+        _latest_results(run),
+        first_divergent_stage=first_divergent_stage,
+        status=status,
+        after=after,
+        limit=limit,
     )
     with catalog.connect() as conn:
-        rows = conn.execute(full).all()
-    items: list[dict] = []
-    last_ident = None
-    for row in rows:
-        ident = (row.run, row.rollout_id, row.step_id, row.attempt)
-        if ident != last_ident:
-            item = _row(row)
-            del item["member_rank"], item["member_key"]
-            item["ranks"], item["bundle_keys"] = [], []
-            items.append(item)
-            last_ident = ident
-        if row.member_rank is not None:
-            items[-1]["ranks"].append(row.member_rank)
-        items[-1]["bundle_keys"].append(row.member_key)
+        rows = conn.execute(_with_rank_bundles(page_query)).all()
+    items = _collate_steps(rows)
     more = len(items) > limit
     items = items[:limit]
-    last = items[-1] if items else None
-    cursor = (
-        _encode_cursor("steps", [last["run"], last["rollout_id"], last["step_id"], last["attempt"]])
-        if more
-        else None
+    next_cursor = (
+        _encode_cursor("steps", [items[-1][name] for name in _STEP_IDENTITY]) if more else None
     )
-    return {"items": items, "next_cursor": cursor}
+    return {"items": items, "next_cursor": next_cursor}
 
 
 def query_divergences(
@@ -465,7 +487,7 @@ def query_divergences(
     """
     limit = _limit(limit)
     after = _decode_cursor("divergences", cursor, 5)
-    d = t.divergences
+    d = tables.divergences
     latest = _latest_results(run, kind=None)
     sort = [
         latest.c.run,
@@ -516,7 +538,7 @@ def query_divergences(
 
 def results_of(catalog: Catalog, bundle_key: str) -> list[dict]:
     """Every recorded result of one bundle, newest first, each with its "stages"."""
-    r, s = t.replay_results, t.stage_results
+    r, s = tables.replay_results, tables.stage_results
     with catalog.connect() as conn:
         results = [
             _row(x)
@@ -539,7 +561,7 @@ def results_of(catalog: Catalog, bundle_key: str) -> list[dict]:
 def recorded_result_exists(catalog: Catalog, bundle_key: str, trajstore_version: str) -> bool:
     """Whether this trajstore version already recorded a result for the bundle
     (replay --all --record skips it, so an interrupted run resumes)."""
-    r = t.replay_results
+    r = tables.replay_results
     q = sa.select(sa.literal(1)).where(
         r.c.bundle_key == bundle_key, r.c.trajstore_version == trajstore_version
     )
@@ -560,7 +582,7 @@ def query_router_metrics(
     each bundle's router mode; ordered by (run, rollout_id, step_id, id)."""
     limit = _limit(limit)
     after = _decode_cursor("router_metrics", cursor, 4)
-    m, lin = t.router_metrics, t.router_lineage
+    m, lin = tables.router_metrics, tables.router_lineage
     sort = [m.c.run, m.c.rollout_id, sa.func.coalesce(m.c.step_id, -1), m.c.id]
     q = (
         sa.select(m, lin.c.mode, _B.c.rank, _B.c.attempt)
@@ -590,7 +612,7 @@ def query_router_metrics(
 
 def stats(catalog: Catalog, run: str | None = None) -> dict:
     """Counts and sizes over the catalog (or one run)."""
-    b, r = _B, t.replay_results
+    b, r = _B, tables.replay_results
     run_filter = [b.c.run == run] if run is not None else []
     visible = b.c.is_latest
     with catalog.connect() as conn:

@@ -20,7 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from trajstore.catalog import tables as t
+from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
 from trajstore.errors import NotFoundError, StoreError
 from trajstore.vocab import Stage
@@ -168,16 +168,18 @@ def _insert(conn: sa.Connection, table: sa.Table, rows: list[dict]) -> None:
 def _delete_bundles(conn: sa.Connection, keys: list[str]) -> None:
     if not keys:
         return
-    for table in (t.samples, t.provenance, t.payloads, t.router_lineage):
+    for table in (tables.samples, tables.provenance, tables.payloads, tables.router_lineage):
         conn.execute(table.delete().where(table.c.bundle_key.in_(keys)))
-    m = t.router_metrics
-    conn.execute(m.delete().where(m.c.bundle_key.in_(keys), m.c.source == "producer"))
-    conn.execute(t.bundles.delete().where(t.bundles.c.key.in_(keys)))
+    metrics = tables.router_metrics
+    conn.execute(
+        metrics.delete().where(metrics.c.bundle_key.in_(keys), metrics.c.source == "producer")
+    )
+    conn.execute(tables.bundles.delete().where(tables.bundles.c.key.in_(keys)))
 
 
 def _metric_row(metrics: dict, **ids: Any) -> dict:
     row = dict(ids)
-    for name in t.ROUTER_METRIC_NAMES:
+    for name in tables.ROUTER_METRIC_NAMES:
         value = metrics.get(name)
         if name == "per_layer_mismatch":
             row[name] = _json(value) if isinstance(value, list) else None
@@ -217,99 +219,94 @@ def _parse_ref(name: str, path: Path) -> tuple[str, dict]:
     return name[: -len(".json")], doc
 
 
-def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: dict) -> dict:
-    """Append the rows of one bundle to `rows` (table name -> list); returns its bundle row."""
-    key, run, rank = doc["key"], doc["run"], _int(doc.get("rank"))
-    step_id = _int(doc.get("step_id"))
+def _sample_rows(key: str, rank: int | None, index: dict) -> list[dict]:
+    """One ``samples`` row per index sample, in bundle order."""
+    identity = index.get("identity") or {}
+    cohorts = identity.get("normalization_cohort_ids") or []
+    rows = []
+    for position, sample in enumerate(index.get("samples") or []):
+        group_index = _int(sample.get("group_index"))
+        cohort = sample.get("normalization_cohort_id") or (
+            cohorts[0] if len(cohorts) == 1 else None
+        )
+        rows.append(
+            {
+                "bundle_key": key,
+                "position": position,
+                "sample_id": str(sample.get("sample_id")),
+                "group_index": group_index,
+                "semantic_group": None if group_index is None else f"g-{group_index}",
+                "normalization_cohort": _str(cohort),
+                "micro_batch_id": _str(sample.get("micro_batch_id")),
+                "rank": rank,
+                "response_length": _int(sample.get("response_length")),
+                "total_length": _int(sample.get("total_length")),
+                "reward": _float(sample.get("reward")),
+                "raw_reward": _float(sample.get("raw_reward")),
+                "masked_tokens": sum(1 for mask in (sample.get("loss_mask") or []) if mask == 0),
+                "label_hash": _str(sample.get("label_hash")),
+            }
+        )
+    return rows
+
+
+def _provenance_rows(key: str, identity: dict) -> list[dict]:
+    """The identity's id lists (partitions, batches, groups, cohorts), one row per id."""
+    return [
+        {"bundle_key": key, "kind": kind, "position": position, "value": str(value)}
+        for kind, field in _PROVENANCE_FIELDS
+        for position, value in enumerate(identity.get(field) or [])
+    ]
+
+
+def _payload_rows(key: str, ref_payloads: dict) -> list[dict]:
+    return [
+        {
+            "bundle_key": key,
+            "name": str(name),
+            "dtype": _str(payload.get("dtype")),
+            "shape": _json(payload.get("shape")),
+            "logical_bytes": _int(payload.get("logical_bytes")),
+            "record": _str(payload.get("record")),
+        }
+        for name, payload in sorted(ref_payloads.items())
+    ]
+
+
+def _router_lineage_row(key: str, index: dict) -> dict | None:
+    """The recompute config's router lineage, when the bundle declares one."""
+    router = (index.get("config") or {}).get("router")
+    if not isinstance(router, dict):
+        return None
+    return {
+        "bundle_key": key,
+        "num_layers": _int(router.get("num_layers")),
+        "top_k": _int(router.get("top_k")),
+        "num_experts": _int(router.get("num_experts")),
+        "mode": _str(router.get("mode")),
+        "rollout_engine": _str(router.get("rollout_engine")),
+        "train_engine": _str(router.get("train_engine")),
+        "rollout_weight": _str(router.get("rollout_weight")),
+        "train_weight": _str(router.get("train_weight")),
+    }
+
+
+def _bundle_row(ref_name: str, doc: dict, manifest: dict, index: dict, samples: list[dict]) -> dict:
+    """The ``bundles`` row (``is_latest`` decided later, by `_set_latest`)."""
     documents = doc["documents"]
-
-    def fetch(role: str) -> dict:
-        digest = documents.get(role)
-        return (load_document(digest) or {}) if digest else {}
-
-    manifest, index, expected = fetch("manifest"), fetch("index"), fetch("expected")
     identity = index.get("identity") or {}
     lineage = identity.get("weight_lineage") or {}
     world = identity.get("rank") or {}
     producer = manifest.get("producer") or {}
     ref_payloads = doc.get("payloads") or {}
-    cohorts = identity.get("normalization_cohort_ids") or []
-
-    samples = []
-    for position, s in enumerate(index.get("samples") or []):
-        group_index = _int(s.get("group_index"))
-        cohort = s.get("normalization_cohort_id") or (cohorts[0] if len(cohorts) == 1 else None)
-        samples.append(
-            {
-                "bundle_key": key,
-                "position": position,
-                "sample_id": str(s.get("sample_id")),
-                "group_index": group_index,
-                "semantic_group": None if group_index is None else f"g-{group_index}",
-                "normalization_cohort": _str(cohort),
-                "micro_batch_id": _str(s.get("micro_batch_id")),
-                "rank": rank,
-                "response_length": _int(s.get("response_length")),
-                "total_length": _int(s.get("total_length")),
-                "reward": _float(s.get("reward")),
-                "raw_reward": _float(s.get("raw_reward")),
-                "masked_tokens": sum(1 for m in (s.get("loss_mask") or []) if m == 0),
-                "label_hash": _str(s.get("label_hash")),
-            }
-        )
-    rows["samples"] += samples
-    for kind, field in _PROVENANCE_FIELDS:
-        rows["provenance"] += [
-            {"bundle_key": key, "kind": kind, "position": i, "value": str(v)}
-            for i, v in enumerate(identity.get(field) or [])
-        ]
-    rows["payloads"] += [
-        {
-            "bundle_key": key,
-            "name": str(pname),
-            "dtype": _str(p.get("dtype")),
-            "shape": _json(p.get("shape")),
-            "logical_bytes": _int(p.get("logical_bytes")),
-            "record": _str(p.get("record")),
-        }
-        for pname, p in sorted(ref_payloads.items())
-    ]
-    router = (index.get("config") or {}).get("router")
-    if isinstance(router, dict):
-        rows["router_lineage"].append(
-            {
-                "bundle_key": key,
-                "num_layers": _int(router.get("num_layers")),
-                "top_k": _int(router.get("top_k")),
-                "num_experts": _int(router.get("num_experts")),
-                "mode": _str(router.get("mode")),
-                "rollout_engine": _str(router.get("rollout_engine")),
-                "train_engine": _str(router.get("train_engine")),
-                "rollout_weight": _str(router.get("rollout_weight")),
-                "train_weight": _str(router.get("train_weight")),
-            }
-        )
-    consistency = expected.get(Stage.ROUTER_CONSISTENCY)
-    if isinstance(consistency, dict):
-        rows["router_metrics"].append(
-            _metric_row(
-                consistency,
-                source="producer",
-                bundle_key=key,
-                result_id=None,
-                run=run,
-                rollout_id=doc["rollout_id"],
-                step_id=step_id,
-            )
-        )
-    bundle = {
-        "key": key,
-        "run": run,
+    return {
+        "key": doc["key"],
+        "run": doc["run"],
         "kind": doc["kind"],
         "bundle_id": _str(doc.get("bundle_id")),
         "rollout_id": doc["rollout_id"],
-        "step_id": step_id,
-        "rank": rank,
+        "step_id": _int(doc.get("step_id")),
+        "rank": _int(doc.get("rank")),
         "cohort_ranks": _json(doc.get("cohort_ranks")),
         "attempt": doc["attempt"],
         "is_latest": False,
@@ -319,9 +316,11 @@ def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: di
         "producer_torch_version": _str(producer.get("torch_version")),
         "content_digest": _str(doc.get("content_digest")),
         "num_samples": len(samples),
-        "num_tokens": sum(r["total_length"] or 0 for r in samples),
-        "num_response_tokens": sum(r["response_length"] or 0 for r in samples),
-        "logical_bytes": sum(int(p.get("logical_bytes") or 0) for p in ref_payloads.values()),
+        "num_tokens": sum(sample["total_length"] or 0 for sample in samples),
+        "num_response_tokens": sum(sample["response_length"] or 0 for sample in samples),
+        "logical_bytes": sum(
+            int(payload.get("logical_bytes") or 0) for payload in ref_payloads.values()
+        ),
         "physical_bytes": _int(doc.get("physical_bytes")),
         "rollout_weight": _str(lineage.get("rollout_weight")),
         "actor_weight": _str(lineage.get("actor_weight")),
@@ -335,53 +334,118 @@ def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: di
         "published_at": _ts(doc.get("published_at")),
         "ref_name": ref_name,
     }
+
+
+def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: dict) -> dict:
+    """Append the rows of one bundle to `rows` (table name -> list); returns its bundle row."""
+    key = doc["key"]
+    documents = doc["documents"]
+
+    def fetch(role: str) -> dict:
+        digest = documents.get(role)
+        return (load_document(digest) or {}) if digest else {}
+
+    manifest, index, expected = fetch("manifest"), fetch("index"), fetch("expected")
+    samples = _sample_rows(key, _int(doc.get("rank")), index)
+    rows["samples"] += samples
+    rows["provenance"] += _provenance_rows(key, index.get("identity") or {})
+    rows["payloads"] += _payload_rows(key, doc.get("payloads") or {})
+    lineage = _router_lineage_row(key, index)
+    if lineage is not None:
+        rows["router_lineage"].append(lineage)
+    consistency = expected.get(Stage.ROUTER_CONSISTENCY)
+    if isinstance(consistency, dict):
+        rows["router_metrics"].append(
+            _metric_row(
+                consistency,
+                source="producer",
+                bundle_key=key,
+                result_id=None,
+                run=doc["run"],
+                rollout_id=doc["rollout_id"],
+                step_id=_int(doc.get("step_id")),
+            )
+        )
+    bundle = _bundle_row(ref_name, doc, manifest, index, samples)
     rows["bundles"].append(bundle)
     return bundle
 
 
+# -- latest attempt wins ------------------------------------------------------
+
+
+def _field_getter(row: Any) -> Callable[[str], Any]:
+    """Column access for a row dict (not yet inserted) or a fetched Row alike."""
+    return row.get if isinstance(row, dict) else row._mapping.get
+
+
 def _group(row: Any) -> Group:
-    get = row.get if isinstance(row, dict) else row._mapping.get
+    get = _field_getter(row)
     return (get("run"), get("kind"), get("rollout_id"), get("step_id"), get("rank"))
 
 
-def _set_latest(conn: sa.Connection, new: list[dict]) -> None:
-    """Mark is_latest on new bundle rows (before insert) and flip existing rows:
-    per (run, kind, rollout_id, step_id, rank), the highest attempt not removed."""
-    b = t.bundles
-    groups = {_group(r) for r in new}
-    old = [
-        r
-        for r in conn.execute(
-            sa.select(
-                b.c.key, b.c.run, b.c.kind, b.c.rollout_id, b.c.step_id, b.c.rank,
-                b.c.attempt, b.c.removed_at, b.c.is_latest,
-            ).where(
-                b.c.run.in_({g[0] for g in groups}),
-                b.c.rollout_id.in_({g[2] for g in groups}),
-            )
-        )
-        if _group(r) in groups
-    ]  # fmt: skip
+def _latest_keys(rows: Iterable[Any]) -> dict[Group, str]:
+    """The one rule: per (run, kind, rollout_id, step_id, rank), the key of the
+    highest attempt not removed (ties by key) is the latest."""
     best: dict[Group, tuple] = {}
-    for r in [*old, *new]:
-        get = r.get if isinstance(r, dict) else r._mapping.get
+    for row in rows:
+        get = _field_getter(row)
         if get("removed_at") is None:
-            rank_key = (get("attempt"), get("key"))
-            g = _group(r)
-            if g not in best or rank_key > best[g]:
-                best[g] = rank_key
-    for r in new:
-        r["is_latest"] = best.get(_group(r), (None, None))[1] == r["key"]
+            candidate = (get("attempt"), get("key"))
+            group = _group(row)
+            if group not in best or candidate > best[group]:
+                best[group] = candidate
+    return {group: key for group, (_, key) in best.items()}
+
+
+def _update_latest_flags(conn: sa.Connection, stored: list[Any], latest: dict[Group, str]) -> None:
+    """Flip ``is_latest`` on the stored rows whose flag disagrees with ``latest``."""
+    bundles = tables.bundles
     flips = [
-        {"k": r.key, "v": not r.is_latest}
-        for r in old
-        if bool(r.is_latest) != (best.get(_group(r), (None, None))[1] == r.key)
+        {"k": row.key, "v": not row.is_latest}
+        for row in stored
+        if bool(row.is_latest) != (latest.get(_group(row)) == row.key)
     ]
     if flips:
         conn.execute(
-            b.update().where(b.c.key == sa.bindparam("k")).values(is_latest=sa.bindparam("v")),
+            bundles.update()
+            .where(bundles.c.key == sa.bindparam("k"))
+            .values(is_latest=sa.bindparam("v")),
             flips,
         )
+
+
+_LATEST_COLUMNS = (
+    "key",
+    "run",
+    "kind",
+    "rollout_id",
+    "step_id",
+    "rank",
+    "attempt",
+    "removed_at",
+    "is_latest",
+)
+
+
+def _set_latest(conn: sa.Connection, new: list[dict]) -> None:
+    """Mark is_latest on new bundle rows (before insert) and flip existing rows."""
+    bundles = tables.bundles
+    groups = {_group(row) for row in new}
+    stored = [
+        row
+        for row in conn.execute(
+            sa.select(*(bundles.c[name] for name in _LATEST_COLUMNS)).where(
+                bundles.c.run.in_({group[0] for group in groups}),
+                bundles.c.rollout_id.in_({group[2] for group in groups}),
+            )
+        )
+        if _group(row) in groups
+    ]
+    latest = _latest_keys([*stored, *new])
+    for row in new:
+        row["is_latest"] = latest.get(_group(row)) == row["key"]
+    _update_latest_flags(conn, stored, latest)
 
 
 def _tolerant(load_document: LoadDocument) -> LoadDocument:
@@ -407,17 +471,19 @@ def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document
             parsed[doc["key"]] = (ref_name, doc)
     if not parsed:
         return
-    b, tb = t.bundles, t.tombstones
+    bundles, tombstones = tables.bundles, tables.tombstones
     existing = dict(
-        conn.execute(sa.select(b.c.key, b.c.ref_name).where(b.c.key.in_(list(parsed)))).all()
+        conn.execute(
+            sa.select(bundles.c.key, bundles.c.ref_name).where(bundles.c.key.in_(list(parsed)))
+        ).all()
     )
     keys = [k for k, (ref_name, _) in parsed.items() if existing.get(k, "") <= ref_name]
     _delete_bundles(conn, [k for k in keys if k in existing])
     tombs: dict[str, list] = {}
     for key, tname, removed_at in conn.execute(
-        sa.select(tb.c.bundle_key, tb.c.tombstone_name, tb.c.removed_at).where(
-            tb.c.bundle_key.in_(keys)
-        )
+        sa.select(
+            tombstones.c.bundle_key, tombstones.c.tombstone_name, tombstones.c.removed_at
+        ).where(tombstones.c.bundle_key.in_(keys))
     ):
         tombs.setdefault(key, []).append((tname, removed_at))
 
@@ -435,7 +501,7 @@ def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document
             bundle["removed_at"] = min(later)
     _set_latest(conn, rows["bundles"])
     for name, table_rows in rows.items():
-        _insert(conn, t.metadata.tables[name], table_rows)
+        _insert(conn, tables.metadata.tables[name], table_rows)
 
     first: dict[str, datetime | None] = {}  # run -> earliest published_at in the batch
     for r in rows["bundles"]:
@@ -444,17 +510,21 @@ def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document
             first[run] = when
     known = dict(
         conn.execute(
-            sa.select(t.runs.c.run, t.runs.c.first_published_at).where(t.runs.c.run.in_(first))
+            sa.select(tables.runs.c.run, tables.runs.c.first_published_at).where(
+                tables.runs.c.run.in_(first)
+            )
         ).all()
     )
     _insert(
         conn,
-        t.runs,
+        tables.runs,
         [{"run": r, "first_published_at": w} for r, w in first.items() if r not in known],
     )
     for run, when in first.items():
         if run in known and when is not None and (known[run] is None or when < known[run]):
-            conn.execute(t.runs.update().where(t.runs.c.run == run).values(first_published_at=when))
+            conn.execute(
+                tables.runs.update().where(tables.runs.c.run == run).values(first_published_at=when)
+            )
 
 
 def apply_tombstone(conn: sa.Connection, name: str, path: Path):
@@ -466,20 +536,27 @@ def apply_tombstone(conn: sa.Connection, name: str, path: Path):
         raise StoreError(f"tombstone {path} has no key; run trajstore fsck")
     tname = name[: -len(".json")]
     removed_at = _ts(doc.get("removed_at")) or _name_time(tname)
-    conn.execute(t.tombstones.delete().where(t.tombstones.c.tombstone_name == tname))
+    conn.execute(tables.tombstones.delete().where(tables.tombstones.c.tombstone_name == tname))
     conn.execute(
-        t.tombstones.insert().values(tombstone_name=tname, bundle_key=key, removed_at=removed_at)
-    )
-    b = t.bundles
-    row = conn.execute(
-        sa.select(b.c.run, b.c.kind, b.c.rollout_id, b.c.step_id, b.c.rank, b.c.removed_at).where(
-            b.c.key == key, b.c.ref_name < tname
+        tables.tombstones.insert().values(
+            tombstone_name=tname, bundle_key=key, removed_at=removed_at
         )
+    )
+    bundles = tables.bundles
+    row = conn.execute(
+        sa.select(
+            bundles.c.run,
+            bundles.c.kind,
+            bundles.c.rollout_id,
+            bundles.c.step_id,
+            bundles.c.rank,
+            bundles.c.removed_at,
+        ).where(bundles.c.key == key, bundles.c.ref_name < tname)
     ).first()
     if row is None:
         return None
     if row.removed_at is None or removed_at < row.removed_at:
-        conn.execute(b.update().where(b.c.key == key).values(removed_at=removed_at))
+        conn.execute(bundles.update().where(bundles.c.key == key).values(removed_at=removed_at))
     return tuple(row[:5])
 
 
@@ -494,17 +571,19 @@ def apply_results(conn: sa.Connection, items: list[tuple[str, Path]]) -> None:
         docs.append((name[: -len(".json")], doc))
     if not docs:
         return
-    r = t.replay_results
+    result_table = tables.replay_results
     old = list(
-        conn.execute(sa.select(r.c.id).where(r.c.result_name.in_([n for n, _ in docs]))).scalars()
+        conn.execute(
+            sa.select(result_table.c.id).where(result_table.c.result_name.in_([n for n, _ in docs]))
+        ).scalars()
     )
     if old:
-        for table in (t.stage_results, t.divergences, t.router_metrics):
+        for table in (tables.stage_results, tables.divergences, tables.router_metrics):
             conn.execute(table.delete().where(table.c.result_id.in_(old)))
-        conn.execute(r.delete().where(r.c.id.in_(old)))
+        conn.execute(result_table.delete().where(result_table.c.id.in_(old)))
     ids = list(
         conn.execute(
-            sa.select(t.REPLAY_RESULTS_ID_SEQ.next_value()).select_from(
+            sa.select(tables.REPLAY_RESULTS_ID_SEQ.next_value()).select_from(
                 sa.func.generate_series(1, len(docs))
             )
         ).scalars()
@@ -572,27 +651,22 @@ def apply_results(conn: sa.Connection, items: list[tuple[str, Path]]) -> None:
                     step_id=step_id,
                 )
             )
-    _insert(conn, r, results)
-    _insert(conn, t.stage_results, stages)
-    _insert(conn, t.divergences, divs)
-    _insert(conn, t.router_metrics, metrics)
+    _insert(conn, result_table, results)
+    _insert(conn, tables.stage_results, stages)
+    _insert(conn, tables.divergences, divs)
+    _insert(conn, tables.router_metrics, metrics)
 
 
 def recompute_latest(conn: sa.Connection, groups: Iterable[Group]) -> None:
-    """is_latest = the highest attempt not tombstoned, per (run, kind, rollout, step, rank)."""
-    b = t.bundles
+    """Re-apply `_latest_keys` to stored groups (after a tombstone removed a bundle)."""
+    bundles = tables.bundles
     for group in set(groups):
-        rows = conn.execute(
-            sa.select(b.c.key, b.c.attempt, b.c.removed_at, b.c.is_latest).where(
-                _group_clause(b, group)
+        stored = conn.execute(
+            sa.select(*(bundles.c[name] for name in _LATEST_COLUMNS)).where(
+                _group_clause(bundles, group)
             )
         ).all()
-        live = [r for r in rows if r.removed_at is None]
-        best = max(live, key=lambda r: (r.attempt, r.key)).key if live else None
-        for r in rows:
-            want = r.key == best
-            if bool(r.is_latest) != want:
-                conn.execute(b.update().where(b.c.key == r.key).values(is_latest=want))
+        _update_latest_flags(conn, stored, _latest_keys(stored))
 
 
 # -- sync / reindex ----------------------------------------------------------
@@ -619,8 +693,8 @@ def sync_catalog(
         with catalog.connect() as conn:
             done = set(
                 conn.execute(
-                    sa.select(t.synced_documents.c.name).where(
-                        t.synced_documents.c.directory == directory
+                    sa.select(tables.synced_documents.c.name).where(
+                        tables.synced_documents.c.directory == directory
                     )
                 ).scalars()
             )
@@ -641,7 +715,7 @@ def sync_catalog(
                     apply_results(conn, items)
                 _insert(
                     conn,
-                    t.synced_documents,
+                    tables.synced_documents,
                     [{"directory": directory, "name": n} for n in batch],
                 )
         counts[directory] = len(new)
@@ -681,6 +755,6 @@ def reindex(
         catalog = open_catalog(store_dir, url, **kwargs)
     with catalog:
         with catalog.begin() as conn:
-            for table in t.INDEX_TABLES:
+            for table in tables.INDEX_TABLES:
                 conn.execute(table.delete())
         return sync_catalog(catalog, store_dir, load_document)

@@ -1,9 +1,15 @@
 """Catalog schema at the head revision (SQLAlchemy Core).
 
 The catalog is an index over the store's refs and result documents; every row
-here can be rebuilt from them (`trajstore reindex`). The migrations in
-`migrations/versions/` are written by hand and must produce exactly these
-tables (tests/test_catalog.py compares them); change both together.
+here can be rebuilt from them (`trajstore reindex`).
+
+The schema is declared twice, on purpose: here (the head, what the code
+queries) and in the hand-written migrations in `migrations/versions/` (how a
+catalog of any earlier revision gets here). Released migrations are frozen,
+never edited; a schema change is a new revision there plus the same change
+here. tests/test_catalog.py::test_migrations_build_exactly_the_declared_tables
+migrates an empty catalog to the head and asserts it has exactly these
+tables' columns and indexes, so the two declarations cannot drift apart.
 
 Conventions, so that SQL users and JSON consumers see one name per number:
 timestamps are naive UTC; lists/objects are JSON text; no foreign keys
