@@ -272,9 +272,9 @@ def provenance_of(catalog: Catalog, bundle_key: str) -> dict[str, list[str]]:
 
 def router_lineage_of(catalog: Catalog, bundle_key: str) -> dict | None:
     """config.router of a bundle, or None when it has no routes."""
-    r = tables.router_lineage
+    lineage = tables.router_lineage
     with catalog.connect() as conn:
-        row = conn.execute(sa.select(r).where(r.c.bundle_key == bundle_key)).first()
+        row = conn.execute(sa.select(lineage).where(lineage.c.bundle_key == bundle_key)).first()
     return None if row is None else _row(row)
 
 
@@ -284,37 +284,43 @@ def router_lineage_of(catalog: Catalog, bundle_key: str) -> dict | None:
 def _latest_results(run: str | None, kind: str | None = "step"):
     """Per cohort (run, kind, rollout, step, attempt) of visible bundles, its result
     with the latest recorded_at: a subquery with the bundle's identity columns."""
-    bb = _B.alias("rb")
-    r = tables.replay_results
+    result_bundles = _B.alias("rb")
+    results = tables.replay_results
     q = (
         sa.select(
-            bb.c.run,
-            bb.c.kind,
-            bb.c.rollout_id,
-            bb.c.step_id,
-            bb.c.attempt,
-            r.c.id.label("result_id"),
-            r.c.bundle_key,
-            r.c.status,
-            r.c.first_divergent_stage,
-            r.c.first_divergent_rank,
-            r.c.root_bundle_key,
-            r.c.recorded_at,
-            r.c.trajstore_version,
+            result_bundles.c.run,
+            result_bundles.c.kind,
+            result_bundles.c.rollout_id,
+            result_bundles.c.step_id,
+            result_bundles.c.attempt,
+            results.c.id.label("result_id"),
+            results.c.bundle_key,
+            results.c.status,
+            results.c.first_divergent_stage,
+            results.c.first_divergent_rank,
+            results.c.root_bundle_key,
+            results.c.recorded_at,
+            results.c.trajstore_version,
             sa.func.row_number()
             .over(
-                partition_by=[bb.c.run, bb.c.kind, bb.c.rollout_id, bb.c.step_id, bb.c.attempt],
-                order_by=[r.c.recorded_at.desc().nulls_last(), r.c.id.desc()],
+                partition_by=[
+                    result_bundles.c.run,
+                    result_bundles.c.kind,
+                    result_bundles.c.rollout_id,
+                    result_bundles.c.step_id,
+                    result_bundles.c.attempt,
+                ],
+                order_by=[results.c.recorded_at.desc().nulls_last(), results.c.id.desc()],
             )
             .label("rn"),
         )
-        .select_from(r.join(bb, bb.c.key == r.c.bundle_key))
-        .where(bb.c.is_latest)
+        .select_from(results.join(result_bundles, result_bundles.c.key == results.c.bundle_key))
+        .where(result_bundles.c.is_latest)
     )
     if kind is not None:
-        q = q.where(bb.c.kind == kind)
+        q = q.where(result_bundles.c.kind == kind)
     if run is not None:
-        q = q.where(bb.c.run == run)
+        q = q.where(result_bundles.c.run == run)
     ranked = q.subquery("ranked")
     return sa.select(ranked).where(ranked.c.rn == 1).subquery("latest")
 
@@ -538,21 +544,23 @@ def query_divergences(
 
 def results_of(catalog: Catalog, bundle_key: str) -> list[dict]:
     """Every recorded result of one bundle, newest first, each with its "stages"."""
-    r, s = tables.replay_results, tables.stage_results
+    result_table, stage_table = tables.replay_results, tables.stage_results
     with catalog.connect() as conn:
         results = [
             _row(x)
             for x in conn.execute(
-                sa.select(r)
-                .where(r.c.bundle_key == bundle_key)
-                .order_by(r.c.recorded_at.desc().nulls_last(), r.c.id.desc())
+                sa.select(result_table)
+                .where(result_table.c.bundle_key == bundle_key)
+                .order_by(result_table.c.recorded_at.desc().nulls_last(), result_table.c.id.desc())
             )
         ]
         for res in results:
             res["stages"] = [
                 _row(x)
                 for x in conn.execute(
-                    sa.select(s).where(s.c.result_id == res["id"]).order_by(s.c.position)
+                    sa.select(stage_table)
+                    .where(stage_table.c.result_id == res["id"])
+                    .order_by(stage_table.c.position)
                 )
             ]
     return results
@@ -561,9 +569,9 @@ def results_of(catalog: Catalog, bundle_key: str) -> list[dict]:
 def recorded_result_exists(catalog: Catalog, bundle_key: str, trajstore_version: str) -> bool:
     """Whether this trajstore version already recorded a result for the bundle
     (replay --all --record skips it, so an interrupted run resumes)."""
-    r = tables.replay_results
+    results = tables.replay_results
     q = sa.select(sa.literal(1)).where(
-        r.c.bundle_key == bundle_key, r.c.trajstore_version == trajstore_version
+        results.c.bundle_key == bundle_key, results.c.trajstore_version == trajstore_version
     )
     with catalog.connect() as conn:
         return conn.execute(q.limit(1)).first() is not None
@@ -582,62 +590,71 @@ def query_router_metrics(
     each bundle's router mode; ordered by (run, rollout_id, step_id, id)."""
     limit = _limit(limit)
     after = _decode_cursor("router_metrics", cursor, 4)
-    m, lin = tables.router_metrics, tables.router_lineage
-    sort = [m.c.run, m.c.rollout_id, sa.func.coalesce(m.c.step_id, -1), m.c.id]
+    metrics, lineage = tables.router_metrics, tables.router_lineage
+    sort = [
+        metrics.c.run,
+        metrics.c.rollout_id,
+        sa.func.coalesce(metrics.c.step_id, -1),
+        metrics.c.id,
+    ]
     q = (
-        sa.select(m, lin.c.mode, _B.c.rank, _B.c.attempt)
+        sa.select(metrics, lineage.c.mode, _B.c.rank, _B.c.attempt)
         .select_from(
-            m.join(_B, _B.c.key == m.c.bundle_key).outerjoin(
-                lin, lin.c.bundle_key == m.c.bundle_key
+            metrics.join(_B, _B.c.key == metrics.c.bundle_key).outerjoin(
+                lineage, lineage.c.bundle_key == metrics.c.bundle_key
             )
         )
         .where(_B.c.is_latest, _after(sort, after))
-        .where(*_rollout_range(m.c.rollout_id, rollout_from, rollout_to))
+        .where(*_rollout_range(metrics.c.rollout_id, rollout_from, rollout_to))
         .order_by(*sort)
         .limit(limit + 1)
     )
     if run is not None:
-        q = q.where(m.c.run == run)
+        q = q.where(metrics.c.run == run)
     if source is not None:
-        q = q.where(m.c.source == source)
+        q = q.where(metrics.c.source == source)
     with catalog.connect() as conn:
         rows = conn.execute(q).all()
     return _page(
         rows,
         limit,
         "router_metrics",
-        lambda r: [r.run, r.rollout_id, -1 if r.step_id is None else r.step_id, r.id],
+        lambda row: [row.run, row.rollout_id, -1 if row.step_id is None else row.step_id, row.id],
     )
 
 
 def stats(catalog: Catalog, run: str | None = None) -> dict:
     """Counts and sizes over the catalog (or one run)."""
-    b, r = _B, tables.replay_results
-    run_filter = [b.c.run == run] if run is not None else []
-    visible = b.c.is_latest
+    bundles, results = _B, tables.replay_results
+    run_filter = [bundles.c.run == run] if run is not None else []
+    visible = bundles.c.is_latest
     with catalog.connect() as conn:
         row = conn.execute(
             sa.select(
-                sa.func.count(sa.distinct(b.c.run)).label("runs"),
+                sa.func.count(sa.distinct(bundles.c.run)).label("runs"),
                 sa.func.count().filter(visible).label("bundles"),
-                sa.func.count().filter(visible, b.c.kind == "step").label("step_bundles"),
-                sa.func.count().filter(visible, b.c.kind == "rollout").label("rollout_bundles"),
-                sa.func.count().filter(b.c.removed_at.is_not(None)).label("removed_bundles"),
+                sa.func.count().filter(visible, bundles.c.kind == "step").label("step_bundles"),
                 sa.func.count()
-                .filter(b.c.removed_at.is_(None), sa.not_(visible))
+                .filter(visible, bundles.c.kind == "rollout")
+                .label("rollout_bundles"),
+                sa.func.count().filter(bundles.c.removed_at.is_not(None)).label("removed_bundles"),
+                sa.func.count()
+                .filter(bundles.c.removed_at.is_(None), sa.not_(visible))
                 .label("superseded_bundles"),
-                sa.func.coalesce(sa.func.sum(b.c.num_samples).filter(visible), 0).label("samples"),
-                sa.func.coalesce(sa.func.sum(b.c.num_tokens).filter(visible), 0).label(
+                sa.func.coalesce(sa.func.sum(bundles.c.num_samples).filter(visible), 0).label(
+                    "samples"
+                ),
+                sa.func.coalesce(sa.func.sum(bundles.c.num_tokens).filter(visible), 0).label(
                     "num_tokens"
                 ),
-                sa.func.coalesce(sa.func.sum(b.c.logical_bytes), 0).label("logical_bytes"),
-                sa.func.coalesce(sa.func.sum(b.c.physical_bytes), 0).label("physical_bytes"),
+                sa.func.coalesce(sa.func.sum(bundles.c.logical_bytes), 0).label("logical_bytes"),
+                sa.func.coalesce(sa.func.sum(bundles.c.physical_bytes), 0).label("physical_bytes"),
             ).where(*run_filter)
         ).one()
         out = _row(row)
-        rq = sa.select(r.c.status, sa.func.count()).group_by(r.c.status)
+        rq = sa.select(results.c.status, sa.func.count()).group_by(results.c.status)
         if run is not None:
-            rq = rq.where(r.c.run == run)
+            rq = rq.where(results.c.run == run)
         by_status = {status: n for status, n in conn.execute(rq)}
     out["results"] = sum(by_status.values())
     out["results_by_status"] = dict(sorted((k or "", v) for k, v in by_status.items()))
