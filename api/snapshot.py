@@ -40,6 +40,8 @@ from trajstore.store import Store
 log = logging.getLogger("trajstore.api")
 
 WATCHED = (Path("refs") / "bundles", Path("refs") / "tombstones", Path("results"))
+
+
 def _rows(conn: sa.Connection, q: Any) -> list[dict[str, Any]]:
     res = conn.execute(q)
     cols = list(res.keys())
@@ -202,7 +204,9 @@ class CatalogSnapshot:
             stamp = self._dir_stamp()
             now = time.monotonic()
             stale = now - self._last_sync > 5.0  # mtime granularity backstop
-            if not force and ((stamp == self._stamp and not stale) or now - self._last_sync < self.min_interval_s):
+            if not force and (
+                (stamp == self._stamp and not stale) or now - self._last_sync < self.min_interval_s
+            ):
                 return False
             self._last_sync = now
             before = self._synced_count()
@@ -248,7 +252,9 @@ class CatalogSnapshot:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="trajstore-catalog", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="trajstore-catalog", daemon=True
+            )
             self._thread.start()
 
     def close(self) -> None:

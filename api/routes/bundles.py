@@ -91,9 +91,7 @@ def payload(
     key: str,
     name: Annotated[str, Path(max_length=200)],
     request: Request,
-    format: Annotated[
-        Literal["npy", "raw", "pt"], Query(description=f"one of {FORMATS}")
-    ] = "npy",
+    format: Annotated[Literal["npy", "raw", "pt"], Query(description=f"one of {FORMATS}")] = "npy",
     sample: Text = None,
 ) -> Response:
     """A payload as .npy (bf16 widened to float32), raw bytes or the original .pt."""
@@ -105,9 +103,7 @@ def payload(
     position = None
     if sample is not None:
         if format == "pt":
-            raise ApiError(
-                400, "bad_request", "format=pt is the whole original file; no ?sample="
-            )
+            raise ApiError(400, "bad_request", "format=pt is the whole original file; no ?sample=")
         position = next(
             (
                 sample_row["position"]

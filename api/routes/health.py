@@ -23,7 +23,7 @@ router = APIRouter()
     },
 )
 def health(state: StateDep) -> Any:
-    """"ok" (200) while the catalog syncs; "degraded" (503) with the error while it fails.
+    """ "ok" (200) while the catalog syncs; "degraded" (503) with the error while it fails.
 
     Degraded still serves the last snapshot, but documents published since
     the failure may be missing, so a probe that reads only the status code

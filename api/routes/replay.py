@@ -24,7 +24,9 @@ def _loopback(request: Request) -> bool:
 
 
 @router.post(
-    "/replay", response_model=models.ReplayResponse, responses={403: {"model": models.ErrorResponse}}
+    "/replay",
+    response_model=models.ReplayResponse,
+    responses={403: {"model": models.ErrorResponse}},
 )
 def replay(state: StateDep, body: models.ReplayRequest, request: Request) -> models.ReplayResponse:
     """Replay a stored step, rollout or bundle; `record` stores the result.
