@@ -95,9 +95,7 @@ def grpo_advantages(rewards: Sequence[float] | np.ndarray, lengths: Sequence[int
     return _np(torch.cat(parts)) if parts else np.zeros(0, dtype=np.float32)
 
 
-def sum_of_sample_mean(
-    x: torch.Tensor, mask: torch.Tensor, lengths: Sequence[int]
-) -> torch.Tensor:
+def sum_of_sample_mean(x: torch.Tensor, mask: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """``sum_i sum(x_i * mask_i) / max(sum(mask_i), 1)`` with a loop over samples."""
     total = torch.zeros((), dtype=x.dtype)
     start = 0

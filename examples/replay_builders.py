@@ -191,7 +191,9 @@ def consistent_contents(
         flat_mask,
         lens,
         eps_clip=float(cfg["eps_clip"]),
-        eps_clip_high=faults.eps_clip_high if faults.eps_clip_high is not None else cfg.get("eps_clip_high"),
+        eps_clip_high=faults.eps_clip_high
+        if faults.eps_clip_high is not None
+        else cfg.get("eps_clip_high"),
         eps_clip_c=cfg.get("eps_clip_c"),
         entropy_coef=float(cfg["entropy_coef"]),
         use_kl_loss=bool(cfg.get("use_kl_loss", False)),
@@ -257,7 +259,10 @@ def consistent_contents(
         "rollout_id": rollout_id if kind == "rollout" else None,
         "rollout_partition_ids": [f"rollout-{rollout_id}"],
         "semantic_group_ids": [f"g-{g}" for g in sorted(set(gidx))],
-        "weight_lineage": {"actor_weight": f"w-{rollout_id}", "rollout_weight": f"w-{rollout_id - 1}"},
+        "weight_lineage": {
+            "actor_weight": f"w-{rollout_id}",
+            "rollout_weight": f"w-{rollout_id - 1}",
+        },
     }
     anchor = f"{rollout_id}-{step_id}" if kind == "step" else f"rollout-{rollout_id}"
     contents = BundleContents(

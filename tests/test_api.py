@@ -160,13 +160,20 @@ def test_one_sample_slice(client: httpx.Client) -> None:
     lp = torch.load(EXAMPLE / "payloads" / "log_probs.pt", weights_only=True).numpy()
     offsets = np.cumsum([0] + [s["response_length"] for s in index])
     for pos, s in enumerate(index):
-        resp = client.get(f"/v1/bundles/{key}/payloads/log_probs", params={"sample": s["sample_id"]})
+        resp = client.get(
+            f"/v1/bundles/{key}/payloads/log_probs", params={"sample": s["sample_id"]}
+        )
         assert resp.status_code == 200, resp.text
         np.testing.assert_array_equal(
             np.load(io.BytesIO(resp.content)), lp[offsets[pos] : offsets[pos + 1]]
         )
     _error(client.get(f"/v1/bundles/{key}/payloads/log_probs", params={"sample": "s-99"}), 404)
-    _error(client.get(f"/v1/bundles/{key}/payloads/log_probs", params={"sample": "s-0", "format": "pt"}), 400)
+    _error(
+        client.get(
+            f"/v1/bundles/{key}/payloads/log_probs", params={"sample": "s-0", "format": "pt"}
+        ),
+        400,
+    )
 
 
 # -- ETag / Range --------------------------------------------------------------
@@ -211,7 +218,11 @@ def test_errors_are_json_with_the_right_status(client: httpx.Client) -> None:
     _error(client.get("/v1/bundles/../../etc/passwd"), 404)
     _error(client.get("/v1/bundles/%2e%2e/%2e%2e/catalog.duckdb"), 404)
     _error(client.get("/v1/bundles/ex/step-120-0/a1/payloads/nope"), 404)
-    _error(client.get("/v1/runs/cap/steps", params={"rollout_from": 5, "rollout_to": 1}), 400, "bad_filter")
+    _error(
+        client.get("/v1/runs/cap/steps", params={"rollout_from": 5, "rollout_to": 1}),
+        400,
+        "bad_filter",
+    )
     _error(client.get("/v1/divergences", params={"rollout_from": 5, "rollout_to": 1}), 400)
     _error(client.get("/v1/runs/cap/steps", params={"cursor": "garbage"}), 400)
     _error(client.get("/v1/runs/cap/steps", params={"limit": 0}), 422)
@@ -232,12 +243,23 @@ def _verdict(report: dict) -> dict:
         "status": report["status"],
         "first_divergent_stage": report["first_divergent_stage"],
         "root_bundle_key": report["root_bundle_key"],
-        "first": None if first is None else (
-            first["stage"], first["sample_id"], first["field"], first["token_offset"], first["mismatch_count"]
+        "first": None
+        if first is None
+        else (
+            first["stage"],
+            first["sample_id"],
+            first["field"],
+            first["token_offset"],
+            first["mismatch_count"],
         ),
         "stages": [
-            (b["rank"], s["stage"], s["status"], s["mismatch_count"],
-             [(d["sample_id"], d["field"], d["token_offset"]) for d in s["divergences"]])
+            (
+                b["rank"],
+                s["stage"],
+                s["status"],
+                s["mismatch_count"],
+                [(d["sample_id"], d["field"], d["token_offset"]) for d in s["divergences"]],
+            )
             for b in report["bundles"]
             for s in b["stages"]
         ],
@@ -253,9 +275,16 @@ def _verdict(report: dict) -> dict:
     ],
 )
 def test_replay_endpoint_gives_the_cli_verdict(
-    client: httpx.Client, fixture_store: Path, run: str, exit_code: int, status: str, first: tuple | None
+    client: httpx.Client,
+    fixture_store: Path,
+    run: str,
+    exit_code: int,
+    status: str,
+    first: tuple | None,
 ) -> None:
-    cli = _trajstore("replay", "--store", str(fixture_store), "--run", run, "--step", "120:0", "--json")
+    cli = _trajstore(
+        "replay", "--store", str(fixture_store), "--run", run, "--step", "120:0", "--json"
+    )
     resp = client.post("/v1/replay", json={"run": run, "step": "120:0"})
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -267,9 +296,20 @@ def test_replay_endpoint_gives_the_cli_verdict(
     assert from_api["first_divergent_stage"] == (None if first is None else first[0])
 
 
-def test_replay_endpoint_selection_gives_the_cli_verdict(client: httpx.Client, fixture_store: Path) -> None:
+def test_replay_endpoint_selection_gives_the_cli_verdict(
+    client: httpx.Client, fixture_store: Path
+) -> None:
     cli = _trajstore(
-        "replay", "--store", str(fixture_store), "--run", "cap", "--step", "120:0", "--group", "g-0", "--json"
+        "replay",
+        "--store",
+        str(fixture_store),
+        "--run",
+        "cap",
+        "--step",
+        "120:0",
+        "--group",
+        "g-0",
+        "--json",
     )
     resp = client.post("/v1/replay", json={"run": "cap", "step": "120:0", "groups": ["g-0"]})
     assert resp.status_code == 200, resp.text
@@ -288,7 +328,9 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cap.mkdir()
     for i in range(500):
         r, s = divmod(i, 4)
-        contents = make_contents(groups=1, samples_per_group=2, lengths=2, rollout_id=r, step_id=s, seed=i)
+        contents = make_contents(
+            groups=1, samples_per_group=2, lengths=2, rollout_id=r, step_id=s, seed=i
+        )
         write_bundle(cap / f"replay-{r}-{s}", contents)
     with Store.open(base / "store", durable=False) as st:
         assert len(st.ingest([cap], run="big")) == 500
@@ -423,7 +465,9 @@ def test_ingest_and_record_from_other_processes(tmp_path: Path) -> None:
         assert c.get("/v1/runs/cap/rollouts/120").status_code == 200
         assert c.get("/v1/runs/cap/steps/120:0").json()["latest_verdict"] is None
 
-        done = _trajstore("replay", "--store", str(store), "--run", "cap", "--step", "120:0", "--record", "--json")
+        done = _trajstore(
+            "replay", "--store", str(store), "--run", "cap", "--step", "120:0", "--record", "--json"
+        )
         assert done.returncode in (0, 1), done.stderr
         status = json.loads(done.stdout)["status"]
         verdict = _poll(lambda: c.get("/v1/runs/cap/steps/120:0").json()["latest_verdict"])

@@ -35,17 +35,29 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(store: Path, tmp_path
     with serve(store) as client:
         url = f"{client.base_url}/openapi.json".replace("//openapi", "/openapi")
         cmd = [
-            sys.executable, "-m", "schemathesis.cli", "run", url,
-            "--checks", CHECKS,
-            "--max-examples", "15",
-            "--seed", "42",
-            "--phases", "examples,coverage,fuzzing",
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "run",
+            url,
+            "--checks",
+            CHECKS,
+            "--max-examples",
+            "15",
+            "--seed",
+            "42",
+            "--phases",
+            "examples,coverage,fuzzing",
             "--generation-deterministic",
-            "--suppress-health-check", "all",
-            "--workers", "1",
+            "--suppress-health-check",
+            "all",
+            "--workers",
+            "1",
         ]
         env = {**os.environ, "SCHEMATHESIS_HOOKS": ""}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+        )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert "No issues found" in done.stdout or "passed" in done.stdout, done.stdout[-3000:]
     print(done.stdout[-1500:])

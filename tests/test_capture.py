@@ -41,8 +41,20 @@ def one_step(cap: CaptureManager, rollout_id: int = 0, step_id: int = 0, **tenso
         **tensors,
     }
     samples = [
-        {"sample_id": "a", "group_index": 0, "response_length": 3, "total_length": 5, "reward": 0.7},
-        {"sample_id": "b", "group_index": 0, "response_length": 2, "total_length": 4, "reward": -0.7},
+        {
+            "sample_id": "a",
+            "group_index": 0,
+            "response_length": 3,
+            "total_length": 5,
+            "reward": 0.7,
+        },
+        {
+            "sample_id": "b",
+            "group_index": 0,
+            "response_length": 2,
+            "total_length": 4,
+            "reward": -0.7,
+        },
     ]
     with cap.step(rollout_id, step_id) as st:
         st.add(0, samples=samples, **step_tensors)
@@ -76,7 +88,10 @@ def test_capture_is_off_without_the_switch(tmp_path):
         ({"TRAJSTORE_CAPTURE_BLOCK": "sometimes"}, "TRAJSTORE_CAPTURE_BLOCK"),
         ({"TRAJSTORE_CAPTURE_REDACT": "prompt=rot13"}, "TRAJSTORE_CAPTURE_REDACT"),
         ({"TRAJSTORE_CAPTURE": "1"}, "TRAJSTORE_CAPTURE_DIR"),
-        ({"TRAJSTORE_CAPTURE_DIR": "/a", "RELAX_REPLAY_CAPTURE_DIR": "/b"}, "RELAX_REPLAY_CAPTURE_DIR"),
+        (
+            {"TRAJSTORE_CAPTURE_DIR": "/a", "RELAX_REPLAY_CAPTURE_DIR": "/b"},
+            "RELAX_REPLAY_CAPTURE_DIR",
+        ),
         ({"TRAJSTORE_RUN": "../escape"}, "run name"),
     ],
 )
@@ -112,7 +127,9 @@ def test_capture_changes_no_parameter_and_replays_clean(tmp_path):
     cap = CaptureManager(enabled(tmp_path), recompute=tiny.TinyGRPO(0).recompute_config())
     on = train(7, cap)
     stats = cap.close()
-    for (name, a), (_, b) in zip(off.model.state_dict().items(), on.model.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        off.model.state_dict().items(), on.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     assert (stats.written, stats.dropped, stats.errors) == (6, 0, 0)
     for sel in ("--step=0:0", "--step=0:1", "--step=1:0", "--step=1:1"):
@@ -178,7 +195,11 @@ def test_only_requested_steps_and_rollouts_are_written(tmp_path):
     )
     train(1, cap)
     stats = cap.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["replay-0-1", "replay-1-0", "replay-rollout-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "replay-0-1",
+        "replay-1-0",
+        "replay-rollout-1",
+    ]
     assert stats.skipped == 3
 
 
@@ -188,20 +209,40 @@ def test_only_requested_steps_and_rollouts_are_written(tmp_path):
 def test_secret_in_prompt_env_and_config_is_written_nowhere(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     args = argparse.Namespace(
-        eps_clip=0.2, entropy_coef=0.0, api_key=SECRET, load=f"/ckpt/{SECRET}/iter_0000100",
+        eps_clip=0.2,
+        entropy_coef=0.0,
+        api_key=SECRET,
+        load=f"/ckpt/{SECRET}/iter_0000100",
         reward_endpoint=f"http://rm.internal/{SECRET}",
     )
     cap = CaptureManager(enabled(tmp_path), recompute=args)
     samples = [
-        {"sample_id": "a", "group_index": 0, "response_length": 2, "total_length": 4,
-         "prompt": f"my key is {SECRET}", "response": SECRET, "label": SECRET,
-         "tool_output": SECRET, "source": f"/data/{SECRET}.jsonl", "endpoint": f"http://{SECRET}",
-         "metadata": {"token": SECRET}},
-        {"sample_id": "b", "group_index": 0, "response_length": 1, "total_length": 3,
-         "prompt": f"my key is {SECRET}"},
+        {
+            "sample_id": "a",
+            "group_index": 0,
+            "response_length": 2,
+            "total_length": 4,
+            "prompt": f"my key is {SECRET}",
+            "response": SECRET,
+            "label": SECRET,
+            "tool_output": SECRET,
+            "source": f"/data/{SECRET}.jsonl",
+            "endpoint": f"http://{SECRET}",
+            "metadata": {"token": SECRET},
+        },
+        {
+            "sample_id": "b",
+            "group_index": 0,
+            "response_length": 1,
+            "total_length": 3,
+            "prompt": f"my key is {SECRET}",
+        },
     ]
     assert cap.rollout(
-        0, samples, raw_rewards=torch.tensor([1.0, 0.0]), rewards=torch.tensor([0.7, -0.7]),
+        0,
+        samples,
+        raw_rewards=torch.tensor([1.0, 0.0]),
+        rewards=torch.tensor([0.7, -0.7]),
         advantages=torch.tensor([0.7, 0.7, -0.7]),
         weight_lineage={"rollout_weight": f"/ckpt/{SECRET}/iter_99", "actor_weight": "w-100"},
     )
@@ -218,14 +259,28 @@ def test_secret_in_prompt_env_and_config_is_written_nowhere(tmp_path, monkeypatc
     assert index["config"] == {"entropy_coef": 0.0, "eps_clip": 0.2}
     assert index["samples"][0]["prompt_hash"].startswith("sha256:")
     assert index["samples"][0]["label_hash"].startswith("sha256:")
-    assert manifest["redaction"]["prompt"] == "hash" and manifest["redaction"]["tool_output"] == "drop"
+    assert (
+        manifest["redaction"]["prompt"] == "hash" and manifest["redaction"]["tool_output"] == "drop"
+    )
 
 
 def test_truncate_and_drop_rules_are_applied_and_recorded(tmp_path):
     cfg = enabled(tmp_path, redaction="prompt=truncate:5,response=drop")
     cap = CaptureManager(cfg)
-    cap.rollout(0, [{"sample_id": "a", "group_index": 0, "response_length": 1, "total_length": 2,
-                     "prompt": "hello world", "response": "bye"}], advantages=torch.tensor([0.0]))
+    cap.rollout(
+        0,
+        [
+            {
+                "sample_id": "a",
+                "group_index": 0,
+                "response_length": 1,
+                "total_length": 2,
+                "prompt": "hello world",
+                "response": "bye",
+            }
+        ],
+        advantages=torch.tensor([0.0]),
+    )
     cap.close()
     rec = json.loads((tmp_path / "replay-rollout-0" / "index.json").read_text())["samples"][0]
     assert rec["prompt"] == "hello" and "response" not in rec and "response_hash" not in rec
@@ -266,8 +321,13 @@ def test_writer_error_is_counted_not_raised(tmp_path):
 def test_bad_input_to_add_is_counted_not_raised(tmp_path):
     cap = CaptureManager(enabled(tmp_path))
     st = cap.step(0, 0)
-    st.add(0, samples=[{"sample_id": "a", "response_length": 1}], log_probs=object(),
-           old_log_probs=torch.zeros(1), advantages=torch.zeros(1))
+    st.add(
+        0,
+        samples=[{"sample_id": "a", "response_length": 1}],
+        log_probs=object(),
+        old_log_probs=torch.zeros(1),
+        advantages=torch.zeros(1),
+    )
     assert st.end() is False
     assert cap.close().errors == 1
 
@@ -279,8 +339,14 @@ def test_interpreter_exit_flushes_the_queue(tmp_path):
         "cap = CaptureManager.from_env();"
         "[one_step(cap, 0, s) for s in range(5)]"  # no close(): atexit must flush
     )
-    env = {"TRAJSTORE_CAPTURE": "1", "TRAJSTORE_CAPTURE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    env = {
+        "TRAJSTORE_CAPTURE": "1",
+        "TRAJSTORE_CAPTURE_DIR": str(tmp_path),
+        "PATH": "/usr/bin:/bin",
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"replay-0-{s}" for s in range(5)]
     assert all((p / "COMPLETE").exists() for p in tmp_path.iterdir())

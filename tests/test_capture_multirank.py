@@ -40,7 +40,9 @@ def _capture(rank: int, dest: str, mode: str, ranks: list[int] = RANKS):
     return cfg, CaptureManager
 
 
-def _rank_worker(rank: int, dest: str, mode: str, my_turn, next_turn, ranks: list[int] = RANKS) -> None:
+def _rank_worker(
+    rank: int, dest: str, mode: str, my_turn, next_turn, ranks: list[int] = RANKS
+) -> None:
     """One DP rank: a real tiny GRPO step on its own data, captured when its turn comes."""
     from trajstore.examples import tiny_grpo
 
@@ -67,7 +69,12 @@ def _victim_worker(rank: int, dest: str, go) -> None:
         st.add(
             0,
             samples=[
-                {"sample_id": f"v-{i}", "group_index": 9000, "response_length": 4, "total_length": 8}
+                {
+                    "sample_id": f"v-{i}",
+                    "group_index": 9000,
+                    "response_length": 4,
+                    "total_length": 8,
+                }
                 for i in range(2)
             ],
             log_probs=torch.zeros(8),

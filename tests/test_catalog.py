@@ -95,12 +95,16 @@ class StoreWriter:
         (key,) = self._ingest(write_bundle(self.work / f"bundle-{seed}", contents), run)
         return key
 
-    def publish_cohort(self, rollout_id: int, step_id: int, ranks: int = 2, *, run: str = "default") -> list[str]:
+    def publish_cohort(
+        self, rollout_id: int, step_id: int, ranks: int = 2, *, run: str = "default"
+    ) -> list[str]:
         """A new cohort of step rollout_id:step_id; its keys by rank."""
         seed = next(self.seeds)
         dest = self.work / f"cohort-{seed}"
         for r in range(ranks):
-            contents = make_contents(rollout_id=rollout_id, step_id=step_id, seed=seed, rank=r, world=ranks)
+            contents = make_contents(
+                rollout_id=rollout_id, step_id=step_id, seed=seed, rank=r, world=ranks
+            )
             write_rank(dest, contents, rank=r, expected_ranks=list(range(ranks)))
         return self._ingest(dest, run)
 

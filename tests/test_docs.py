@@ -174,7 +174,9 @@ def shown_outputs(markdown: str) -> dict[int, tuple[int, list[str]]]:
             block += kind == "sh"
         elif m:
             if kind == "text" and block >= 0:
-                assert block not in shown, f"tutorial.md:{start}: a second text block for one sh block"
+                assert block not in shown, (
+                    f"tutorial.md:{start}: a second text block for one sh block"
+                )
                 shown[block] = (start, body)
             kind = None
         elif kind is not None:
@@ -212,7 +214,9 @@ def to_argv(line: Line, env: dict[str, str]) -> tuple[list[str], dict[str, str]]
     words = [expand(word, env) for word in words]
     if words[0] == "trajstore":
         argv = [sys.executable, "-m", "trajstore", *words[1:]]
-    elif words[:2] == ["python", "-m"] and words[2:3] and words[2].startswith("trajstore.examples."):
+    elif (
+        words[:2] == ["python", "-m"] and words[2:3] and words[2].startswith("trajstore.examples.")
+    ):
         argv = [sys.executable, *words[1:]]
     else:
         raise AssertionError(
@@ -347,11 +351,19 @@ def test_a_wrong_count_or_stage_in_a_shown_line_is_caught() -> None:
             "  reward.post_process    3",
         )
     ]
-    doc = ["replayed 18 of 18 bundle(s) in 0.571 s (0 already recorded): 14 pass, 4 diverged", "..."]
-    assert check_shown(doc + ["first divergent stage:", "  loss.policy  1", "  reward.post_process 3"], real) == (4, None)
+    doc = [
+        "replayed 18 of 18 bundle(s) in 0.571 s (0 already recorded): 14 pass, 4 diverged",
+        "...",
+    ]
+    assert check_shown(
+        doc + ["first divergent stage:", "  loss.policy  1", "  reward.post_process 3"], real
+    ) == (4, None)
     wrong = "replayed 18 of 18 bundle(s) in 1.0 s (0 already recorded): 13 pass, 5 diverged"
     assert check_shown([wrong], real) == (0, wrong)
-    assert check_shown(["first divergent stage:", "  advantage.estimate 3"], real)[1] == "  advantage.estimate 3"
+    assert (
+        check_shown(["first divergent stage:", "  advantage.estimate 3"], real)[1]
+        == "  advantage.estimate 3"
+    )
     # order matters: a line shown before another must be printed before it
     assert check_shown(["  reward.post_process 3", "  loss.policy 1"], real)[1] == "  loss.policy 1"
 
@@ -365,12 +377,22 @@ def test_checked_lines_and_normalisation() -> None:
         "long  3  0  1  []  diverged  reward.post_process  null  long/rollout-3/a1  2026-11-30T00:40:55.8Z",
     ):
         assert CHECKED.search(line), line
-    for line in ("  payload entropy   torch.float32   [3948]   17321 B", "...", "  layer 0   0.007812"):
+    for line in (
+        "  payload entropy   torch.float32   [3948]   17321 B",
+        "...",
+        "  layer 0   0.007812",
+    ):
         assert not CHECKED.search(line), line
-    assert normalise(
-        "  advantages r3-s16@1: expected=-0.465129 actual=-0.35 abs_err=1e-07 in 0.571 s at 2026-11-30T00:40:55Z"
-    ) == "advantages r3-s16@1: expected=<v> actual=<v> abs_err=<v> in <num> s at <time>"
-    assert normalise("/w/x/capture/replay-0-0: valid", "/w/x") == "/tmp/trajstore-tutorial/capture/replay-0-0: valid"
+    assert (
+        normalise(
+            "  advantages r3-s16@1: expected=-0.465129 actual=-0.35 abs_err=1e-07 in 0.571 s at 2026-11-30T00:40:55Z"
+        )
+        == "advantages r3-s16@1: expected=<v> actual=<v> abs_err=<v> in <num> s at <time>"
+    )
+    assert (
+        normalise("/w/x/capture/replay-0-0: valid", "/w/x")
+        == "/tmp/trajstore-tutorial/capture/replay-0-0: valid"
+    )
     assert normalise("gc: dropped 217 objects (1773 live objects kept)") == (
         "gc: dropped <n> objects (<n> live objects kept)"
     )
@@ -410,9 +432,12 @@ def test_tutorial_parser() -> None:
         "1:0",
     ]
     argv, extra = to_argv(lines[2], env)
-    assert argv == [sys.executable, "-m", "trajstore.examples.tiny_grpo", "--from-env"] and extra == {
-        "TRAJSTORE_RUN": "r"
-    }
+    assert argv == [
+        sys.executable,
+        "-m",
+        "trajstore.examples.tiny_grpo",
+        "--from-env",
+    ] and extra == {"TRAJSTORE_RUN": "r"}
 
 
 def _help_commands(*cmd: str) -> list[str]:

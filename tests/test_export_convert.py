@@ -16,7 +16,9 @@ from trajstore.store import Store
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trajstore", *map(str, args)], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *map(str, args)], capture_output=True, text=True
+    )
 
 
 def _stages(path: Path) -> dict[str, str]:
@@ -35,9 +37,16 @@ def store(tmp_path: Path) -> Path:
     return root
 
 
-def test_major_2_exported_as_major_1_validates_and_replays_the_same(store: Path, tmp_path: Path) -> None:
+def test_major_2_exported_as_major_1_validates_and_replays_the_same(
+    store: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "as1"
-    assert cli("export", "--store", store, "--run", "relax", "--step", "120:0", "--format", "1", out).returncode == 0
+    assert (
+        cli(
+            "export", "--store", store, "--run", "relax", "--step", "120:0", "--format", "1", out
+        ).returncode
+        == 0
+    )
     bundle = open_target(out).first
     assert bundle.manifest.format_version.startswith("1.")
     assert "loss.value" not in bundle.manifest.stage_contracts
@@ -45,9 +54,16 @@ def test_major_2_exported_as_major_1_validates_and_replays_the_same(store: Path,
     assert _stages(out) == {**_stages(FIXTURES / "example_bundle"), "loss.value": "skipped"}
 
 
-def test_major_1_exported_as_major_2_drops_what_major_2_cannot_carry(store: Path, tmp_path: Path) -> None:
+def test_major_1_exported_as_major_2_drops_what_major_2_cannot_carry(
+    store: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "as2"
-    assert cli("export", "--store", store, "--run", "mine", "--step", "120:0", "--format", "2", out).returncode == 0
+    assert (
+        cli(
+            "export", "--store", store, "--run", "mine", "--step", "120:0", "--format", "2", out
+        ).returncode
+        == 0
+    )
     bundle = open_target(out).first
     assert bundle.manifest.format_version.startswith("2.")
     assert all("raw_reward" not in s.raw for s in bundle.index.samples)
@@ -66,7 +82,12 @@ def test_converted_payload_files_are_byte_identical(store: Path, tmp_path: Path)
 
 def test_a_cohort_converts_rank_by_rank(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "cohort1"
-    assert cli("export", "--store", store, "--run", "cap", "--step", "120:0", "--format", "1", out).returncode == 0
+    assert (
+        cli(
+            "export", "--store", store, "--run", "cap", "--step", "120:0", "--format", "1", out
+        ).returncode
+        == 0
+    )
     bset = open_target(out)
     assert [b.rank for b in bset.bundles] == [0, 1]
     assert cli("replay", out).returncode == 0

@@ -62,7 +62,23 @@ def test_toy_bundles_pass_their_own_router_consistency_stage(tmp_path):
 def test_recorded_replay_makes_route_metrics_queryable_in_sql(toy_store, capsys):
     assert main(["replay", "--store", str(toy_store), "--all", "--record"]) == 0
     capsys.readouterr()
-    assert main(["query", "routes", "--store", str(toy_store), "--run", "r3", "--source", "replay", "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "query",
+                "routes",
+                "--store",
+                str(toy_store),
+                "--run",
+                "r3",
+                "--source",
+                "replay",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == STEPS
     assert all(r["route_mismatch_rate"] == 0.0 for r in rows)
@@ -72,7 +88,23 @@ def test_recorded_replay_makes_route_metrics_queryable_in_sql(toy_store, capsys)
 
 
 def test_captured_producer_metrics_replay_and_count_in_stability(toy_store, capsys):
-    assert main(["replay", "--store", str(toy_store), "--run", "baseline", "--step", "1:0", "--stage", "router.consistency", "--json"]) == 0
+    assert (
+        main(
+            [
+                "replay",
+                "--store",
+                str(toy_store),
+                "--run",
+                "baseline",
+                "--step",
+                "1:0",
+                "--stage",
+                "router.consistency",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     stage = next(s for s in report["bundles"][0]["stages"] if s["stage"] == "router.consistency")
     assert stage["status"] == "pass"

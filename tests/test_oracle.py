@@ -77,7 +77,10 @@ def test_oracle_loss_matches_producer_recorded_loss(bundle: Path) -> None:
 @pytest.mark.parametrize("bundle", PRODUCER_BUNDLES, ids=lambda p: p.name)
 def test_oracle_kl_matches_producer_kl_payload(bundle: Path) -> None:
     index, _, p = load(bundle)
-    close(oracle.approx_kl(p["old_log_probs"], p["ref_log_probs"], index["config"]["kl_loss_type"]), p["kl"])
+    close(
+        oracle.approx_kl(p["old_log_probs"], p["ref_log_probs"], index["config"]["kl_loss_type"]),
+        p["kl"],
+    )
 
 
 @pytest.mark.parametrize("bundle", PRODUCER_BUNDLES, ids=lambda p: p.name)
@@ -93,7 +96,10 @@ def test_oracle_advantages_match_producer_advantages(bundle: Path) -> None:
 
 def test_oracle_group_of_two_normalizes_to_plus_minus_one_over_sqrt_two() -> None:
     # centred +-0.5, unbiased std sqrt(0.5): +-0.5 / (0.7071 + 1e-6)
-    close(oracle.group_normalize([1.0, 0.0], [0, 0], 2), [0.5 / (0.5**0.5 + 1e-6), -0.5 / (0.5**0.5 + 1e-6)])
+    close(
+        oracle.group_normalize([1.0, 0.0], [0, 0], 2),
+        [0.5 / (0.5**0.5 + 1e-6), -0.5 / (0.5**0.5 + 1e-6)],
+    )
 
 
 def test_oracle_std_is_unbiased_and_groups_are_semantic() -> None:
@@ -105,7 +111,9 @@ def test_oracle_std_is_unbiased_and_groups_are_semantic() -> None:
 
 def test_oracle_clip_uses_eps_clip_high_above_one() -> None:
     # ratio e^0.25 ~ 1.284 with A = 1: clipped at 1.28 -> pg = -1.28, clip fraction 1
-    out = oracle.policy_loss([0.0], [0.25], [1.0], [0.0], [1.0], [1], eps_clip=0.2, eps_clip_high=0.28)
+    out = oracle.policy_loss(
+        [0.0], [0.25], [1.0], [0.0], [1.0], [1], eps_clip=0.2, eps_clip_high=0.28
+    )
     assert (out["pg_loss"], out["pg_clipfrac"]) == pytest.approx((-1.28, 1.0))
 
 
@@ -184,7 +192,10 @@ def test_gen_long_run_step_values_are_the_oracle_values(long_run: Path) -> None:
     for step in steps:
         index, expected, p = load(step)
         mask, lengths = mask_and_lengths(index["samples"])
-        close(p["advantages"], oracle.grpo_advantages([s["reward"] for s in index["samples"]], lengths))
+        close(
+            p["advantages"],
+            oracle.grpo_advantages([s["reward"] for s in index["samples"]], lengths),
+        )
         close(p["kl"], np.zeros(sum(lengths), dtype=np.float32))
         want = oracle.loss_from_config(index["config"], p, mask, lengths)
         for key, val in expected["loss.policy"].items():

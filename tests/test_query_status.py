@@ -55,7 +55,11 @@ def test_recorded_verdict_filter_still_excludes_unreplayed_steps(store_dir: Path
 
 
 def test_unknown_status_is_a_usage_error(store_dir: Path) -> None:
-    with Store.open(store_dir) as store, store.catalog() as cat, pytest.raises(UsageError, match="unreplayed"):
+    with (
+        Store.open(store_dir) as store,
+        store.catalog() as cat,
+        pytest.raises(UsageError, match="unreplayed"),
+    ):
         queries.query_steps(cat, status="unreplyed")
 
 

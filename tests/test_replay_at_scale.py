@@ -28,7 +28,12 @@ FAULTY = {17, 120, 201}
 
 def _template(kind: str, faulty: bool, tmp: Path) -> BundleContents:
     built = consistent_contents(
-        kind=kind, groups=2, n=4, lengths=[3, 5, 4, 6, 2, 7, 3, 4], rollout_id=0, step_id=0,
+        kind=kind,
+        groups=2,
+        n=4,
+        lengths=[3, 5, 4, 6, 2, 7, 3, 4],
+        rollout_id=0,
+        step_id=0,
         faults=Faults(physical_batch_norm=3) if faulty else None,
         drop_expected=("reward.raw", "reward.post_process") if kind == "step" else (),
         bundle_id=f"{kind}-{'bad' if faulty else 'ok'}",
@@ -71,7 +76,9 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trajstore", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True
+    )
 
 
 def _result_files(root: Path) -> list[Path]:
@@ -81,11 +88,25 @@ def _result_files(root: Path) -> list[Path]:
 def test_replay_all_then_query_names_exactly_the_injected_rollouts(big_store: Path) -> None:
     # Interrupt a first replay-all once some results are recorded ...
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trajstore", "replay", "--store", str(big_store), "--all", "--record", "--workers", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "trajstore",
+            "replay",
+            "--store",
+            str(big_store),
+            "--all",
+            "--record",
+            "--workers",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
-    while len(_result_files(big_store)) < 200 and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        len(_result_files(big_store)) < 200 and proc.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
@@ -93,17 +114,32 @@ def test_replay_all_then_query_names_exactly_the_injected_rollouts(big_store: Pa
     assert 0 < recorded_before < ROLLOUTS * (STEPS + 1)
 
     # ... then rerun: it finishes without redoing what was recorded.
-    again = run_cli("replay", "--store", str(big_store), "--all", "--record", "--workers", "2", "--json")
+    again = run_cli(
+        "replay", "--store", str(big_store), "--all", "--record", "--workers", "2", "--json"
+    )
     assert again.returncode == 1, again.stderr
     summary = json.loads(again.stdout)
     assert summary["total"] == ROLLOUTS * (STEPS + 1)
-    assert summary["skipped_already_recorded"] >= recorded_before - 2  # a bundle in flight may lack a rank doc
+    assert (
+        summary["skipped_already_recorded"] >= recorded_before - 2
+    )  # a bundle in flight may lack a rank doc
     keys = [json.loads(p.read_text())["bundle_key"] for p in _result_files(big_store)]
     assert len(keys) == len(set(keys)) == ROLLOUTS * (STEPS + 1)
 
-    out = run_cli("query", "steps", "--store", str(big_store), "--first-divergent-stage", "reward.post_process", "--format", "json")
+    out = run_cli(
+        "query",
+        "steps",
+        "--store",
+        str(big_store),
+        "--first-divergent-stage",
+        "reward.post_process",
+        "--format",
+        "json",
+    )
     rows = json.loads(out.stdout)
-    assert {(r["rollout_id"], r["step_id"]) for r in rows} == {(r, s) for r in FAULTY for s in range(STEPS)}
+    assert {(r["rollout_id"], r["step_id"]) for r in rows} == {
+        (r, s) for r in FAULTY for s in range(STEPS)
+    }
     assert {r["root_bundle_key"] for r in rows} == {f"long/rollout-{r}/a1" for r in FAULTY}
 
 

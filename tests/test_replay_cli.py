@@ -20,7 +20,15 @@ from trajstore.cli import main
 
 CAPTURE = FIXTURES / "example_capture_dir"
 TRAJSTORE = Path(sys.executable).parent / "trajstore"
-STAGE_KEYS = {"stage", "status", "reason", "requested", "max_abs_error", "mismatch_count", "divergences"}
+STAGE_KEYS = {
+    "stage",
+    "status",
+    "reason",
+    "requested",
+    "max_abs_error",
+    "mismatch_count",
+    "divergences",
+}
 
 
 @pytest.fixture(autouse=True)

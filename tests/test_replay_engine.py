@@ -164,9 +164,7 @@ def test_skipped_upstream_stage_feeds_recorded_rewards_downstream(tmp_path: Path
 
 def test_token_error_within_manifest_tolerance_passes(tmp_path: Path) -> None:
     built = consistent_contents()
-    built.contents.payloads["advantages"] = built.contents.payloads["advantages"] + np.float32(
-        1e-3
-    )
+    built.contents.payloads["advantages"] = built.contents.payloads["advantages"] + np.float32(1e-3)
     built.contents.comparison_policy = {
         "exact_fields": [],
         "tolerances": {"advantage.estimate": {"atol": 1e-2, "rtol": 0.0}},

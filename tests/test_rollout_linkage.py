@@ -29,7 +29,9 @@ TAMPERED = "s-1-5"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trajstore", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True
+    )
 
 
 def _part(step_id: int, kind: str, faults: Faults | None = None) -> BundleContents:
@@ -51,7 +53,9 @@ def step_contents(step_id: int, faults: Faults | None = None) -> BundleContents:
     """A step bundle whose producer declares only the `sample` and `loss.policy` stages."""
     c = _part(step_id, "step", faults)
     c.identity["rank"]["dp"] = 1
-    c.stage_contracts = {k: v for k, v in c.stage_contracts.items() if k in ("sample", "loss.policy")}
+    c.stage_contracts = {
+        k: v for k, v in c.stage_contracts.items() if k in ("sample", "loss.policy")
+    }
     for stage in ("reward.raw", "reward.post_process"):
         c.expected.pop(stage)
     return c
@@ -110,13 +114,17 @@ def steps_diverged_at(root: Path, stage: str) -> list[tuple[int, int, str | None
 
 @pytest.fixture
 def consistent_store(tmp_path: Path) -> Path:
-    return make_store(tmp_path, rollout=rollout_contents(), steps={0: step_contents(0), 1: step_contents(1)})
+    return make_store(
+        tmp_path, rollout=rollout_contents(), steps={0: step_contents(0), 1: step_contents(1)}
+    )
 
 
 @pytest.fixture
 def tampered_store(tmp_path: Path) -> Path:
     return make_store(
-        tmp_path, rollout=rollout_contents(tamper=True), steps={0: step_contents(0), 1: step_contents(1)}
+        tmp_path,
+        rollout=rollout_contents(tamper=True),
+        steps={0: step_contents(0), 1: step_contents(1)},
     )
 
 
@@ -135,7 +143,9 @@ def test_consistent_step_passes_and_says_the_linkage_check_ran(consistent_store:
 
 
 def test_consistent_step_text_report_names_the_rollout_bundle(consistent_store: Path) -> None:
-    out = run_cli("replay", "--store", str(consistent_store), "--run", RUN, "--step", f"{ROLLOUT}:0")
+    out = run_cli(
+        "replay", "--store", str(consistent_store), "--run", RUN, "--step", f"{ROLLOUT}:0"
+    )
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("rollout linkage:"))
     assert line.startswith("rollout linkage: pass — ")
@@ -196,7 +206,10 @@ def test_rollout_not_stored_reports_the_check_as_skipped(tmp_path: Path) -> None
     assert (link["status"], link["samples_checked"]) == ("skipped", 0)
     assert f"rollout {ROLLOUT} of run {RUN} is not in the store" in link["reason"]
     out = run_cli("replay", "--store", str(root), "--run", RUN, "--step", f"{ROLLOUT}:1")
-    assert f"rollout linkage: skipped — rollout {ROLLOUT} of run {RUN} is not in the store" in out.stdout
+    assert (
+        f"rollout linkage: skipped — rollout {ROLLOUT} of run {RUN} is not in the store"
+        in out.stdout
+    )
 
 
 def test_step_advantages_off_a_clean_rollout_are_the_steps_own_fault(tmp_path: Path) -> None:
@@ -215,7 +228,15 @@ def test_step_advantages_off_a_clean_rollout_are_the_steps_own_fault(tmp_path: P
 
 def test_no_link_reports_the_check_as_skipped(consistent_store: Path) -> None:
     out = run_cli(
-        "replay", "--store", str(consistent_store), "--run", RUN, "--step", f"{ROLLOUT}:1", "--json", "--no-link"
+        "replay",
+        "--store",
+        str(consistent_store),
+        "--run",
+        RUN,
+        "--step",
+        f"{ROLLOUT}:1",
+        "--json",
+        "--no-link",
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["linkage"]["status"] == "skipped"

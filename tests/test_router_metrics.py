@@ -155,8 +155,9 @@ def test_mixed_dtypes_compare_by_value():
 def test_f_tau_2_threshold_is_strictly_above_ln2():
     lp_r = np.zeros(4)
     lp_t = np.array([-math.log(2.0), -math.nextafter(math.log(2.0), 1.0), 0.3, math.log(3.0)])
-    m = _metrics(_routes(6), _routes(6), tl=(6,), rl=(4,), masks=((1, 1, 1, 1),),
-                 lp_r=lp_r, lp_t=lp_t)
+    m = _metrics(
+        _routes(6), _routes(6), tl=(6,), rl=(4,), masks=((1, 1, 1, 1),), lp_r=lp_r, lp_t=lp_t
+    )
     assert m.f_tau_2 == 2 / 4
     assert m.f_tau(2.0) == 2 / 4
     assert m.f_tau(4.0) == 0.0
@@ -184,10 +185,12 @@ def test_flat_loss_mask_equals_per_sample_lists():
     a, b = _routes(7), _routes(7)
     b[5, 1] = [6, 7]
     kw = {"num_experts": E, "num_layers": L, "top_k": K}
-    nested = compute_router_metrics(a, b, total_lengths=[4, 3], response_lengths=[1, 2],
-                                    loss_masks=[[1], [1, 1]], **kw)
-    flat = compute_router_metrics(a, b, total_lengths=[4, 3], response_lengths=[1, 2],
-                                  loss_masks=np.array([1, 1, 1]), **kw)
+    nested = compute_router_metrics(
+        a, b, total_lengths=[4, 3], response_lengths=[1, 2], loss_masks=[[1], [1, 1]], **kw
+    )
+    flat = compute_router_metrics(
+        a, b, total_lengths=[4, 3], response_lengths=[1, 2], loss_masks=np.array([1, 1, 1]), **kw
+    )
     assert nested.to_dict() == flat.to_dict()
 
 
@@ -274,8 +277,9 @@ def test_error_non_finite_logprob_in_valid_position():
 
 
 def test_non_finite_logprob_in_masked_position_is_ignored():
-    m = _metrics(_routes(4), _routes(4), masks=((0, 1),), lp_r=np.array([np.inf, 0.0]),
-                 lp_t=np.zeros(2))
+    m = _metrics(
+        _routes(4), _routes(4), masks=((0, 1),), lp_r=np.array([np.inf, 0.0]), lp_t=np.zeros(2)
+    )
     assert m.metric_error == []
     assert m.kl_k3 == 0.0
 
@@ -283,9 +287,17 @@ def test_non_finite_logprob_in_masked_position_is_ignored():
 def test_to_dict_uses_spec_names_and_none():
     d = _metrics(None, None).to_dict()
     assert list(d) == [
-        "valid_tokens", "valid_token_layers", "route_mismatch_rate", "expert_slot_mismatch",
-        "token_any_mismatch", "per_layer_mismatch", "f_tau_2", "kl_k1", "kl_k3",
-        "logprob_abs_diff", "metric_error",
+        "valid_tokens",
+        "valid_token_layers",
+        "route_mismatch_rate",
+        "expert_slot_mismatch",
+        "token_any_mismatch",
+        "per_layer_mismatch",
+        "f_tau_2",
+        "kl_k1",
+        "kl_k3",
+        "logprob_abs_diff",
+        "metric_error",
     ]
     assert d["route_mismatch_rate"] is None and d["metric_error"] == ["missing_route"]
 
@@ -310,15 +322,27 @@ def test_aggregate_equals_metrics_of_concatenation():
     p1 = _pair(1, 10, [6, 4], [3, 2])
     p2 = _pair(2, 9, [9], [5])
     parts = [
-        compute_router_metrics(a, b, total_lengths=tl, response_lengths=rl, loss_masks=m,
-                               rollout_log_probs=r, train_log_probs=t, **kw)
+        compute_router_metrics(
+            a,
+            b,
+            total_lengths=tl,
+            response_lengths=rl,
+            loss_masks=m,
+            rollout_log_probs=r,
+            train_log_probs=t,
+            **kw,
+        )
         for a, b, tl, rl, m, r, t in (p1, p2)
     ]
     whole = compute_router_metrics(
-        np.concatenate([p1[0], p2[0]]), np.concatenate([p1[1], p2[1]]),
-        total_lengths=p1[2] + p2[2], response_lengths=p1[3] + p2[3], loss_masks=p1[4] + p2[4],
+        np.concatenate([p1[0], p2[0]]),
+        np.concatenate([p1[1], p2[1]]),
+        total_lengths=p1[2] + p2[2],
+        response_lengths=p1[3] + p2[3],
+        loss_masks=p1[4] + p2[4],
         rollout_log_probs=np.concatenate([p1[5], p2[5]]),
-        train_log_probs=np.concatenate([p1[6], p2[6]]), **kw,
+        train_log_probs=np.concatenate([p1[6], p2[6]]),
+        **kw,
     )
     agg, want = aggregate(parts).to_dict(), whole.to_dict()
     for exact in ("per_layer_mismatch", "metric_error"):
@@ -359,9 +383,18 @@ def test_identical_inputs_measure_exactly_zero(lengths, seed, dtype):
     b = a[..., rng.permutation(K)].copy()
     lp = rng.normal(-2, 1, size=sum(rl))
     masks = [[1] + list(rng.integers(0, 2, size=r - 1)) for r in rl]
-    m = compute_router_metrics(a, b, total_lengths=tl, response_lengths=rl, loss_masks=masks,
-                               rollout_log_probs=lp, train_log_probs=lp.copy(),
-                               num_experts=E, num_layers=L, top_k=K)
+    m = compute_router_metrics(
+        a,
+        b,
+        total_lengths=tl,
+        response_lengths=rl,
+        loss_masks=masks,
+        rollout_log_probs=lp,
+        train_log_probs=lp.copy(),
+        num_experts=E,
+        num_layers=L,
+        top_k=K,
+    )
     assert m.metric_error == []
     assert m.route_mismatch_rate == 0.0
     assert m.f_tau_2 == 0.0

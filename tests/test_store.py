@@ -30,7 +30,9 @@ FIXTURE_TARGETS = [
 def cli(*args: str | Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "trajstore", *map(str, args)],
-        capture_output=True, text=True, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -63,12 +65,19 @@ def _selector(target: Path) -> list[str]:
     index = json.loads(next(target.rglob("index.json")).read_text())
     ident = index["identity"]
     if ident.get("actor_step_id"):
-        return ["--step", f"{ident['actor_step_id']['rollout_id']}:{ident['actor_step_id']['step_id']}"]
+        return [
+            "--step",
+            f"{ident['actor_step_id']['rollout_id']}:{ident['actor_step_id']['step_id']}",
+        ]
     return ["--rollout", str(ident["rollout_id"])]
 
 
-@pytest.mark.parametrize("target", FIXTURE_TARGETS + ["cohort3"], ids=lambda t: getattr(t, "name", t))
-def test_round_trip_is_byte_identical_and_replays_the_same(tmp_path: Path, target, make_cohort) -> None:
+@pytest.mark.parametrize(
+    "target", FIXTURE_TARGETS + ["cohort3"], ids=lambda t: getattr(t, "name", t)
+)
+def test_round_trip_is_byte_identical_and_replays_the_same(
+    tmp_path: Path, target, make_cohort
+) -> None:
     if target == "cohort3":
         target = make_cohort(tmp_path / "replay-7-0", ranks=3, lengths=[3, 5, 2, 7])
     st = tmp_path / "st"
@@ -101,7 +110,11 @@ def test_stock_zarr_open_array_equals_ingested_tensor(store: Store, tmp_path: Pa
     c = make_contents(lengths=[5, 2, 8, 3])
     store.ingest([write_bundle(tmp_path / "b", c)], run="r")
     (sb,) = store.step("r", 7, 0)
-    z = zarr.open_array(store=CASZarrStore(store.objs, {"log_probs": sb.record("log_probs")}), path="log_probs", mode="r")
+    z = zarr.open_array(
+        store=CASZarrStore(store.objs, {"log_probs": sb.record("log_probs")}),
+        path="log_probs",
+        mode="r",
+    )
     lengths = z.attrs["trajstore"]["row_lengths"]
     got = np.concatenate([z[i, :n] for i, n in enumerate(lengths)])
     assert got.dtype == np.float32 and np.array_equal(got, c.payloads["log_probs"].numpy())
@@ -146,7 +159,10 @@ def test_subset_step_bundle_adds_at_most_ten_percent(store: Store, tmp_path: Pat
 
 
 def _routed(tmp_path: Path, name: str, routes: torch.Tensor, lengths: list[int]) -> Path:
-    c = make_contents(lengths=lengths, extra_payloads={"rollout_routed_experts": routes, "train_routed_experts": routes.clone()})
+    c = make_contents(
+        lengths=lengths,
+        extra_payloads={"rollout_routed_experts": routes, "train_routed_experts": routes.clone()},
+    )
     c.config["router"] = {"num_layers": 48, "top_k": 8, "num_experts": 64}
     return write_bundle(tmp_path / name, c)
 
@@ -175,7 +191,9 @@ def test_all_zero_kl_costs_next_to_nothing(store: Store, tmp_path: Path) -> None
     assert np.array_equal(sb.payload("kl"), np.zeros(2800, np.float32))
 
 
-def test_recaptured_step_is_a_second_attempt_and_both_are_kept(store: Store, tmp_path: Path) -> None:
+def test_recaptured_step_is_a_second_attempt_and_both_are_kept(
+    store: Store, tmp_path: Path
+) -> None:
     c = make_contents(lengths=[4, 4, 4, 4])
     first = write_bundle(tmp_path / "first", c)
     c.payloads["log_probs"] = c.payloads["log_probs"].clone()
@@ -276,5 +294,7 @@ def test_export_refuses_a_conversion_it_cannot_express(store: Store, tmp_path: P
 
 def test_store_cli_needs_a_store(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_STORE"}
-    proc = subprocess.run([sys.executable, "-m", "trajstore", "stats"], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trajstore", "stats"], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 2 and "--store" in proc.stderr

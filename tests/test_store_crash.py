@@ -23,13 +23,22 @@ from trajstore.errors import NotFoundError
 from trajstore.store import Store, export_bundles
 
 
-def _capture(root: Path, steps: list[int], *, cohort_step: int | None = None, tokens: int = 4000) -> list[Path]:
+def _capture(
+    root: Path, steps: list[int], *, cohort_step: int | None = None, tokens: int = 4000
+) -> list[Path]:
     out = []
     for s in steps:
         dest = root / f"replay-7-{s}"
         if s == cohort_step:
             for r in (0, 1):
-                write_rank(dest, make_contents(lengths=tokens, step_id=s, rank=r, world=2, seed=s, bundle_id="c"), rank=r, expected_ranks=[0, 1])
+                write_rank(
+                    dest,
+                    make_contents(
+                        lengths=tokens, step_id=s, rank=r, world=2, seed=s, bundle_id="c"
+                    ),
+                    rank=r,
+                    expected_ranks=[0, 1],
+                )
         else:
             write_bundle(dest, make_contents(lengths=tokens, step_id=s, seed=s))
         out.append(dest)
@@ -61,13 +70,17 @@ def test_sigkill_at_random_points_leaves_a_consistent_store(tmp_path: Path) -> N
     targets = _capture(tmp_path / "cap", list(range(6)), cohort_step=3, tokens=12000)
     # Calibrate kill points to this machine: how long does a whole ingest take?
     t0 = time.monotonic()
-    subprocess.run(_ingest_cmd(tmp_path / "scratch", tmp_path / "cap"), check=True, capture_output=True)
+    subprocess.run(
+        _ingest_cmd(tmp_path / "scratch", tmp_path / "cap"), check=True, capture_output=True
+    )
     full = time.monotonic() - t0
     st = tmp_path / "st"
     Store.open(st).close()
     rng = random.Random(1234)
     for _ in range(5):
-        proc = subprocess.Popen(_ingest_cmd(st, tmp_path / "cap"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            _ingest_cmd(st, tmp_path / "cap"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         time.sleep(rng.uniform(0.3, 0.95) * full)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -93,7 +106,9 @@ def test_two_ingests_and_a_reader_all_succeed(tmp_path: Path) -> None:
     procs = [
         subprocess.Popen(_ingest_cmd(st, tmp_path / "a"), stderr=subprocess.PIPE, text=True),
         subprocess.Popen(_ingest_cmd(st, tmp_path / "b"), stderr=subprocess.PIPE, text=True),
-        subprocess.Popen([sys.executable, "-c", reader, str(st)], stderr=subprocess.PIPE, text=True),
+        subprocess.Popen(
+            [sys.executable, "-c", reader, str(st)], stderr=subprocess.PIPE, text=True
+        ),
     ]
     for p in procs:
         _, err = p.communicate(timeout=120)
@@ -135,7 +150,9 @@ def _open_write_end_once_read(pipe: Path, proc: subprocess.Popen) -> int:
                 raise
         if proc.poll() is not None:
             out, err = proc.communicate()
-            pytest.fail(f"ingest ended (rc {proc.returncode}) before reading the pipe:\n{out}\n{err}")
+            pytest.fail(
+                f"ingest ended (rc {proc.returncode}) before reading the pipe:\n{out}\n{err}"
+            )
         time.sleep(0.01)
 
 
@@ -150,7 +167,9 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     complete = pipe.read_bytes()
     pipe.unlink()
     os.mkfifo(pipe)
-    proc = subprocess.Popen(_ingest_cmd(st, tmp / "cap"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _ingest_cmd(st, tmp / "cap"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     fd = _open_write_end_once_read(pipe, proc)
     try:
         proc.send_signal(signal.SIGINT)
@@ -177,7 +196,9 @@ def test_ctrl_c_exits_130_and_names_what_was_stored(interrupted: Interrupted) ->
     p = interrupted.proc
     assert p.returncode == 130, p.stderr
     assert [line.split()[0] for line in p.stdout.splitlines()] == ["published", "published"]
-    assert [line.split()[1].rstrip(":") for line in p.stdout.splitlines()] == [str(t) for t in interrupted.targets[:2]]
+    assert [line.split()[1].rstrip(":") for line in p.stdout.splitlines()] == [
+        str(t) for t in interrupted.targets[:2]
+    ]
     assert p.stderr.strip().splitlines()[-1] == (
         "trajstore: interrupted after 2 target(s) were stored; "
         "run the same ingest again to store the rest (stored ones are skipped)"
@@ -193,7 +214,9 @@ def test_ctrl_c_leaves_only_complete_bundles_in_the_catalog(interrupted: Interru
     assert _visible_keys(interrupted.store) == _step_keys(10, 11, 0, 1)
 
 
-def test_ctrl_c_keeps_earlier_and_finished_bundles_intact(interrupted: Interrupted, tmp_path: Path) -> None:
+def test_ctrl_c_keeps_earlier_and_finished_bundles_intact(
+    interrupted: Interrupted, tmp_path: Path
+) -> None:
     finished = interrupted.earlier + interrupted.targets[:INTERRUPTED_STEP]
     assert _check_all_or_nothing(interrupted.store, finished, tmp_path) == len(finished)
 
@@ -203,7 +226,12 @@ def test_rerun_after_ctrl_c_stores_the_rest(interrupted: Interrupted, tmp_path: 
     shutil.copytree(interrupted.store, st)  # the other tests see the interrupted store
     rerun = cli("ingest", "--store", st, interrupted.source)
     assert rerun.returncode == 0, rerun.stderr
-    assert [line.split()[0] for line in rerun.stdout.splitlines()] == ["unchanged", "unchanged", "published", "published"]
+    assert [line.split()[0] for line in rerun.stdout.splitlines()] == [
+        "unchanged",
+        "unchanged",
+        "published",
+        "published",
+    ]
     assert _visible_keys(st) == _step_keys(10, 11, 0, 1, 3) | {
         f"default/step-7-{INTERRUPTED_STEP}/rank-{r}/a1" for r in (0, 1)
     }

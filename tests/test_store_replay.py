@@ -19,13 +19,21 @@ from trajstore.store import Store
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trajstore", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True
+    )
 
 
 def _verdict(report: dict) -> list[tuple]:
     """What must match between store and directory replays (labels aside)."""
     return [
-        (b["rank"], s["stage"], s["status"], s["mismatch_count"], [(d["sample_id"], d["token_offset"]) for d in s["divergences"]])
+        (
+            b["rank"],
+            s["stage"],
+            s["status"],
+            s["mismatch_count"],
+            [(d["sample_id"], d["token_offset"]) for d in s["divergences"]],
+        )
         for b in report["bundles"]
         for s in b["stages"]
     ]
@@ -48,17 +56,32 @@ def fixture_store(tmp_path: Path) -> Path:
         ("example_bundle_divergent", ["--step", "120:0"], "r2"),
     ],
 )
-def test_store_replay_gives_the_directory_report(fixture_store: Path, directory: str, selector: list[str], run: str) -> None:
-    dir_args = [str(FIXTURES / directory)] + (selector if directory == "example_capture_dir" else [])
+def test_store_replay_gives_the_directory_report(
+    fixture_store: Path, directory: str, selector: list[str], run: str
+) -> None:
+    dir_args = [str(FIXTURES / directory)] + (
+        selector if directory == "example_capture_dir" else []
+    )
     from_dir = run_cli("replay", *dir_args, "--json")
-    from_store = run_cli("replay", "--store", str(fixture_store), "--run", run, *selector, "--json", "--no-link")
+    from_store = run_cli(
+        "replay", "--store", str(fixture_store), "--run", run, *selector, "--json", "--no-link"
+    )
     assert from_dir.returncode == from_store.returncode
     assert _verdict(json.loads(from_dir.stdout)) == _verdict(json.loads(from_store.stdout))
 
 
 def test_recorded_results_are_queryable_by_first_divergent_stage(fixture_store: Path) -> None:
     assert run_cli("replay", "--store", str(fixture_store), "--all", "--record").returncode == 1
-    out = run_cli("query", "steps", "--store", str(fixture_store), "--first-divergent-stage", "advantage.estimate", "--format", "json")
+    out = run_cli(
+        "query",
+        "steps",
+        "--store",
+        str(fixture_store),
+        "--first-divergent-stage",
+        "advantage.estimate",
+        "--format",
+        "json",
+    )
     rows = json.loads(out.stdout)
     assert [(r["run"], r["rollout_id"], r["step_id"]) for r in rows] == [("r2", 120, 0)]
 
@@ -72,18 +95,41 @@ def test_replay_all_resumes_without_redoing_recorded_work(fixture_store: Path) -
 
 def test_divergences_query_names_sample_and_token(fixture_store: Path) -> None:
     run_cli("replay", "--store", str(fixture_store), "--all", "--record")
-    out = run_cli("query", "divergences", "--store", str(fixture_store), "--stage", "advantage.estimate", "--format", "json")
+    out = run_cli(
+        "query",
+        "divergences",
+        "--store",
+        str(fixture_store),
+        "--stage",
+        "advantage.estimate",
+        "--format",
+        "json",
+    )
     rows = json.loads(out.stdout)
-    assert {(r["sample_id"], r["token_offset"]) for r in rows} == {("s-0", 0), ("s-0", 1), ("s-0", 2)}
+    assert {(r["sample_id"], r["token_offset"]) for r in rows} == {
+        ("s-0", 0),
+        ("s-0", 1),
+        ("s-0", 2),
+    }
 
 
 def test_rollout_fault_is_rooted_in_the_rollout_bundle(tmp_path: Path) -> None:
     faulty = Faults(physical_batch_norm=12)
-    write_consistent(tmp_path / "cap" / "replay-rollout-7", kind="rollout", rollout_id=7, faults=faulty, bundle_id="ro-7")
+    write_consistent(
+        tmp_path / "cap" / "replay-rollout-7",
+        kind="rollout",
+        rollout_id=7,
+        faults=faulty,
+        bundle_id="ro-7",
+    )
     # The step consumed the faulty rewards; on its own it is self-consistent (no reward stages).
     step = consistent_contents(
-        kind="step", rollout_id=7, step_id=0, faults=faulty,
-        drop_expected=("reward.raw", "reward.post_process"), bundle_id="st-7-0",
+        kind="step",
+        rollout_id=7,
+        step_id=0,
+        faults=faulty,
+        drop_expected=("reward.raw", "reward.post_process"),
+        bundle_id="st-7-0",
     ).contents
     for stage in ("reward.raw", "reward.post_process"):
         step.stage_contracts.pop(stage)
@@ -148,8 +194,13 @@ def test_diff_names_the_one_changed_token_and_nothing_else(tmp_path: Path) -> No
     assert all(run_cli("validate", str(x)).returncode == 0 for x in (a, b))  # both pass the gate
     only = _only_difference(run_cli("diff", str(a), str(b), "--json"))
     assert only == {
-        "kind": "payload", "what": "log_probs", "detail": "values differ",
-        "sample_id": CHANGED_SAMPLE, "token_offset": CHANGED_OFFSET, "a": va, "b": vb,
+        "kind": "payload",
+        "what": "log_probs",
+        "detail": "values differ",
+        "sample_id": CHANGED_SAMPLE,
+        "token_offset": CHANGED_OFFSET,
+        "a": va,
+        "b": vb,
     }
 
 
@@ -158,15 +209,28 @@ def test_diff_of_two_stored_bundles_names_the_one_changed_token(tmp_path: Path) 
     with Store.open(tmp_path / "s") as store:
         store.ingest([a.parent], run="a")
         store.ingest([b.parent], run="b")
-    only = _only_difference(run_cli("diff", "--store", str(tmp_path / "s"), "a/7:0", "b/7:0", "--json"))
+    only = _only_difference(
+        run_cli("diff", "--store", str(tmp_path / "s"), "a/7:0", "b/7:0", "--json")
+    )
     assert (only["what"], only["sample_id"], only["token_offset"], only["a"], only["b"]) == (
-        "log_probs", CHANGED_SAMPLE, CHANGED_OFFSET, va, vb,
+        "log_probs",
+        CHANGED_SAMPLE,
+        CHANGED_OFFSET,
+        va,
+        vb,
     )
 
 
 def test_diff_of_a_directory_and_the_stored_divergent_twin(fixture_store: Path) -> None:
     # the fixtures differ in one recorded value: sample s-0's reward
-    out = run_cli("diff", str(FIXTURES / "example_bundle"), "--store", str(fixture_store), "r2/120:0", "--json")
+    out = run_cli(
+        "diff",
+        str(FIXTURES / "example_bundle"),
+        "--store",
+        str(fixture_store),
+        "r2/120:0",
+        "--json",
+    )
     only = _only_difference(out)
     assert (only["kind"], only["what"], only["sample_id"]) == ("samples", "reward", "s-0")
 
@@ -184,7 +248,14 @@ def test_sql_refuses_a_write_statement(fixture_store: Path) -> None:
     out = run_cli("sql", "--store", str(fixture_store), "DELETE FROM bundles")
     assert out.returncode == 2
     assert "read-only" in out.stderr
-    ok = run_cli("sql", "--store", str(fixture_store), "SELECT count(*) AS n FROM bundles", "--format", "json")
+    ok = run_cli(
+        "sql",
+        "--store",
+        str(fixture_store),
+        "SELECT count(*) AS n FROM bundles",
+        "--format",
+        "json",
+    )
     assert json.loads(ok.stdout) == [{"n": 4}]
 
 
@@ -199,5 +270,9 @@ def test_replay_all_records_a_refused_bundle_as_refused(tmp_path: Path) -> None:
     out = run_cli("replay", "--store", str(root), "--all", "--record", "--json")
     assert out.returncode == 2
     assert json.loads(out.stdout)["refused"] == 1
-    rows = json.loads(run_cli("query", "steps", "--store", str(root), "--status", "refused", "--format", "json").stdout)
+    rows = json.loads(
+        run_cli(
+            "query", "steps", "--store", str(root), "--status", "refused", "--format", "json"
+        ).stdout
+    )
     assert [(r["rollout_id"], r["step_id"], r["status"]) for r in rows] == [(120, 0, "refused")]

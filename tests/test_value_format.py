@@ -50,7 +50,9 @@ def test_float32_one_ulp_apart_differ_in_json() -> None:
 
 def test_float32_text_uses_at_most_9_significant_digits() -> None:
     x = np.float32(1) / np.float32(3)
-    line = divergence_line(one_divergence(np.array([x]), np.array([np.nextafter(x, np.float32(1))])))
+    line = divergence_line(
+        one_divergence(np.array([x]), np.array([np.nextafter(x, np.float32(1))]))
+    )
     digits = printed(line, "actual").lstrip("0.").replace(".", "")
     assert len(digits) <= 9
 
@@ -95,7 +97,9 @@ def test_replay_report_tells_a_one_ulp_payload_change_apart(tmp_path: Path) -> N
     assert np.float32(printed(line, "actual")) == original
     as_json = subprocess.run([*cmd, "--json"], capture_output=True, text=True)
     stage = next(
-        s for s in json.loads(as_json.stdout)["bundles"][0]["stages"] if s["stage"] == "advantage.estimate"
+        s
+        for s in json.loads(as_json.stdout)["bundles"][0]["stages"]
+        if s["stage"] == "advantage.estimate"
     )
     d = stage["divergences"][0]
     assert (np.float32(d["expected"]), np.float32(d["actual"])) == (recorded, original)
@@ -108,13 +112,35 @@ def test_query_divergences_tells_a_one_ulp_change_apart(tmp_path: Path) -> None:
     with Store.open(root) as store:
         store.ingest([path], run="r")
     cli = [sys.executable, "-m", "trajstore"]
-    out = subprocess.run([*cli, "replay", "--store", str(root), "--step", "120:0", "--record"], capture_output=True, text=True)
+    out = subprocess.run(
+        [*cli, "replay", "--store", str(root), "--step", "120:0", "--record"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 1, out.stderr
-    query = [*cli, "query", "divergences", "--store", str(root), "--stage", "advantage.estimate", "--sample", "s-3"]
-    table = subprocess.run([*query, "--format", "table"], capture_output=True, text=True).stdout.splitlines()
+    query = [
+        *cli,
+        "query",
+        "divergences",
+        "--store",
+        str(root),
+        "--stage",
+        "advantage.estimate",
+        "--sample",
+        "s-3",
+    ]
+    table = subprocess.run(
+        [*query, "--format", "table"], capture_output=True, text=True
+    ).stdout.splitlines()
     header = table[0].split()
     row = dict(zip(header, table[1].split(), strict=True))
-    assert (np.float32(float(row["expected"])), np.float32(float(row["actual"]))) == (recorded, original)
+    assert (np.float32(float(row["expected"])), np.float32(float(row["actual"]))) == (
+        recorded,
+        original,
+    )
     as_csv = subprocess.run([*query, "--format", "csv"], capture_output=True, text=True).stdout
     first = next(csv.DictReader(io.StringIO(as_csv)))
-    assert (np.float32(float(first["expected"])), np.float32(float(first["actual"]))) == (recorded, original)
+    assert (np.float32(float(first["expected"])), np.float32(float(first["actual"]))) == (
+        recorded,
+        original,
+    )

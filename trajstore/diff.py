@@ -64,7 +64,9 @@ class DiffReport:
         for d in self.differences:
             where = d.what
             if d.sample_id is not None:
-                where += f" {d.sample_id}" + (f"@{d.token_offset}" if d.token_offset is not None else "")
+                where += f" {d.sample_id}" + (
+                    f"@{d.token_offset}" if d.token_offset is not None else ""
+                )
             line = f"  [{d.kind}] {where}: {d.detail}"
             if d.a is not None or d.b is not None:
                 line += f" (a={d.a!r} b={d.b!r})"
@@ -92,7 +94,9 @@ def _first_dict_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, An
             if got:
                 return got
         return None
-    if a != b and not (isinstance(a, float) and isinstance(b, float) and np.isnan(a) and np.isnan(b)):
+    if a != b and not (
+        isinstance(a, float) and isinstance(b, float) and np.isnan(a) and np.isnan(b)
+    ):
         return (path.rstrip("."), a, b)
     return None
 
@@ -144,7 +148,11 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
     ids_b = [s.sample_id for s in b.index.samples]
     only_a, only_b = sorted(set(ids_a) - set(ids_b)), sorted(set(ids_b) - set(ids_a))
     if only_a or only_b:
-        add(Difference("samples", "sample set", f"only in a: {only_a[:10]}; only in b: {only_b[:10]}"))
+        add(
+            Difference(
+                "samples", "sample set", f"only in a: {only_a[:10]}; only in b: {only_b[:10]}"
+            )
+        )
     elif ids_a != ids_b:
         add(Difference("samples", "sample order", "same samples in a different order"))
     rec_b = {s.sample_id: s.raw for s in b.index.samples}
@@ -152,7 +160,16 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
         if s.sample_id in rec_b:
             got = _first_dict_difference(s.raw, rec_b[s.sample_id])
             if got:
-                add(Difference("samples", got[0], "sample record differs", sample_id=s.sample_id, a=got[1], b=got[2]))
+                add(
+                    Difference(
+                        "samples",
+                        got[0],
+                        "sample record differs",
+                        sample_id=s.sample_id,
+                        a=got[1],
+                        b=got[2],
+                    )
+                )
                 break
     got = _first_dict_difference(a.index.config, b.index.config)
     if got:
@@ -162,7 +179,13 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
         add(Difference("expected", got[0], "recorded expected value differs", a=got[1], b=got[2]))
     names_a, names_b = set(a.payload_names()), set(b.payload_names())
     for name in sorted(names_a ^ names_b):
-        add(Difference("payload", name, "present on one side only" + (" (a)" if name in names_a else " (b)")))
+        add(
+            Difference(
+                "payload",
+                name,
+                "present on one side only" + (" (a)" if name in names_a else " (b)"),
+            )
+        )
     for name in sorted(names_a & names_b):
         sa_, sb_ = a.manifest.payloads[name], b.manifest.payloads[name]
         if sa_.dtype != sb_.dtype:
@@ -179,7 +202,11 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
                     vb = seg_b[sid][i] if i < len(seg_b[sid]) else None
                     add(
                         Difference(
-                            "payload", name, "values differ", sample_id=sid, token_offset=i,
+                            "payload",
+                            name,
+                            "values differ",
+                            sample_id=sid,
+                            token_offset=i,
                             a=_scalar(va.tolist() if isinstance(va, np.ndarray) else va),
                             b=_scalar(vb.tolist() if isinstance(vb, np.ndarray) else vb),
                         )
@@ -188,7 +215,9 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
         else:
             xa, xb = a.payload(name), b.payload(name)
             if xa.shape != xb.shape:
-                add(Difference("payload", name, "shape differs", a=list(xa.shape), b=list(xb.shape)))
+                add(
+                    Difference("payload", name, "shape differs", a=list(xa.shape), b=list(xb.shape))
+                )
             elif (i := _first_unequal(xa, xb)) is not None:
                 add(Difference("payload", name, f"values differ at row {i}"))
     return rep

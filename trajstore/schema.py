@@ -181,14 +181,18 @@ class Manifest(Doc):
                 raise BundleError(f"{where}: producer.{k} must be a string")
         policy = self.raw.get("comparison_policy", {})
         if not isinstance(policy.get("tolerances", {}), dict):
-            raise BundleError(f"{where}: comparison_policy.tolerances must be an object keyed by stage")
+            raise BundleError(
+                f"{where}: comparison_policy.tolerances must be an object keyed by stage"
+            )
         if not isinstance(policy.get("exact_fields", []), list):
             raise BundleError(f"{where}: comparison_policy.exact_fields must be a list")
         for stage, tol in policy.get("tolerances", {}).items():
             if not isinstance(tol, dict) or not all(
                 isinstance(tol.get(k, 0.0), (int, float)) for k in ("atol", "rtol")
             ):
-                raise BundleError(f"{where}: tolerances of '{stage}' must be {{atol, rtol}} numbers")
+                raise BundleError(
+                    f"{where}: tolerances of '{stage}' must be {{atol, rtol}} numbers"
+                )
 
     format_version = property(lambda self: self.raw["format_version"])
     bundle_id = property(lambda self: self.raw["bundle_id"])
@@ -226,7 +230,9 @@ class Sample(Doc):
 
     def _validate(self, where: str) -> None:
         if not set(map(type, self.raw["loss_mask"])) <= {int, bool}:  # C-speed: masks are long
-            raise BundleError(f"{where} '{self.raw['sample_id']}': loss_mask entries must be integers")
+            raise BundleError(
+                f"{where} '{self.raw['sample_id']}': loss_mask entries must be integers"
+            )
 
     sample_id = property(lambda self: self.raw["sample_id"])
     group_index = property(lambda self: self.raw.get("group_index"))
@@ -393,7 +399,9 @@ class Complete(Doc):
 
     def _validate(self, where: str) -> None:
         for key in ("ranks", "expected_ranks"):
-            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.raw[key]):
+            if not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.raw[key]
+            ):
                 raise BundleError(f"{where}: '{key}' must be a list of non-negative ints")
         for name in ("manifest.json", "index.json", "expected.json"):
             if not isinstance(self.raw["metadata"].get(name), str):
@@ -413,7 +421,8 @@ class CohortComplete(Doc):
 
     def _validate(self, where: str) -> None:
         self.shards = {
-            int(k): RankShard.from_dict(v, f"{where} shard {k}") for k, v in self.raw["shards"].items()
+            int(k): RankShard.from_dict(v, f"{where} shard {k}")
+            for k, v in self.raw["shards"].items()
         }
 
     ranks = property(lambda self: list(self.raw["ranks"]))

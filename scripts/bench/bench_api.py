@@ -87,8 +87,18 @@ def main() -> int:
         port = s.getsockname()[1]
     t0 = time.perf_counter()
     server = subprocess.Popen(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(root / "store"),
-         "--port", str(port), "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "trajstore",
+            "serve",
+            "--store",
+            str(root / "store"),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
@@ -118,7 +128,10 @@ def main() -> int:
             pt = big / "payloads" / "log_probs.pt"
             url = "/v1/bundles/bench/step-999999-0/a1/payloads/log_probs"
             cold = {}
-            for fmt in ("npy", "raw"):  # first download: decoded from the store (not yet in the body cache)
+            for fmt in (
+                "npy",
+                "raw",
+            ):  # first download: decoded from the store (not yet in the body cache)
                 t = time.perf_counter()
                 c.get(url, params={"format": fmt}).raise_for_status()
                 cold[fmt] = time.perf_counter() - t

@@ -45,7 +45,9 @@ def bench_cfg(args: argparse.Namespace) -> tiny_grpo.TinyConfig:
     )
 
 
-def block(args: argparse.Namespace, capture_on: bool, out: Path) -> tuple[list[float], list[float], dict]:
+def block(
+    args: argparse.Namespace, capture_on: bool, out: Path
+) -> tuple[list[float], list[float], dict]:
     """Per-step wall and CPU times; info holds the block's wall time (close() included) and capture stats."""
     cap = None
     if capture_on:
@@ -71,8 +73,12 @@ def block(args: argparse.Namespace, capture_on: bool, out: Path) -> tuple[list[f
     if cap is not None:
         t0 = time.perf_counter()
         stats = cap.close()
-        info = {"flush_s": time.perf_counter() - t0, "written": stats.written,
-                "dropped": stats.dropped, "errors": stats.errors}
+        info = {
+            "flush_s": time.perf_counter() - t0,
+            "written": stats.written,
+            "dropped": stats.dropped,
+            "errors": stats.errors,
+        }
     info["block_s"] = time.perf_counter() - t_block
     return times, cpu, info
 
@@ -88,7 +94,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE)
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
+    )
     ap.add_argument("--json", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
     import torch
@@ -122,33 +130,58 @@ def main() -> int:
             ratios.append(med[True] / med[False])
             block_ratios.append(wall[True] / wall[False])
     steps = args.rollouts * 2
-    print(f"tiny GRPO loop: hidden={args.hidden} vocab={args.vocab} samples/rollout="
-          f"{args.prompts * args.samples} max_response={args.max_response}, {steps} steps/block, "
-          f"{args.reps} interleaved reps, torch threads={torch.get_num_threads()}, "
-          f"load avg {os.getloadavg()[0]:.1f}")
+    print(
+        f"tiny GRPO loop: hidden={args.hidden} vocab={args.vocab} samples/rollout="
+        f"{args.prompts * args.samples} max_response={args.max_response}, {steps} steps/block, "
+        f"{args.reps} interleaved reps, torch threads={torch.get_num_threads()}, "
+        f"load avg {os.getloadavg()[0]:.1f}"
+    )
     print(f"step time off  median {statistics.median(off_med) * 1e3:8.2f} ms")
-    print(f"step time on   median {statistics.median(on_med) * 1e3:8.2f} ms  (every step and rollout captured)")
-    print(f"ratio on/off   whole block incl. close() flush, median {statistics.median(block_ratios):.3f}x  (per rep: "
-          + ", ".join(f"{r:.3f}" for r in block_ratios) + ")")
-    print(f"ratio on/off   step median {statistics.median(ratios):.3f}x  (per rep: "
-          + ", ".join(f"{r:.3f}" for r in ratios) + ")")
-    print(f"ratio on/off   fastest step {best[True] / best[False]:.3f}x  "
-          f"({best[True] * 1e3:.2f} / {best[False] * 1e3:.2f} ms; least disturbed by other load)")
-    print(f"ratio on/off   training-thread CPU {statistics.median(cpu_med[True]) / statistics.median(cpu_med[False]):.3f}x "
-          "(snapshot + enqueue cost on the training thread)")
-    print(f"bundles written {written}, dropped {drops} (queue size {args.queue_size}), "
-          f"close() flush median {statistics.median(flushes) * 1e3:.1f} ms")
+    print(
+        f"step time on   median {statistics.median(on_med) * 1e3:8.2f} ms  (every step and rollout captured)"
+    )
+    print(
+        f"ratio on/off   whole block incl. close() flush, median {statistics.median(block_ratios):.3f}x  (per rep: "
+        + ", ".join(f"{r:.3f}" for r in block_ratios)
+        + ")"
+    )
+    print(
+        f"ratio on/off   step median {statistics.median(ratios):.3f}x  (per rep: "
+        + ", ".join(f"{r:.3f}" for r in ratios)
+        + ")"
+    )
+    print(
+        f"ratio on/off   fastest step {best[True] / best[False]:.3f}x  "
+        f"({best[True] * 1e3:.2f} / {best[False] * 1e3:.2f} ms; least disturbed by other load)"
+    )
+    print(
+        f"ratio on/off   training-thread CPU {statistics.median(cpu_med[True]) / statistics.median(cpu_med[False]):.3f}x "
+        "(snapshot + enqueue cost on the training thread)"
+    )
+    print(
+        f"bundles written {written}, dropped {drops} (queue size {args.queue_size}), "
+        f"close() flush median {statistics.median(flushes) * 1e3:.1f} ms"
+    )
     if args.json:
         res = {
-            "hidden": args.hidden, "vocab": args.vocab, "samples_per_rollout": args.prompts * args.samples,
-            "max_response": args.max_response, "steps_per_block": steps, "reps": args.reps,
+            "hidden": args.hidden,
+            "vocab": args.vocab,
+            "samples_per_rollout": args.prompts * args.samples,
+            "max_response": args.max_response,
+            "steps_per_block": steps,
+            "reps": args.reps,
             "torch_threads": torch.get_num_threads(),
-            "step_off_ms": statistics.median(off_med) * 1e3, "step_on_ms": statistics.median(on_med) * 1e3,
-            "block_ratio": statistics.median(block_ratios), "block_ratios": block_ratios,
-            "step_ratio": statistics.median(ratios), "step_ratios": ratios,
+            "step_off_ms": statistics.median(off_med) * 1e3,
+            "step_on_ms": statistics.median(on_med) * 1e3,
+            "block_ratio": statistics.median(block_ratios),
+            "block_ratios": block_ratios,
+            "step_ratio": statistics.median(ratios),
+            "step_ratios": ratios,
             "fastest_ratio": best[True] / best[False],
             "cpu_ratio": statistics.median(cpu_med[True]) / statistics.median(cpu_med[False]),
-            "written": written, "dropped": drops, "queue_size": args.queue_size,
+            "written": written,
+            "dropped": drops,
+            "queue_size": args.queue_size,
             "flush_ms": statistics.median(flushes) * 1e3,
         }
         args.json.write_text(json.dumps(res, indent=1) + "\n")

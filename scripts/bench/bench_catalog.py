@@ -120,7 +120,11 @@ def timed(fn, repeat: int) -> tuple[float, float, float]:
         fn()
         times.append((time.perf_counter() - t0) * 1000)
     times.sort()
-    return statistics.median(times), times[int(len(times) * 0.95) - 1], times[int(len(times) * 0.99) - 1]
+    return (
+        statistics.median(times),
+        times[int(len(times) * 0.95) - 1],
+        times[int(len(times) * 0.99) - 1],
+    )
 
 
 def main() -> None:
@@ -157,9 +161,13 @@ def main() -> None:
                 f" median {med:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
             )
             med, p95, p99 = timed(lambda: query_steps(cat, run="bench", limit=100), 30)
-            print(f"query_steps(run, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms")
+            print(
+                f"query_steps(run, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
+            )
             med, p95, p99 = timed(lambda: query_divergences(cat, stage="advantage.estimate"), 30)
-            print(f"query_divergences(stage, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms")
+            print(
+                f"query_divergences(stage, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
+            )
             t0 = time.perf_counter()
             snap = cat.snapshot_in_memory()
             print(f"snapshot_in_memory: {(time.perf_counter() - t0) * 1000:.0f} ms")
@@ -167,7 +175,9 @@ def main() -> None:
                 lambda: lookup_step(snap, "bench", rng.randint(0, max_rollout), 0),
                 300,
             )
-            print(f"lookup_step on snapshot: median {med:.2f} ms, p95 {p95:.2f} ms, p99 {p99:.2f} ms")
+            print(
+                f"lookup_step on snapshot: median {med:.2f} ms, p95 {p95:.2f} ms, p99 {p99:.2f} ms"
+            )
             snap.close()
 
 

@@ -202,7 +202,9 @@ def main() -> int:
         cpu_help: list[float] = []
         t_help, _ = timed(lambda: _note(cpu_help, cli("--help")), args.repeat)
 
-        print(f"machine: {os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu_model()}")
+        print(
+            f"machine: {os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu_model()}"
+        )
         print(f"python {platform.python_version()}, numpy {np.__version__}")
         print(f"512-sample step: {tokens // 6} response tokens, 6 payloads, {size / 2**20:.1f} MiB")
         print(f"  load (torch.load of every payload)   {t_load * 1e3:8.1f} ms")

@@ -78,8 +78,12 @@ COLD = False
 
 def quantiles(xs: list[float]) -> dict:
     ms = np.asarray(xs) * 1e3
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "max_ms": float(ms.max()), "n": len(ms)}
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": float(ms.max()),
+        "n": len(ms),
+    }
 
 
 def drop_caches() -> None:
@@ -90,10 +94,14 @@ def drop_caches() -> None:
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     except OSError as e:
-        raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root or without --cold") from None
+        raise SystemExit(
+            f"--cold: cannot drop the page cache ({e}); run as root or without --cold"
+        ) from None
 
 
-def dir_baseline(store_root: Path, run: str, lo: int, hi: int, scratch: Path) -> tuple[int, float, float, dict]:
+def dir_baseline(
+    store_root: Path, run: str, lo: int, hi: int, scratch: Path
+) -> tuple[int, float, float, dict]:
     """Export every bundle of rollouts [lo, hi] and replay the directories; (n, export s, replay s, statuses)."""
     from trajstore.bundle.reader import open_target
     from trajstore.replay.runner import replay_sources
@@ -102,7 +110,13 @@ def dir_baseline(store_root: Path, run: str, lo: int, hi: int, scratch: Path) ->
     groups = []
     for r in range(lo, hi + 1):
         groups.append((f"rollout-{r}", store.rollout(run, r)))
-        for s in sorted({e.step_id for e in store.refs.live().values() if e.kind == "step" and e.rollout_id == r}):
+        for s in sorted(
+            {
+                e.step_id
+                for e in store.refs.live().values()
+                if e.kind == "step" and e.rollout_id == r
+            }
+        ):
             groups.append((f"{r}-{s}", store.step(run, r, s)))
     t0 = time.perf_counter()
     dirs = [export_bundles(bs, scratch / name) for name, bs in groups]
@@ -125,7 +139,13 @@ def stored_nolink(store_root: Path, run: str, lo: int, hi: int) -> tuple[int, fl
     targets = []
     for r in range(lo, hi + 1):
         targets.append(Target(run=run, rollout=r))
-        for s in sorted({e.step_id for e in store.refs.live().values() if e.kind == "step" and e.rollout_id == r}):
+        for s in sorted(
+            {
+                e.step_id
+                for e in store.refs.live().values()
+                if e.kind == "step" and e.rollout_id == r
+            }
+        ):
             targets.append(Target(run=run, step=(r, s)))
     drop_caches()
     t0 = time.perf_counter()
@@ -136,7 +156,9 @@ def stored_nolink(store_root: Path, run: str, lo: int, hi: int) -> tuple[int, fl
     return len(targets), dt
 
 
-def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int, scratch: Path) -> None:
+def bench_api(
+    root: Path, run: str, steps: list[tuple[int, int]], requests: int, scratch: Path
+) -> None:
     import httpx
     from bench_api import time_downloads  # beside this script
 
@@ -146,7 +168,18 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
     drop_caches()
     t0 = time.perf_counter()
     server = subprocess.Popen(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(root), "--port", str(port), "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "trajstore",
+            "serve",
+            "--store",
+            str(root),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as c:
@@ -159,7 +192,9 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
                         raise SystemExit("server did not start") from None
                     time.sleep(0.2)
             RESULTS["server_ready_s"] = time.perf_counter() - t0
-            say(f"server ready in {RESULTS['server_ready_s']:.1f} s (startup: catalog snapshot + view)")
+            say(
+                f"server ready in {RESULTS['server_ready_s']:.1f} s (startup: catalog snapshot + view)"
+            )
             # first touch of every step (in random order): the server reads each step's samples from the store
             drop_caches()
             order = list(steps)
@@ -171,8 +206,10 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
                 lat.append(time.perf_counter() - t)
                 assert resp.status_code == 200, resp.text[:300]
             RESULTS["get_step_first"] = quantiles(lat)
-            say(f"GET /v1/runs/{run}/steps/R:S, first touch of each of {len(order)} steps "
-                f"({'cold page cache' if COLD else 'warm page cache'}): {pct(lat)}; load {load()}")
+            say(
+                f"GET /v1/runs/{run}/steps/R:S, first touch of each of {len(order)} steps "
+                f"({'cold page cache' if COLD else 'warm page cache'}): {pct(lat)}; load {load()}"
+            )
             rng = random.Random(1)
             ids = [rng.choice(steps) for _ in range(requests)]
             for r, s in ids[:200]:
@@ -185,8 +222,10 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
                 assert resp.status_code == 200, resp.text[:300]
                 size = len(resp.content)
             RESULTS["get_step"] = {**quantiles(lat), "body_bytes": size}
-            say(f"GET /v1/runs/{run}/steps/R:S, {requests} random steps (after warm-up): {pct(lat)}; "
-                f"body {size} bytes; load {load()}")
+            say(
+                f"GET /v1/runs/{run}/steps/R:S, {requests} random steps (after warm-up): {pct(lat)}; "
+                f"body {size} bytes; load {load()}"
+            )
 
             r, s = steps[0]
             store = Store.open(root, create=False)
@@ -208,15 +247,20 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
             kb = nbytes / 1e3
             tl = float(np.median(loads))
             RESULTS["download"] = {
-                "bytes": nbytes, "first_load_ms": t_load0 * 1e3, "first_get_ms": t_get0 * 1e3,
-                "first_ratio": t_load0 / t_get0, "load_ms": tl * 1e3,
+                "bytes": nbytes,
+                "first_load_ms": t_load0 * 1e3,
+                "first_get_ms": t_get0 * 1e3,
+                "first_ratio": t_load0 / t_get0,
+                "load_ms": tl * 1e3,
                 **{f"{fmt}_ms": float(np.median(ts)) * 1e3 for fmt, ts in gets.items()},
                 **{f"{fmt}_ratio": tl / float(np.median(ts)) for fmt, ts in gets.items()},
             }
             parts = [f"GET {fmt} {tl / float(np.median(ts)):.2f}x" for fmt, ts in gets.items()]
-            say(f"payload log_probs {kb:.0f} kB: first (after the cache drop) torch.load {t_load0 * 1e3:.2f} ms, "
+            say(
+                f"payload log_probs {kb:.0f} kB: first (after the cache drop) torch.load {t_load0 * 1e3:.2f} ms, "
                 f"GET raw {t_get0 * 1e3:.2f} ms = {t_load0 / t_get0:.2f}x; repeated: torch.load {tl * 1e3:.2f} ms; "
-                f"ratio torch.load/GET: {', '.join(parts)}")
+                f"ratio torch.load/GET: {', '.join(parts)}"
+            )
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -225,23 +269,42 @@ def bench_api(root: Path, run: str, steps: list[tuple[int, int]], requests: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--store", type=Path, help="an existing store built by make_big_store.py (truth file beside it)")
+    g.add_argument(
+        "--store",
+        type=Path,
+        help="an existing store built by make_big_store.py (truth file beside it)",
+    )
     g.add_argument("--build", type=Path, help="build the store here first (make_big_store)")
     ap.add_argument("--steps", type=int, default=10000)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--mean-tokens", type=int, default=64)
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--distinct", action="store_true", help="--build: every bundle its own content (no templates)")
+    ap.add_argument(
+        "--distinct",
+        action="store_true",
+        help="--build: every bundle its own content (no templates)",
+    )
     ap.add_argument("--steps-per-rollout", type=int, default=8)
     ap.add_argument("--fault-every", type=int, default=97)
     ap.add_argument("--clip-every", type=int, default=89)
-    ap.add_argument("--cold", action="store_true", help="drop the page cache before each cold figure (root)")
+    ap.add_argument(
+        "--cold", action="store_true", help="drop the page cache before each cold figure (root)"
+    )
     ap.add_argument("--json", type=Path, help="write the results here as JSON")
-    ap.add_argument("--rollouts", type=int, default=10, help="rollout ids whose bundles the throughput runs replay")
+    ap.add_argument(
+        "--rollouts",
+        type=int,
+        default=10,
+        help="rollout ids whose bundles the throughput runs replay",
+    )
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--lookups", type=int, default=500)
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--skip-record", action="store_true", help="reuse recorded results (replay-all --record already ran)")
+    ap.add_argument(
+        "--skip-record",
+        action="store_true",
+        help="reuse recorded results (replay-all --record already ran)",
+    )
     ap.add_argument("--skip-api", action="store_true")
     args = ap.parse_args()
     global COLD
@@ -249,15 +312,24 @@ def main() -> int:
     if COLD:
         drop_caches()  # fail early when not allowed
 
-    say(f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python {platform.python_version()}, "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}")
+    say(
+        f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python {platform.python_version()}, "
+        f"date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}"
+    )
     if args.build:
         import make_big_store
 
         truth = make_big_store.make_store(
-            args.build, steps=args.steps, samples=args.samples, mean_tokens=args.mean_tokens, small=args.small,
-            distinct=args.distinct, per_rollout=args.steps_per_rollout, fault_every=args.fault_every,
-            clip_every=args.clip_every, progress=sys.stderr.isatty(),
+            args.build,
+            steps=args.steps,
+            samples=args.samples,
+            mean_tokens=args.mean_tokens,
+            small=args.small,
+            distinct=args.distinct,
+            per_rollout=args.steps_per_rollout,
+            fault_every=args.fault_every,
+            clip_every=args.clip_every,
+            progress=sys.stderr.isatty(),
         )
         say(f"built {truth['bundles']} bundles in {truth['build_seconds']} s; load {load()}")
         root = args.build
@@ -266,10 +338,16 @@ def main() -> int:
         root = args.store
         truth = json.loads((root.parent / f"{root.name}.truth.json").read_text())
     run = truth["run"]
-    RESULTS.update(truth=truth, cold=COLD, store_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
-    say(f"store {root}: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} rollouts, "
+    RESULTS.update(
+        truth=truth,
+        cold=COLD,
+        store_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()),
+    )
+    say(
+        f"store {root}: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} rollouts, "
         f"{truth['samples_per_bundle']} samples and {truth['response_tokens_per_bundle']} response tokens per bundle; "
-        f"faulty rollouts {len(truth['faulty_rollouts'])}, wrong-clip steps {len(truth['clip_steps'])}")
+        f"faulty rollouts {len(truth['faulty_rollouts'])}, wrong-clip steps {len(truth['clip_steps'])}"
+    )
 
     from trajstore.catalog import lookup_step, query_steps
     from trajstore.replay.batch import replay_all
@@ -282,62 +360,102 @@ def main() -> int:
         n_dir, t_exp, t_dir, st_dir = dir_baseline(root, run, lo, hi, scratch)
         dir_bps = n_dir / t_dir
         RESULTS["dir"] = {"bundles": n_dir, "seconds": t_dir, "bps": dir_bps, "statuses": st_dir}
-        say(f"[dir]   export {n_dir} bundles (rollouts {lo}..{hi}) {t_exp:.1f} s; replay from directories "
-            f"{t_dir:.1f} s = {dir_bps:.1f} bundles/s (1 process) {st_dir}; load {load()}")
+        say(
+            f"[dir]   export {n_dir} bundles (rollouts {lo}..{hi}) {t_exp:.1f} s; replay from directories "
+            f"{t_dir:.1f} s = {dir_bps:.1f} bundles/s (1 process) {st_dir}; load {load()}"
+        )
         n_nl, t_nl = stored_nolink(root, run, lo, hi)
         RESULTS["stored_nolink"] = {"bundles": n_nl, "seconds": t_nl, "bps": n_nl / t_nl}
-        say(f"[store] replay_stored(link=False) in process: {n_nl / t_nl:.1f} bundles/s "
-            f"({n_nl / t_nl / dir_bps:.2f}x dir); load {load()}")
+        say(
+            f"[store] replay_stored(link=False) in process: {n_nl / t_nl:.1f} bundles/s "
+            f"({n_nl / t_nl / dir_bps:.2f}x dir); load {load()}"
+        )
         for w in (1, 2):
             drop_caches()
-            s = replay_all(root, run=run, rollout_from=lo, rollout_to=hi, workers=w, record=False, progress=False)
+            s = replay_all(
+                root,
+                run=run,
+                rollout_from=lo,
+                rollout_to=hi,
+                workers=w,
+                record=False,
+                progress=False,
+            )
             bps = s.total / s.seconds
-            RESULTS[f"replay_all_w{w}"] = {"bundles": s.total, "seconds": s.seconds, "bps": bps, "per_worker": bps / w,
-                                          "passed": s.passed, "diverged": s.diverged, "refused": s.refused}
-            say(f"[store] replay_all workers={w}: {s.total} bundles in {s.seconds:.1f} s = {bps:.1f} bundles/s "
+            RESULTS[f"replay_all_w{w}"] = {
+                "bundles": s.total,
+                "seconds": s.seconds,
+                "bps": bps,
+                "per_worker": bps / w,
+                "passed": s.passed,
+                "diverged": s.diverged,
+                "refused": s.refused,
+            }
+            say(
+                f"[store] replay_all workers={w}: {s.total} bundles in {s.seconds:.1f} s = {bps:.1f} bundles/s "
                 f"({bps / w:.1f} per worker), ratio to directories {bps / dir_bps:.2f}x; "
-                f"pass {s.passed} diverged {s.diverged} refused {s.refused}; load {load()}")
+                f"pass {s.passed} diverged {s.diverged} refused {s.refused}; load {load()}"
+            )
 
         # -- 2. replay --all --record over the whole store
         if not args.skip_record:
             s = replay_all(root, workers=2, record=True, progress=sys.stderr.isatty())
-            RESULTS["record"] = {"bundles": s.total - s.skipped, "seconds": s.seconds,
-                                 "bps": (s.total - s.skipped) / s.seconds, "histogram": dict(s.histogram)}
-            say(f"[store] replay_all --record workers=2, whole store: {s.total} bundles "
+            RESULTS["record"] = {
+                "bundles": s.total - s.skipped,
+                "seconds": s.seconds,
+                "bps": (s.total - s.skipped) / s.seconds,
+                "histogram": dict(s.histogram),
+            }
+            say(
+                f"[store] replay_all --record workers=2, whole store: {s.total} bundles "
                 f"({s.skipped} already recorded) in {s.seconds:.0f} s = {(s.total - s.skipped) / s.seconds:.1f} bundles/s; "
-                f"histogram {dict(s.histogram)}; refused {s.refused}; load {load()}")
+                f"histogram {dict(s.histogram)}; refused {s.refused}; load {load()}"
+            )
 
         # -- 3. divergence query
         store = Store.open(root, create=False)
         t0 = time.perf_counter()
         with store.catalog() as cat:
             say(f"catalog open + sync: {time.perf_counter() - t0:.1f} s")
-            want = {(r, s) for r in truth["faulty_rollouts"] for s in range(truth["steps_per_rollout"])}
+            want = {
+                (r, s) for r in truth["faulty_rollouts"] for s in range(truth["steps_per_rollout"])
+            }
             want = {(r, s) for r, s in want if r * truth["steps_per_rollout"] + s < truth["steps"]}
-            page = query_steps(cat, run=run, first_divergent_stage="reward.post_process", limit=1000)
+            page = query_steps(
+                cat, run=run, first_divergent_stage="reward.post_process", limit=1000
+            )
             got = {(i["rollout_id"], i["step_id"]) for i in page["items"]}
             roots = {i["root_bundle_key"] for i in page["items"]}
             clip = query_steps(cat, run=run, first_divergent_stage="loss.policy", limit=1000)
             got_clip = {(i["rollout_id"], i["step_id"]) for i in clip["items"]}
-            RESULTS["truth_check"] = {"reward_steps": got == want, "clip_steps": got_clip == {
-                tuple(x) for x in truth["clip_steps"]}, "rooted": all(k and "/rollout-" in k for k in roots)}
-            say(f"query reward.post_process: {len(got)} steps, exactly the injected rollouts' steps: {got == want}; "
+            RESULTS["truth_check"] = {
+                "reward_steps": got == want,
+                "clip_steps": got_clip == {tuple(x) for x in truth["clip_steps"]},
+                "rooted": all(k and "/rollout-" in k for k in roots),
+            }
+            say(
+                f"query reward.post_process: {len(got)} steps, exactly the injected rollouts' steps: {got == want}; "
                 f"rooted in rollout bundles: {all(k and '/rollout-' in k for k in roots)}; "
                 f"loss.policy: {len(got_clip)} steps, exactly the wrong-clip steps: "
-                f"{got_clip == {tuple(x) for x in truth['clip_steps']}}")
+                f"{got_clip == {tuple(x) for x in truth['clip_steps']}}"
+            )
             lat = []
             for _ in range(args.queries):
                 t = time.perf_counter()
                 query_steps(cat, run=run, first_divergent_stage="reward.post_process", limit=1000)
                 lat.append(time.perf_counter() - t)
             RESULTS["query"] = quantiles(lat)
-            say(f"query_steps(first_divergent_stage=reward.post_process, limit=1000): {pct(lat)}; load {load()}")
+            say(
+                f"query_steps(first_divergent_stage=reward.post_process, limit=1000): {pct(lat)}; load {load()}"
+            )
             lat = []
             for _ in range(args.queries):
                 t = time.perf_counter()
                 query_steps(cat, run=run, first_divergent_stage="reward.post_process")
                 lat.append(time.perf_counter() - t)
-            say(f"query_steps(first_divergent_stage=reward.post_process) first page of 100: {pct(lat)}")
+            say(
+                f"query_steps(first_divergent_stage=reward.post_process) first page of 100: {pct(lat)}"
+            )
 
             # -- 4. lookup by actor step id
             rng = random.Random(0)
@@ -361,12 +479,28 @@ def main() -> int:
         store.close()
         t = time.perf_counter()
         out = subprocess.run(
-            [sys.executable, "-m", "trajstore", "query", "steps", "--store", str(root), "--run", run,
-             "--first-divergent-stage", "reward.post_process", "--format", "json"],
-            capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "trajstore",
+                "query",
+                "steps",
+                "--store",
+                str(root),
+                "--run",
+                run,
+                "--first-divergent-stage",
+                "reward.post_process",
+                "--format",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
         )
-        say(f"`trajstore query steps --first-divergent-stage reward.post_process` end to end: "
-            f"{time.perf_counter() - t:.2f} s wall (exit {out.returncode}, process start + catalog open included)")
+        say(
+            f"`trajstore query steps --first-divergent-stage reward.post_process` end to end: "
+            f"{time.perf_counter() - t:.2f} s wall (exit {out.returncode}, process start + catalog open included)"
+        )
 
         # -- 5. REST
         if not args.skip_api:

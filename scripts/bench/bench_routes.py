@@ -55,9 +55,13 @@ def main() -> int:
         t0 = time.perf_counter()
         base = write_array(objs, rollout, lengths, dtype_tag="torch.uint8")
         t_base = time.perf_counter() - t0
-        same = write_array(objs, rollout, lengths, dtype_tag="torch.uint8", base=base, base_values=rollout)
+        same = write_array(
+            objs, rollout, lengths, dtype_tag="torch.uint8", base=base, base_values=rollout
+        )
         t0 = time.perf_counter()
-        delta = write_array(objs, train, lengths, dtype_tag="torch.uint8", base=base, base_values=rollout)
+        delta = write_array(
+            objs, train, lengths, dtype_tag="torch.uint8", base=base, base_values=rollout
+        )
         t_delta = time.perf_counter() - t0
         objs.flush()
         if not np.array_equal(read_array(objs, delta), train):

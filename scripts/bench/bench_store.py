@@ -88,9 +88,25 @@ def main() -> int:
         tmp = Path(tmp)
         cap = tmp / "capture"
         subprocess.run(
-            [sys.executable, "-m", "trajstore.examples.gen_long_run", str(cap), "--rollouts", str(args.rollouts), "--steps", str(args.steps),
-             "--samples", str(args.samples), "--routes", "--resumed", str(args.resumed), "--ranks", str(args.ranks),
-             "--seed", "1"],
+            [
+                sys.executable,
+                "-m",
+                "trajstore.examples.gen_long_run",
+                str(cap),
+                "--rollouts",
+                str(args.rollouts),
+                "--steps",
+                str(args.steps),
+                "--samples",
+                str(args.samples),
+                "--routes",
+                "--resumed",
+                str(args.resumed),
+                "--ranks",
+                str(args.ranks),
+                "--seed",
+                "1",
+            ],
             check=True,
         )
         files = files_of(cap)
@@ -116,8 +132,10 @@ def main() -> int:
         def mbps(t: float) -> float:
             return logical / t / 1e6
 
-        print(f"\nRouted long run: {args.rollouts} rollouts x {args.steps} steps, {args.samples} samples/rollout, "
-              f"{bundles} bundles, {logical / 1e6:.1f} MB of bundle files\n")
+        print(
+            f"\nRouted long run: {args.rollouts} rollouts x {args.steps} steps, {args.samples} samples/rollout, "
+            f"{bundles} bundles, {logical / 1e6:.1f} MB of bundle files\n"
+        )
         print("| method | physical MB | physical/logical | time s | MB/s | vs torch.save |")
         print("|---|---:|---:|---:|---:|---:|")
         rows = [
@@ -130,8 +148,10 @@ def main() -> int:
             ps = "-" if size is None else f"{size / 1e6:.1f}"
             ratio = "-" if size is None else f"{size / logical:.3f}"
             print(f"| {name} | {ps} | {ratio} | {t:.2f} | {mbps(t):.0f} | {t_save / t:.2f} |")
-        print(f"\ntrajstore: {s['objects']} objects, dedup ratio (payload logical / physical) {s['dedup_ratio']}, "
-              f"route bytes per token-layer {route}")
+        print(
+            f"\ntrajstore: {s['objects']} objects, dedup ratio (payload logical / physical) {s['dedup_ratio']}, "
+            f"route bytes per token-layer {route}"
+        )
     return 0
 
 

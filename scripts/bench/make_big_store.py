@@ -87,14 +87,22 @@ def build_templates(tmp: Path, samples: int, mean_tokens: int, small: bool) -> d
     out = {}
     for name, (kind, faults) in specs.items():
         built = consistent_contents(
-            kind=kind, groups=groups, n=n, lengths=lengths, rollout_id=0, step_id=0, seed=3,
+            kind=kind,
+            groups=groups,
+            n=n,
+            lengths=lengths,
+            rollout_id=0,
+            step_id=0,
+            seed=3,
             faults=faults,
             drop_expected=("reward.raw", "reward.post_process") if kind == "step" else (),
             bundle_id=f"big-{name}",
         )
         c = built.contents
         if kind == "step":
-            c.stage_contracts = {k: v for k, v in c.stage_contracts.items() if not k.startswith("reward.")}
+            c.stage_contracts = {
+                k: v for k, v in c.stage_contracts.items() if not k.startswith("reward.")
+            }
         out[name] = write_bundle(tmp / f"tmpl-{name}", dataclasses.replace(c))
     return out
 
@@ -117,12 +125,16 @@ class Cloner:
         self.checked = False
 
     def _index_bytes(self, ident: dict) -> bytes:
-        block = '\n  "identity": ' + json.dumps(ident, indent=2, sort_keys=True, ensure_ascii=False).replace(
-            "\n", "\n  "
-        ) + ","
+        block = (
+            '\n  "identity": '
+            + json.dumps(ident, indent=2, sort_keys=True, ensure_ascii=False).replace("\n", "\n  ")
+            + ","
+        )
         data = (self.head + block + self.tail).encode()
         if not self.checked:  # the splice must equal the writer's canonical bytes
-            assert data == canonical_bytes({**self.index, "identity": ident}), "index splice mismatch"
+            assert data == canonical_bytes({**self.index, "identity": ident}), (
+                "index splice mismatch"
+            )
             self.checked = True
         return data
 
@@ -133,7 +145,10 @@ class Cloner:
         else:
             ident["actor_step_id"] = {"rollout_id": rollout_id, "step_id": step_id}
         ident["rollout_partition_ids"] = [f"rollout-{rollout_id}"]
-        ident["weight_lineage"] = {"actor_weight": f"w-{rollout_id}", "rollout_weight": f"w-{rollout_id - 1}"}
+        ident["weight_lineage"] = {
+            "actor_weight": f"w-{rollout_id}",
+            "rollout_weight": f"w-{rollout_id - 1}",
+        }
         index = self._index_bytes(ident)
         (dest / "payloads").mkdir(parents=True)
         for p in self.payloads:
@@ -143,7 +158,11 @@ class Cloner:
             (dest / fname).write_bytes(data)
         metadata = {fname: sha256_bytes(data) for fname, data in docs.items()}
         shard = dict(self.complete0)
-        shard.update(metadata=metadata, actor_step_id=ident.get("actor_step_id"), rollout_id=ident.get("rollout_id"))
+        shard.update(
+            metadata=metadata,
+            actor_step_id=ident.get("actor_step_id"),
+            rollout_id=ident.get("rollout_id"),
+        )
         (dest / "COMPLETE.0").write_bytes(canonical_bytes(shard))
         (dest / "COMPLETE").write_bytes(
             canonical_bytes({"expected_ranks": [0], "metadata": metadata, "ranks": [0]})
@@ -164,7 +183,11 @@ class _DistinctWriter:
 def plan(steps: int, per_rollout: int, fault_every: int, clip_every: int) -> dict[str, Any]:
     rollouts = -(-steps // per_rollout)
     faulty = set(range(17, rollouts, fault_every)) if fault_every else set()
-    clip = {(r, min(3, per_rollout - 1)) for r in range(5, rollouts, clip_every) if r not in faulty} if clip_every else set()
+    clip = (
+        {(r, min(3, per_rollout - 1)) for r in range(5, rollouts, clip_every) if r not in faulty}
+        if clip_every
+        else set()
+    )
     return {
         "rollouts": rollouts,
         "steps": steps,
@@ -204,14 +227,22 @@ class DistinctMaker:
         lengths = [int(x) for x in rng.integers(lo, hi + 1, size=groups * n)]
         faults = FAULTS[name]
         built = consistent_contents(
-            kind=kind, groups=groups, n=n, lengths=lengths, rollout_id=rollout_id, step_id=step_id or 0,
-            seed=rollout_id, faults=faults,
+            kind=kind,
+            groups=groups,
+            n=n,
+            lengths=lengths,
+            rollout_id=rollout_id,
+            step_id=step_id or 0,
+            seed=rollout_id,
+            faults=faults,
             drop_expected=("reward.raw", "reward.post_process") if kind == "step" else (),
             bundle_id=f"big-{kind}-{rollout_id}-{step_id}",
         )
         c = built.contents
         if kind == "step":
-            c.stage_contracts = {k: v for k, v in c.stage_contracts.items() if not k.startswith("reward.")}
+            c.stage_contracts = {
+                k: v for k, v in c.stage_contracts.items() if not k.startswith("reward.")
+            }
             self._own_policy(c, rollout_id, step_id or 0, faults)
         write_bundle(dest, c)
 
@@ -226,13 +257,27 @@ class DistinctMaker:
         cfg = c.config
         lens = np.asarray([s["response_length"] for s in c.samples], dtype=np.int64)
         mask = np.concatenate([np.asarray(s["loss_mask"], dtype=np.float32) for s in c.samples])
-        eps_high = faults.eps_clip_high if faults and faults.eps_clip_high is not None else cfg.get("eps_clip_high")
+        eps_high = (
+            faults.eps_clip_high
+            if faults and faults.eps_clip_high is not None
+            else cfg.get("eps_clip_high")
+        )
         c.expected["loss.policy"] = kernels.loss_policy(
-            old, p["log_probs"], p["advantages"], p["entropy"], mask, lens,
-            eps_clip=float(cfg["eps_clip"]), eps_clip_high=eps_high, eps_clip_c=cfg.get("eps_clip_c"),
-            entropy_coef=float(cfg["entropy_coef"]), use_kl_loss=bool(cfg.get("use_kl_loss", False)),
-            kl_loss_coef=float(cfg.get("kl_loss_coef", 0.0)), kl_loss_type=cfg["kl_loss_type"],
-            ref_log_probs=p["ref_log_probs"], use_unbiased_kl=bool(cfg.get("use_unbiased_kl", False)),
+            old,
+            p["log_probs"],
+            p["advantages"],
+            p["entropy"],
+            mask,
+            lens,
+            eps_clip=float(cfg["eps_clip"]),
+            eps_clip_high=eps_high,
+            eps_clip_c=cfg.get("eps_clip_c"),
+            entropy_coef=float(cfg["entropy_coef"]),
+            use_kl_loss=bool(cfg.get("use_kl_loss", False)),
+            kl_loss_coef=float(cfg.get("kl_loss_coef", 0.0)),
+            kl_loss_type=cfg["kl_loss_type"],
+            ref_log_probs=p["ref_log_probs"],
+            use_unbiased_kl=bool(cfg.get("use_unbiased_kl", False)),
         )
 
 
@@ -253,7 +298,9 @@ def _work(args: tuple) -> tuple[int, int, float]:
         n = 0
         for r in range(lo, hi):
             bad = r in faulty
-            cloners["rollout-bad" if bad else "rollout-ok"].clone(cap / f"replay-rollout-{r}", r, None)
+            cloners["rollout-bad" if bad else "rollout-ok"].clone(
+                cap / f"replay-rollout-{r}", r, None
+            )
             n += 1
             for s in _steps_of(r, p):
                 name = "step-bad" if bad else "step-clip" if (r, s) in clip else "step-ok"
@@ -270,9 +317,20 @@ def _work(args: tuple) -> tuple[int, int, float]:
 
 
 def make_store(
-    out: Path, *, steps: int, samples: int = 256, mean_tokens: int = 64, per_rollout: int = 8,
-    small: bool = False, distinct: bool = False, jobs: int = 2, batch_rollouts: int = 25, run: str = "long",
-    fault_every: int = 97, clip_every: int = 89, progress: bool = True,
+    out: Path,
+    *,
+    steps: int,
+    samples: int = 256,
+    mean_tokens: int = 64,
+    per_rollout: int = 8,
+    small: bool = False,
+    distinct: bool = False,
+    jobs: int = 2,
+    batch_rollouts: int = 25,
+    run: str = "long",
+    fault_every: int = 97,
+    clip_every: int = 89,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Build the store at `out` (must not exist); returns the plan (ground truth) plus timings."""
     from trajstore.store import Store
@@ -290,11 +348,16 @@ def make_store(
             tmpls: dict[str, Any] = {"distinct": {"samples": samples, "mean_tokens": mean_tokens}}
             tokens = None  # varies per rollout; mean below
         else:
-            tmpls = {k: str(v) for k, v in build_templates(scratch, samples, mean_tokens, small).items()}
+            tmpls = {
+                k: str(v) for k, v in build_templates(scratch, samples, mean_tokens, small).items()
+            }
             lens = json.loads((Path(tmpls["step-ok"]) / "index.json").read_bytes())["samples"]
             tokens = sum(s["response_length"] for s in lens)
         Store.open(out, durable=False).close()
-        chunks = [(lo, min(lo + batch_rollouts, p["rollouts"])) for lo in range(0, p["rollouts"], batch_rollouts)]
+        chunks = [
+            (lo, min(lo + batch_rollouts, p["rollouts"]))
+            for lo in range(0, p["rollouts"], batch_rollouts)
+        ]
         jobs_args = [(str(out), run, tmpls, p, lo, hi, str(scratch)) for lo, hi in chunks]
         done = refused = 0
         if jobs <= 1:
@@ -322,14 +385,27 @@ def make_store(
     if refused:
         raise SystemExit(f"{refused} bundles were refused by ingest")
     if tokens is None:  # distinct: mean response tokens per bundle over the rollouts' own lengths
-        per = [sum(int(x) for x in np.random.default_rng(r).integers(max(2, mean_tokens // 2), mean_tokens * 3 // 2 + 1,
-                                                                      size=max(1, samples // 8) * 8))
-               for r in range(p["rollouts"])]
+        per = [
+            sum(
+                int(x)
+                for x in np.random.default_rng(r).integers(
+                    max(2, mean_tokens // 2),
+                    mean_tokens * 3 // 2 + 1,
+                    size=max(1, samples // 8) * 8,
+                )
+            )
+            for r in range(p["rollouts"])
+        ]
         tokens = round(float(np.mean(per)))
     p.update(
-        distinct=distinct, mean_tokens=mean_tokens,
-        run=run, samples_per_bundle=samples, response_tokens_per_bundle=tokens, bundles=done,
-        build_seconds=round(time.perf_counter() - t0, 1), store=str(out),
+        distinct=distinct,
+        mean_tokens=mean_tokens,
+        run=run,
+        samples_per_bundle=samples,
+        response_tokens_per_bundle=tokens,
+        bundles=done,
+        build_seconds=round(time.perf_counter() - t0, 1),
+        store=str(out),
     )
     return p
 
@@ -338,21 +414,35 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=10000)
-    ap.add_argument("--samples", type=int, default=256, help="samples per bundle (8 per prompt group)")
+    ap.add_argument(
+        "--samples", type=int, default=256, help="samples per bundle (8 per prompt group)"
+    )
     ap.add_argument("--mean-tokens", type=int, default=64, help="mean response length per sample")
     ap.add_argument("--steps-per-rollout", type=int, default=8)
     ap.add_argument("--small", action="store_true", help="8 samples of 2-7 tokens (fast)")
-    ap.add_argument("--distinct", action="store_true", help="every bundle its own seeded content (no templates)")
+    ap.add_argument(
+        "--distinct", action="store_true", help="every bundle its own seeded content (no templates)"
+    )
     ap.add_argument("--jobs", type=int, default=2, help="parallel ingest processes")
-    ap.add_argument("--batch-rollouts", type=int, default=25, help="rollouts per generate+ingest batch")
+    ap.add_argument(
+        "--batch-rollouts", type=int, default=25, help="rollouts per generate+ingest batch"
+    )
     ap.add_argument("--fault-every", type=int, default=97)
     ap.add_argument("--clip-every", type=int, default=89)
     ap.add_argument("--run", default="long")
     args = ap.parse_args()
     p = make_store(
-        args.out, steps=args.steps, samples=args.samples, mean_tokens=args.mean_tokens,
-        per_rollout=args.steps_per_rollout, small=args.small, distinct=args.distinct, jobs=args.jobs,
-        batch_rollouts=args.batch_rollouts, run=args.run, fault_every=args.fault_every,
+        args.out,
+        steps=args.steps,
+        samples=args.samples,
+        mean_tokens=args.mean_tokens,
+        per_rollout=args.steps_per_rollout,
+        small=args.small,
+        distinct=args.distinct,
+        jobs=args.jobs,
+        batch_rollouts=args.batch_rollouts,
+        run=args.run,
+        fault_every=args.fault_every,
         clip_every=args.clip_every,
     )
     truth = args.out.parent / f"{args.out.name}.truth.json"

@@ -41,9 +41,28 @@ BEGIN, END = "<!-- run_all: begin -->", "<!-- run_all: end -->"
 #: full sizes (about 15 min on 2 cores) and --quick sizes
 SIZES: dict[str, dict[str, Any]] = {
     "full": {
-        "scale": ["--steps", "120", "--steps-per-rollout", "4", "--samples", "256", "--mean-tokens", "1024",
-                  "--fault-every", "20", "--clip-every", "20", "--rollouts", "6", "--requests", "2000",
-                  "--queries", "50", "--lookups", "500"],
+        "scale": [
+            "--steps",
+            "120",
+            "--steps-per-rollout",
+            "4",
+            "--samples",
+            "256",
+            "--mean-tokens",
+            "1024",
+            "--fault-every",
+            "20",
+            "--clip-every",
+            "20",
+            "--rollouts",
+            "6",
+            "--requests",
+            "2000",
+            "--queries",
+            "50",
+            "--lookups",
+            "500",
+        ],
         "store": ["--rollouts", "4", "--steps", "4", "--samples", "64"],
         "replay": ["--repeat", "5"],
         "catalog": ["--bundles", "10000"],
@@ -51,9 +70,28 @@ SIZES: dict[str, dict[str, Any]] = {
         "routes": [],
     },
     "quick": {
-        "scale": ["--steps", "80", "--steps-per-rollout", "4", "--samples", "16", "--mean-tokens", "64",
-                  "--fault-every", "20", "--clip-every", "20", "--rollouts", "4", "--requests", "200",
-                  "--queries", "5", "--lookups", "50"],
+        "scale": [
+            "--steps",
+            "80",
+            "--steps-per-rollout",
+            "4",
+            "--samples",
+            "16",
+            "--mean-tokens",
+            "64",
+            "--fault-every",
+            "20",
+            "--clip-every",
+            "20",
+            "--rollouts",
+            "4",
+            "--requests",
+            "200",
+            "--queries",
+            "5",
+            "--lookups",
+            "50",
+        ],
         "store": ["--rollouts", "1", "--steps", "2", "--samples", "16"],
         "replay": ["--repeat", "1"],
         "catalog": ["--bundles", "500"],
@@ -81,7 +119,9 @@ class Run:
         return self.rc == 0
 
     def command(self) -> str:
-        rel = [str(Path(a).relative_to(ROOT)) if a.startswith(str(ROOT)) else a for a in self.argv[1:]]
+        rel = [
+            str(Path(a).relative_to(ROOT)) if a.startswith(str(ROOT)) else a for a in self.argv[1:]
+        ]
         return " ".join([".venv/bin/python", *rel])
 
     def load(self) -> str:
@@ -130,12 +170,27 @@ def parse_printed(r: Run) -> None:
     t = r.stdout
     if r.key == "replay":
         r.data = {
-            **grab(t, r"512-sample step: (\d+) response tokens, 6 payloads, ([\d.]+) MiB", "tokens", "mib"),
+            **grab(
+                t,
+                r"512-sample step: (\d+) response tokens, 6 payloads, ([\d.]+) MiB",
+                "tokens",
+                "mib",
+            ),
             **grab(t, r"load \(torch.load of every payload\)\s+([\d.]+) ms", "load_ms"),
             **grab(t, r"replay in process \(gate \+ 6 stages\)\s+([\d.]+) ms", "replay512_ms"),
             **grab(t, r"256-sample step, replay in process\s+([\d.]+) ms", "replay256_ms"),
-            **grab(t, r"256 samples \(CLI\)\s+([\d.]+) ms wall, ([\d.]+) ms CPU", "cli_ms", "cli_cpu_ms"),
-            **grab(t, r"`trajstore --help`\s+([\d.]+) ms wall, ([\d.]+) ms CPU", "help_ms", "help_cpu_ms"),
+            **grab(
+                t,
+                r"256 samples \(CLI\)\s+([\d.]+) ms wall, ([\d.]+) ms CPU",
+                "cli_ms",
+                "cli_cpu_ms",
+            ),
+            **grab(
+                t,
+                r"`trajstore --help`\s+([\d.]+) ms wall, ([\d.]+) ms CPU",
+                "help_ms",
+                "help_cpu_ms",
+            ),
         }
     elif r.key == "catalog":
         ms3 = r"median ([\d.]+) ms, p95 ([\d.]+) ms, p99 ([\d.]+) ms"
@@ -144,16 +199,34 @@ def parse_printed(r: Run) -> None:
             **grab(t, r"built (\d+) refs", "refs"),
             "sync": grab(t, r"sync .* in ([\d.]+)s", "s"),
             "lookup": grab(t, r"(?m)^lookup_step: " + ms3, *q),
-            "query": grab(t, r"query_steps\(first_divergent_stage, limit=1000, (\d+) rows\): " + ms3, "rows", *q),
+            "query": grab(
+                t,
+                r"query_steps\(first_divergent_stage, limit=1000, (\d+) rows\): " + ms3,
+                "rows",
+                *q,
+            ),
             "query_run": grab(t, r"query_steps\(run, limit=100\): " + ms3, *q),
         }
     elif r.key == "store":
         row = r"\| {} \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|"
         cols = ("mb", "ratio", "s", "mbps", "vs_save")
         r.data = {
-            **grab(t, r"Routed long run: (\d+) rollouts x (\d+) steps, (\d+) samples/rollout, (\d+) bundles, "
-                      r"([\d.]+) MB", "rollouts", "steps", "samples", "bundles", "logical_mb"),
-            "save": grab(t, r"\| torch.save \(payloads only\) \| - \| - \| ([\d.]+) \| ([\d.]+) \|", "s", "mbps"),
+            **grab(
+                t,
+                r"Routed long run: (\d+) rollouts x (\d+) steps, (\d+) samples/rollout, (\d+) bundles, "
+                r"([\d.]+) MB",
+                "rollouts",
+                "steps",
+                "samples",
+                "bundles",
+                "logical_mb",
+            ),
+            "save": grab(
+                t,
+                r"\| torch.save \(payloads only\) \| - \| - \| ([\d.]+) \| ([\d.]+) \|",
+                "s",
+                "mbps",
+            ),
             "zstd": grab(t, row.format(re.escape("zstd-3 per file")), *cols),
             "cdc": grab(t, row.format(re.escape("FastCDC 16K + zstd-3")), *cols),
             "ingest": grab(t, row.format("trajstore ingest"), *cols),
@@ -172,8 +245,14 @@ def machine() -> dict[str, str]:
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
-    return {"nproc": str(len(os.sched_getaffinity(0))), "cpu": cpu, "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": str(torch.get_num_threads()), "numpy": numpy.__version__}
+    return {
+        "nproc": str(len(os.sched_getaffinity(0))),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": str(torch.get_num_threads()),
+        "numpy": numpy.__version__,
+    }
 
 
 # --------------------------------------------------------------------------- doc
@@ -195,26 +274,50 @@ def verdict(ok: bool | None, run: Run | None = None, noisy: str = "") -> str:
     return f"{v} | {run.load() if run is not None else ''}"
 
 
-def render(runs: dict[str, Run], mach: dict[str, str], started: str, ended: str, cmd: str, sizes: str,
-           rerendered: bool = False) -> str:
+def render(
+    runs: dict[str, Run],
+    mach: dict[str, str],
+    started: str,
+    ended: str,
+    cmd: str,
+    sizes: str,
+    rerendered: bool = False,
+) -> str:
     g = {k: r.data if r.ok else {} for k, r in runs.items()}
-    sc, cap, rt, rp, cat, st = g["scale"], g["capture"], g["routes"], g["replay"], g["catalog"], g["store"]
+    sc, cap, rt, rp, cat, st = (
+        g["scale"],
+        g["capture"],
+        g["routes"],
+        g["replay"],
+        g["catalog"],
+        g["store"],
+    )
     truth = sc.get("truth", {})
     L: list[str] = []
     add = L.append
     add("## Latest run")
     add("")
-    again = " (tables rendered again from its kept logs by `run_all.py --render-from`)" if rerendered else ""
-    add(f"Generated by `{cmd}`{again} ({sizes} sizes) from {started} to {ended} UTC. "
+    again = (
+        " (tables rendered again from its kept logs by `run_all.py --render-from`)"
+        if rerendered
+        else ""
+    )
+    add(
+        f"Generated by `{cmd}`{again} ({sizes} sizes) from {started} to {ended} UTC. "
         f"Machine: `nproc` {mach['nproc']}, {mach['cpu']}, Python {mach['python']}, torch {mach['torch']} "
         f"(default intra-op threads {mach['torch_threads']}), NumPy {mach['numpy']}. Load average (1 min) "
         f"before -> after each benchmark is in its section; the machine is shared with other jobs, so the "
-        f"ratios below compare against a baseline measured in the same script, minutes apart at most.")
-    busy = [k for k, r in runs.items() if max(r.load_before[0], r.load_after[0]) > int(mach["nproc"])]
+        f"ratios below compare against a baseline measured in the same script, minutes apart at most."
+    )
+    busy = [
+        k for k, r in runs.items() if max(r.load_before[0], r.load_after[0]) > int(mach["nproc"])
+    ]
     if busy:
         add("")
-        add(f"The 1-minute load exceeded the {mach['nproc']} cores during: {', '.join(busy)}. There, wall-clock "
-            f"latencies and throughputs are inflated by other jobs; CPU times and same-script ratios less so.")
+        add(
+            f"The 1-minute load exceeded the {mach['nproc']} cores during: {', '.join(busy)}. There, wall-clock "
+            f"latencies and throughputs are inflated by other jobs; CPU times and same-script ratios less so."
+        )
     add("")
     add("### Targets at a glance")
     add("")
@@ -222,66 +325,90 @@ def render(runs: dict[str, Run], mach: dict[str, str], started: str, ended: str,
     add("|---|---|---|---|---|")
     # issue 3
     cli = rp.get("cli_ms")
-    add(f"| 3 | `trajstore replay` of a 256-sample step <= 0.7 s | {f(cli, '.0f')} ms wall "
+    add(
+        f"| 3 | `trajstore replay` of a 256-sample step <= 0.7 s | {f(cli, '.0f')} ms wall "
         f"({f(rp.get('cli_cpu_ms'), '.0f')} ms CPU) | "
-        f"{verdict(None if cli is None else cli <= 700, runs['replay'])} |")
+        f"{verdict(None if cli is None else cli <= 700, runs['replay'])} |"
+    )
     # issue 5
     q = cat.get("query", {})
     refs = f"{cat.get('refs', 0):,.0f}"
-    add(f"| 5 | divergence query over 10,000 steps <= 100 ms | `query_steps(first_divergent_stage=..., limit=1000)` "
+    add(
+        f"| 5 | divergence query over 10,000 steps <= 100 ms | `query_steps(first_divergent_stage=..., limit=1000)` "
         f"on {refs} synthetic step refs: p99 {f(q.get('p99'), '.1f')} ms ({f(q.get('rows'), '.0f')} rows) | "
-        f"{verdict(None if not q else q['p99'] <= 100, runs['catalog'])} |")
+        f"{verdict(None if not q else q['p99'] <= 100, runs['catalog'])} |"
+    )
     lk = cat.get("lookup", {})
     ss = sc.get("store_step", {})
-    add(f"| 5 | lookup by actor step id <= 10 ms | `catalog.lookup_step` on {refs} refs p99 {f(lk.get('p99'))} ms; "
+    add(
+        f"| 5 | lookup by actor step id <= 10 ms | `catalog.lookup_step` on {refs} refs p99 {f(lk.get('p99'))} ms; "
         f"`Store.step` on the distinct store p99 {f(ss.get('p99_ms'))} ms | "
         f"{verdict(None if not lk or not ss else max(lk['p99'], ss['p99_ms']) <= 10, runs['catalog'])}, "
-        f"{runs['scale'].load()} |")
+        f"{runs['scale'].load()} |"
+    )
     w1, w2 = sc.get("replay_all_w1", {}), sc.get("replay_all_w2", {})
     tok = truth.get("response_tokens_per_bundle")
     spb = truth.get("samples_per_bundle")
     per_tok = f"{tok / spb:.0f}" if tok and spb else "n/a"
-    add(f"| 5 | replay-all >= 10 bundles/s per worker, 256-sample bundles | cold cache, distinct bundles of "
+    add(
+        f"| 5 | replay-all >= 10 bundles/s per worker, 256-sample bundles | cold cache, distinct bundles of "
         f"{spb} samples x ~{per_tok} tokens: {f(w1.get('per_worker'))}/s with 1 worker, "
         f"{f(w2.get('per_worker'))}/s per worker with 2 | "
-        f"{verdict(None if not w1 or not w2 else min(w1['per_worker'], w2['per_worker']) >= 10, runs['scale'])} |")
+        f"{verdict(None if not w1 or not w2 else min(w1['per_worker'], w2['per_worker']) >= 10, runs['scale'])} |"
+    )
     gs, gf = sc.get("get_step", {}), sc.get("get_step_first", {})
-    add(f"| 6 | `GET /v1/runs/{{run}}/steps/{{r}}:{{s}}` p99 <= 10 ms (target at 10,000 steps) | "
+    add(
+        f"| 6 | `GET /v1/runs/{{run}}/steps/{{r}}:{{s}}` p99 <= 10 ms (target at 10,000 steps) | "
         f"{truth.get('steps', 'n/a')} steps (not 10,000: see REST): repeated p99 {f(gs.get('p99_ms'))} ms; "
         f"first touch of each step, {'cold' if sc.get('cold') else 'warm'} cache, p99 {f(gf.get('p99_ms'))} ms | "
-        f"{verdict(None if not gs or not gf else max(gs['p99_ms'], gf['p99_ms']) <= 10, runs['scale'])} |")
+        f"{verdict(None if not gs or not gf else max(gs['p99_ms'], gf['p99_ms']) <= 10, runs['scale'])} |"
+    )
     dl = sc.get("download", {})
     best = max(dl.get("raw_ratio", 0), dl.get("npy_ratio", 0)) if dl else None
-    add(f"| 6 | payload download >= 0.5x torch.load | {f(dl.get('bytes', 0) / 1e3 if dl else None, ',.0f')} kB "
+    add(
+        f"| 6 | payload download >= 0.5x torch.load | {f(dl.get('bytes', 0) / 1e3 if dl else None, ',.0f')} kB "
         f"`log_probs`: repeated {f(best)}x (best format), first download after a cache drop "
         f"{f(dl.get('first_ratio'))}x; bare-HTTP ceiling here {f(g['ceiling'].get('ratio'), '.3f')}x | "
-        f"{verdict(None if not dl else min(best, dl['first_ratio']) >= 0.5, runs['scale'])} |")
+        f"{verdict(None if not dl else min(best, dl['first_ratio']) >= 0.5, runs['scale'])} |"
+    )
     # issue 4
     ing, cdc = st.get("ingest", {}), st.get("cdc", {})
     if ing and cdc:
-        add(f"| 4 | physical/logical <= 0.25 on the routed long run | {ing['ratio']:.3f} "
-            f"({st.get('logical_mb', 0):.0f} MB run) | {verdict(ing['ratio'] <= 0.25, runs['store'])} |")
-        add(f"| 4 | ingest throughput >= the FastCDC+zstd baseline | {ing['mbps']:.0f} MB/s vs {cdc['mbps']:.0f} MB/s "
-            f"= {ing['mbps'] / cdc['mbps']:.2f}x | {verdict(ing['mbps'] >= cdc['mbps'], runs['store'])} |")
+        add(
+            f"| 4 | physical/logical <= 0.25 on the routed long run | {ing['ratio']:.3f} "
+            f"({st.get('logical_mb', 0):.0f} MB run) | {verdict(ing['ratio'] <= 0.25, runs['store'])} |"
+        )
+        add(
+            f"| 4 | ingest throughput >= the FastCDC+zstd baseline | {ing['mbps']:.0f} MB/s vs {cdc['mbps']:.0f} MB/s "
+            f"= {ing['mbps'] / cdc['mbps']:.2f}x | {verdict(ing['mbps'] >= cdc['mbps'], runs['store'])} |"
+        )
     else:
-        add("| 4 | physical/logical <= 0.25; ingest >= FastCDC+zstd | benchmark failed | not measured | |")
+        add(
+            "| 4 | physical/logical <= 0.25; ingest >= FastCDC+zstd | benchmark failed | not measured | |"
+        )
     # issue 7
     if cap:
         ok7 = cap["block_ratio"] <= 1.05 and cap["dropped"] == 0
         lo, hi = min(cap["block_ratios"]), max(cap["block_ratios"])
         # the target's margin is 5%: repetitions that disagree by more than 10% cannot decide it
         noisy = f"repetitions range {lo:.2f}-{hi:.2f}x" if hi - lo > 0.10 else ""
-        add(f"| 7 | capture overhead <= 1.05x, no drops | {cap['block_ratio']:.3f}x whole run incl. final flush, "
+        add(
+            f"| 7 | capture overhead <= 1.05x, no drops | {cap['block_ratio']:.3f}x whole run incl. final flush, "
             f"median of {cap['reps']} reps (torch threads {cap['torch_threads']}), {cap['dropped']} dropped | "
-            f"{verdict(ok7, runs['capture'], noisy)} |")
+            f"{verdict(ok7, runs['capture'], noisy)} |"
+        )
     else:
         add("| 7 | capture overhead <= 1.05x, no drops | benchmark failed | not measured | |")
     # issue 8
     if rt:
-        add(f"| 8 | train routes (R3, identical) < 1% of one route tensor's stored size | {rt['equal_delta_bytes']} B | "
-            f"{verdict(rt['equal_delta_bytes'] < 0.01 * rt['base_stored_bytes'], runs['routes'])} |")
-        add(f"| 8 | train routes <= 0.35x with ~18% differing | {rt['differing_token_layers']:.1%} of token-layers "
-            f"with the whole top-k redrawn: {rt['delta_vs_base']:.3f}x | {verdict(rt['delta_vs_base'] <= 0.35, runs['routes'])} |")
+        add(
+            f"| 8 | train routes (R3, identical) < 1% of one route tensor's stored size | {rt['equal_delta_bytes']} B | "
+            f"{verdict(rt['equal_delta_bytes'] < 0.01 * rt['base_stored_bytes'], runs['routes'])} |"
+        )
+        add(
+            f"| 8 | train routes <= 0.35x with ~18% differing | {rt['differing_token_layers']:.1%} of token-layers "
+            f"with the whole top-k redrawn: {rt['delta_vs_base']:.3f}x | {verdict(rt['delta_vs_base'] <= 0.35, runs['routes'])} |"
+        )
     add("")
 
     # --- sections
@@ -292,145 +419,225 @@ def render(runs: dict[str, Run], mach: dict[str, str], started: str, ended: str,
         add(f"Command: `{r.command()}` ({r.seconds:.0f} s, exit {r.rc}, load {r.load()}). {intro}")
         add("")
 
-    section("Route delta storage (issue 8)", "routes",
-            "Train routes are the rollout routes with a fraction of token-layers whose whole top-k set is "
-            "redrawn (as `trajstore.examples.gen_long_run` does), written with `write_array(base=...)` as ingest does.")
+    section(
+        "Route delta storage (issue 8)",
+        "routes",
+        "Train routes are the rollout routes with a fraction of token-layers whose whole top-k set is "
+        "redrawn (as `trajstore.examples.gen_long_run` does), written with `write_array(base=...)` as ingest does.",
+    )
     if rt:
         add("| route payload | stored | bytes per token-layer | vs stored base | vs raw |")
         add("|---|---:|---:|---:|---:|")
         tl = rt["tokens"] * rt["shape"][1]
-        add(f"| rollout routes (base), {rt['tokens']:,} tokens x {rt['shape'][1]} x {rt['shape'][2]} uint8 | "
+        add(
+            f"| rollout routes (base), {rt['tokens']:,} tokens x {rt['shape'][1]} x {rt['shape'][2]} uint8 | "
             f"{rt['base_stored_bytes'] / 2**20:.2f} MiB | {rt['base_bytes_per_token_layer']:.2f} | 1 | "
-            f"{rt['base_stored_bytes'] / rt['raw_bytes']:.3f} |")
-        add(f"| train routes identical (R3), XOR delta | {rt['equal_delta_bytes']} B | "
+            f"{rt['base_stored_bytes'] / rt['raw_bytes']:.3f} |"
+        )
+        add(
+            f"| train routes identical (R3), XOR delta | {rt['equal_delta_bytes']} B | "
             f"{rt['equal_delta_bytes'] / tl:.2f} | {rt['equal_delta_bytes'] / rt['base_stored_bytes']:.3f} | "
-            f"{rt['equal_delta_bytes'] / rt['raw_bytes']:.3f} |")
-        add(f"| train routes, {rt['differing_token_layers']:.1%} redrawn, XOR delta | "
+            f"{rt['equal_delta_bytes'] / rt['raw_bytes']:.3f} |"
+        )
+        add(
+            f"| train routes, {rt['differing_token_layers']:.1%} redrawn, XOR delta | "
             f"{rt['delta_stored_bytes'] / 2**20:.2f} MiB | {rt['delta_bytes_per_token_layer']:.2f} | "
-            f"**{rt['delta_vs_base']:.3f}** | {rt['delta_vs_raw']:.3f} |")
+            f"**{rt['delta_vs_base']:.3f}** | {rt['delta_vs_raw']:.3f} |"
+        )
         add("")
-        add("A redrawn token-layer carries 8 new random ids (7 bits each), so the delta cannot be much smaller "
+        add(
+            "A redrawn token-layer carries 8 new random ids (7 bits each), so the delta cannot be much smaller "
             "than 18% x 7 B = 1.26 B per token-layer plus where the changes are; the earlier 0.046x came from "
-            "changing one id by one.")
+            "changing one id by one."
+        )
         add("")
 
-    section("Replay at scale and REST (issues 5 and 6)", "scale",
-            "The store is built in the same run by `make_big_store.py --distinct`: every bundle has its own "
-            "seeded content (no templates, no hard links); each step shares its rollout's rewards, old/ref "
-            "log-probs and advantages (as in a real run) and draws its own `log_probs` and `entropy`.")
+    section(
+        "Replay at scale and REST (issues 5 and 6)",
+        "scale",
+        "The store is built in the same run by `make_big_store.py --distinct`: every bundle has its own "
+        "seeded content (no templates, no hard links); each step shares its rollout's rewards, old/ref "
+        "log-probs and advantages (as in a real run) and draws its own `log_probs` and `entropy`.",
+    )
     if sc:
         cold = "cold" if sc.get("cold") else "warm"
-        add(f"Store: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} rollouts, "
+        add(
+            f"Store: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} rollouts, "
             f"{spb} samples per bundle, {tok:,} response tokens per bundle on average (~{per_tok} per sample), "
             f"{sc['store_bytes'] / 1e6:.0f} MB on disk; built in {truth['build_seconds']:.0f} s. Faulty rollouts "
             f"{truth['faulty_rollouts']}, wrong-clip steps {truth['clip_steps']}. Page cache: {cold} "
-            f"(`--cold` drops it before each replay run, before the server starts and before the first download).")
+            f"(`--cold` drops it before each replay run, before the server starts and before the first download)."
+        )
         add("")
         add("| measurement | value |")
         add("|---|---:|")
         d = sc["dir"]
-        add(f"| replay of the same bundles exported to directories, 1 process ({cold}) | {d['bps']:.2f} bundles/s "
-            f"({d['bundles']} bundles) |")
+        add(
+            f"| replay of the same bundles exported to directories, 1 process ({cold}) | {d['bps']:.2f} bundles/s "
+            f"({d['bundles']} bundles) |"
+        )
         nl = sc["stored_nolink"]
-        add(f"| `replay_stored(link=False)` in process ({cold}) | {nl['bps']:.2f} bundles/s "
-            f"({nl['bps'] / d['bps']:.2f}x dir) |")
+        add(
+            f"| `replay_stored(link=False)` in process ({cold}) | {nl['bps']:.2f} bundles/s "
+            f"({nl['bps'] / d['bps']:.2f}x dir) |"
+        )
         for w, x in ((1, w1), (2, w2)):
-            add(f"| `replay_all` workers={w} ({cold}) | **{x['bps']:.2f} bundles/s = {x['per_worker']:.2f} per worker** "
-                f"({x['bps'] / d['bps']:.2f}x dir); pass {x['passed']}, diverged {x['diverged']} |")
+            add(
+                f"| `replay_all` workers={w} ({cold}) | **{x['bps']:.2f} bundles/s = {x['per_worker']:.2f} per worker** "
+                f"({x['bps'] / d['bps']:.2f}x dir); pass {x['passed']}, diverged {x['diverged']} |"
+            )
         if "record" in sc:
             rec = sc["record"]
-            add(f"| `replay_all --record` workers=2, whole store | {rec['bundles']} bundles in {rec['seconds']:.0f} s "
-                f"= {rec['bps']:.2f} bundles/s; histogram {rec['histogram']} |")
+            add(
+                f"| `replay_all --record` workers=2, whole store | {rec['bundles']} bundles in {rec['seconds']:.0f} s "
+                f"= {rec['bps']:.2f} bundles/s; histogram {rec['histogram']} |"
+            )
         tc = sc.get("truth_check", {})
-        add(f"| ground truth: reward.post_process steps / wrong-clip steps / rooted in rollouts | "
-            f"{tc.get('reward_steps')} / {tc.get('clip_steps')} / {tc.get('rooted')} |")
-        for name, k in (("divergence query, limit=1000", "query"), ("`catalog.lookup_step`", "lookup_step"),
-                        ("`Store.step`", "store_step")):
+        add(
+            f"| ground truth: reward.post_process steps / wrong-clip steps / rooted in rollouts | "
+            f"{tc.get('reward_steps')} / {tc.get('clip_steps')} / {tc.get('rooted')} |"
+        )
+        for name, k in (
+            ("divergence query, limit=1000", "query"),
+            ("`catalog.lookup_step`", "lookup_step"),
+            ("`Store.step`", "store_step"),
+        ):
             x = sc[k]
             add(f"| {name} | p50 {x['p50_ms']:.2f} ms, p99 {x['p99_ms']:.2f} ms (n={x['n']}) |")
         add(f"| server start (catalog sync + view, {cold}) | {sc['server_ready_s']:.1f} s |")
-        add(f"| GET step, first touch of each of {gf['n']} steps ({cold}) | p50 {gf['p50_ms']:.2f} ms, "
-            f"p99 {gf['p99_ms']:.2f} ms, max {gf['max_ms']:.1f} ms |")
-        add(f"| GET step, {gs['n']} random requests after 200 warm-up | p50 {gs['p50_ms']:.2f} ms, "
-            f"**p99 {gs['p99_ms']:.2f} ms**; body {gs['body_bytes']:,} B |")
-        add(f"| `log_probs` download, first after a cache drop: torch.load / GET raw | {dl['first_load_ms']:.1f} ms / "
-            f"{dl['first_get_ms']:.1f} ms = **{dl['first_ratio']:.2f}x** |")
-        add(f"| `log_probs` download, repeated (median of 20): torch.load / npy / raw | {dl['load_ms']:.2f} / "
-            f"{dl['npy_ms']:.2f} / {dl['raw_ms']:.2f} ms = **{dl['npy_ratio']:.2f}x / {dl['raw_ratio']:.2f}x** |")
+        add(
+            f"| GET step, first touch of each of {gf['n']} steps ({cold}) | p50 {gf['p50_ms']:.2f} ms, "
+            f"p99 {gf['p99_ms']:.2f} ms, max {gf['max_ms']:.1f} ms |"
+        )
+        add(
+            f"| GET step, {gs['n']} random requests after 200 warm-up | p50 {gs['p50_ms']:.2f} ms, "
+            f"**p99 {gs['p99_ms']:.2f} ms**; body {gs['body_bytes']:,} B |"
+        )
+        add(
+            f"| `log_probs` download, first after a cache drop: torch.load / GET raw | {dl['first_load_ms']:.1f} ms / "
+            f"{dl['first_get_ms']:.1f} ms = **{dl['first_ratio']:.2f}x** |"
+        )
+        add(
+            f"| `log_probs` download, repeated (median of 20): torch.load / npy / raw | {dl['load_ms']:.2f} / "
+            f"{dl['npy_ms']:.2f} / {dl['raw_ms']:.2f} ms = **{dl['npy_ratio']:.2f}x / {dl['raw_ratio']:.2f}x** |"
+        )
         add("")
-        add(f"Scaled down from the targets' 10,000 steps: {truth['steps']} distinct steps of ~{per_tok} tokens per "
+        add(
+            f"Scaled down from the targets' 10,000 steps: {truth['steps']} distinct steps of ~{per_tok} tokens per "
             "sample are what can be generated, ingested and replayed within the 15-minute budget on 2 cores. "
             "Replay throughput per bundle does not depend on the number of bundles in the store; the step "
-            "GET and the catalog queries do, and are measured at 10,000 refs by the catalog benchmark below.")
+            "GET and the catalog queries do, and are measured at 10,000 refs by the catalog benchmark below."
+        )
         add("")
     r = runs["ceiling"]
-    add(f"HTTP ceiling: `{r.command()}` (load {r.load()}): a bare FastAPI endpoint returning 16 MiB from memory "
-        f"reaches {f(g['ceiling'].get('ratio'), '.3f')}x of a page-cache torch.load here, no trajstore code involved.")
+    add(
+        f"HTTP ceiling: `{r.command()}` (load {r.load()}): a bare FastAPI endpoint returning 16 MiB from memory "
+        f"reaches {f(g['ceiling'].get('ratio'), '.3f')}x of a page-cache torch.load here, no trajstore code involved."
+    )
     add("")
 
-    section("Capture overhead (issue 7)", "capture",
-            "The tiny CPU GRPO loop with capture on vs off, interleaved blocks in one process; every rollout and "
-            "step is captured (the worst case). torch keeps its default intra-op threads (what a trainer uses). "
-            "The headline ratio is whole-block wall time on / off, with capture's final `close()` flush counted.")
+    section(
+        "Capture overhead (issue 7)",
+        "capture",
+        "The tiny CPU GRPO loop with capture on vs off, interleaved blocks in one process; every rollout and "
+        "step is captured (the worst case). torch keeps its default intra-op threads (what a trainer uses). "
+        "The headline ratio is whole-block wall time on / off, with capture's final `close()` flush counted.",
+    )
     if cap:
         add("| measurement | value |")
         add("|---|---:|")
-        add(f"| workload | hidden {cap['hidden']}, vocab {cap['vocab']}, {cap['samples_per_rollout']} samples x "
+        add(
+            f"| workload | hidden {cap['hidden']}, vocab {cap['vocab']}, {cap['samples_per_rollout']} samples x "
             f"<= {cap['max_response']} tokens, {cap['steps_per_block']} steps per block, {cap['reps']} reps, "
-            f"torch threads {cap['torch_threads']} |")
-        add(f"| step time off / on (medians) | {cap['step_off_ms']:.1f} ms / {cap['step_on_ms']:.1f} ms |")
-        add(f"| **ratio on/off, whole block incl. final flush (median of reps)** | **{cap['block_ratio']:.3f}x** "
-            f"(per rep {', '.join(f'{x:.2f}' for x in cap['block_ratios'])}) |")
+            f"torch threads {cap['torch_threads']} |"
+        )
+        add(
+            f"| step time off / on (medians) | {cap['step_off_ms']:.1f} ms / {cap['step_on_ms']:.1f} ms |"
+        )
+        add(
+            f"| **ratio on/off, whole block incl. final flush (median of reps)** | **{cap['block_ratio']:.3f}x** "
+            f"(per rep {', '.join(f'{x:.2f}' for x in cap['block_ratios'])}) |"
+        )
         add(f"| ratio on/off, median step | {cap['step_ratio']:.3f}x |")
         add(f"| ratio on/off, fastest step | {cap['fastest_ratio']:.3f}x |")
         add(f"| training-thread CPU ratio | {cap['cpu_ratio']:.3f}x |")
-        add(f"| bundles written / dropped (queue {cap['queue_size']}) | {cap['written']} / {cap['dropped']} |")
+        add(
+            f"| bundles written / dropped (queue {cap['queue_size']}) | {cap['written']} / {cap['dropped']} |"
+        )
         add(f"| `close()` flush, median | {cap['flush_ms']:.1f} ms |")
         add("")
 
-    section("Single-bundle replay (issue 3)", "replay",
-            "Two synthetic consistent step bundles (~1k response tokens per sample), page cache warm; "
-            "the CLI timing includes process start and imports.")
+    section(
+        "Single-bundle replay (issue 3)",
+        "replay",
+        "Two synthetic consistent step bundles (~1k response tokens per sample), page cache warm; "
+        "the CLI timing includes process start and imports.",
+    )
     if rp:
         add("| measurement | value |")
         add("|---|---:|")
-        add(f"| 512-sample step | {rp.get('tokens', 0):,.0f} tokens, {rp.get('mib', 0):.1f} MiB of payloads |")
-        add(f"| torch.load of every payload / replay in process, 512 samples | {f(rp.get('load_ms'), '.1f')} ms / "
-            f"{f(rp.get('replay512_ms'), '.1f')} ms |")
+        add(
+            f"| 512-sample step | {rp.get('tokens', 0):,.0f} tokens, {rp.get('mib', 0):.1f} MiB of payloads |"
+        )
+        add(
+            f"| torch.load of every payload / replay in process, 512 samples | {f(rp.get('load_ms'), '.1f')} ms / "
+            f"{f(rp.get('replay512_ms'), '.1f')} ms |"
+        )
         add(f"| replay in process, 256 samples | {f(rp.get('replay256_ms'), '.1f')} ms |")
-        add(f"| **`trajstore replay`, 256 samples, wall / CPU** | **{f(cli, '.0f')} ms** / "
-            f"{f(rp.get('cli_cpu_ms'), '.0f')} ms |")
-        add(f"| `trajstore --help`, wall / CPU | {f(rp.get('help_ms'), '.0f')} ms / {f(rp.get('help_cpu_ms'), '.0f')} ms |")
+        add(
+            f"| **`trajstore replay`, 256 samples, wall / CPU** | **{f(cli, '.0f')} ms** / "
+            f"{f(rp.get('cli_cpu_ms'), '.0f')} ms |"
+        )
+        add(
+            f"| `trajstore --help`, wall / CPU | {f(rp.get('help_ms'), '.0f')} ms / {f(rp.get('help_cpu_ms'), '.0f')} ms |"
+        )
         add("")
 
-    section("Catalog (issue 5)", "catalog",
-            f"{cat.get('refs', 0):,.0f} synthetic step refs (8-32 samples, 1 in 10 with 2 ranks), one result each, 10% diverged.")
+    section(
+        "Catalog (issue 5)",
+        "catalog",
+        f"{cat.get('refs', 0):,.0f} synthetic step refs (8-32 samples, 1 in 10 with 2 ranks), one result each, 10% diverged.",
+    )
     if cat:
         add("| measurement | value |")
         add("|---|---:|")
         add(f"| sync | {f(cat['sync'].get('s'), '.1f')} s |")
-        for name, k in (("`lookup_step` (300 random)", "lookup"),
-                        ("`query_steps(first_divergent_stage, limit=1000)` (30 runs)", "query"),
-                        ("`query_steps(run, limit=100)` (30 runs)", "query_run")):
+        for name, k in (
+            ("`lookup_step` (300 random)", "lookup"),
+            ("`query_steps(first_divergent_stage, limit=1000)` (30 runs)", "query"),
+            ("`query_steps(run, limit=100)` (30 runs)", "query_run"),
+        ):
             x = cat[k]
-            add(f"| {name} | median {f(x.get('med'))} ms, p95 {f(x.get('p95'))} ms, p99 {f(x.get('p99'))} ms |")
+            add(
+                f"| {name} | median {f(x.get('med'))} ms, p95 {f(x.get('p95'))} ms, p99 {f(x.get('p99'))} ms |"
+            )
         add("")
 
-    section("Store bytes and ingest (issue 4)", "store",
-            "A routed long run from `trajstore.examples.gen_long_run` (routes [T, 48, 8], 18% of train-route "
-            "token-layers redrawn, 10% resumed steps), scaled down from 6 rollouts x 4 steps x 128 samples.")
+    section(
+        "Store bytes and ingest (issue 4)",
+        "store",
+        "A routed long run from `trajstore.examples.gen_long_run` (routes [T, 48, 8], 18% of train-route "
+        "token-layers redrawn, 10% resumed steps), scaled down from 6 rollouts x 4 steps x 128 samples.",
+    )
     if st and ing:
-        add(f"{st.get('bundles', 0):.0f} bundles, {st.get('logical_mb', 0):.0f} MB of bundle files.")
+        add(
+            f"{st.get('bundles', 0):.0f} bundles, {st.get('logical_mb', 0):.0f} MB of bundle files."
+        )
         add("")
         add("| method | physical/logical | MB/s | vs torch.save |")
         add("|---|---:|---:|---:|")
         add(f"| torch.save (payloads only) | - | {st['save'].get('mbps', 0):.0f} | 1.00 |")
-        for name, k in (("zstd-3 per file", "zstd"), ("FastCDC 16K + zstd-3 (no writes)", "cdc"),
-                        ("trajstore ingest (validated, fsync)", "ingest")):
+        for name, k in (
+            ("zstd-3 per file", "zstd"),
+            ("FastCDC 16K + zstd-3 (no writes)", "cdc"),
+            ("trajstore ingest (validated, fsync)", "ingest"),
+        ):
             x = st[k]
             add(f"| {name} | {x['ratio']:.3f} | {x['mbps']:.0f} | {x['vs_save']:.2f} |")
         add("")
-        add(f"Route bytes per token-layer (`trajstore stats`, both route tensors): {f(st.get('route_btl'))}.")
+        add(
+            f"Route bytes per token-layer (`trajstore stats`, both route tensors): {f(st.get('route_btl'))}."
+        )
         add("")
     return "\n".join(L)
 
@@ -443,12 +650,20 @@ def rerender(work: Path, log: Path) -> tuple[dict[str, Run], dict[str, str], str
     if m is None or g is None:
         raise SystemExit(f"{log}: not the console log of a finished run_all")
     runs: dict[str, Run] = {}
-    for key, command, before in re.findall(r"^== (\w+): (\.venv/bin/python .+?)  \(load ([\d.]+)\)$", text, re.M):
+    for key, command, before in re.findall(
+        r"^== (\w+): (\.venv/bin/python .+?)  \(load ([\d.]+)\)$", text, re.M
+    ):
         end = re.search(rf"^== {key}: (\d+) s, exit (-?\d+), load [\d.]+ -> ([\d.]+)$", text, re.M)
         if end is None:
             raise SystemExit(f"{log}: {key} did not finish")
-        r = Run(key, ["python", *command.split()[1:]], rc=int(end[2]), seconds=float(end[1]),
-                load_before=(float(before), 0.0, 0.0), load_after=(float(end[3]), 0.0, 0.0))
+        r = Run(
+            key,
+            ["python", *command.split()[1:]],
+            rc=int(end[2]),
+            seconds=float(end[1]),
+            load_before=(float(before), 0.0, 0.0),
+            load_after=(float(end[3]), 0.0, 0.0),
+        )
         r.stdout = (work / f"{key}.log").read_text().split("\n--- stderr ---\n")[0]
         js = work / f"{key}.json"
         if r.ok:
@@ -471,16 +686,36 @@ def write_doc(doc: Path, block: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline, numbers not meaningful")
-    ap.add_argument("--workdir", type=Path, help="stores and logs go here (kept); default: a temp dir, removed")
-    ap.add_argument("--doc", type=Path, help=f"doc to update (default {DOC.relative_to(ROOT)}; not with --quick)")
-    ap.add_argument("--no-cold", action="store_true", help="do not drop the page cache (figures are then warm)")
-    ap.add_argument("--render-from", type=Path, metavar="WORKDIR",
-                    help="run nothing: rewrite the tables from a finished run's kept --workdir (its run_all.log)")
-    ap.add_argument("--log", type=Path, help="with --render-from: the console log (default WORKDIR/run_all.log)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes: checks the pipeline, numbers not meaningful",
+    )
+    ap.add_argument(
+        "--workdir", type=Path, help="stores and logs go here (kept); default: a temp dir, removed"
+    )
+    ap.add_argument(
+        "--doc",
+        type=Path,
+        help=f"doc to update (default {DOC.relative_to(ROOT)}; not with --quick)",
+    )
+    ap.add_argument(
+        "--no-cold", action="store_true", help="do not drop the page cache (figures are then warm)"
+    )
+    ap.add_argument(
+        "--render-from",
+        type=Path,
+        metavar="WORKDIR",
+        help="run nothing: rewrite the tables from a finished run's kept --workdir (its run_all.log)",
+    )
+    ap.add_argument(
+        "--log", type=Path, help="with --render-from: the console log (default WORKDIR/run_all.log)"
+    )
     args = ap.parse_args()
     if args.render_from:
-        runs, mach, started, ended, cmd, size = rerender(args.render_from, args.log or args.render_from / "run_all.log")
+        runs, mach, started, ended, cmd, size = rerender(
+            args.render_from, args.log or args.render_from / "run_all.log"
+        )
         block = render(runs, mach, started, ended, cmd, size, rerendered=True)
         print(block)
         write_doc(args.doc or DOC, block)
@@ -495,8 +730,11 @@ def main() -> int:
     store = work / "scale-store"
     if store.exists():
         shutil.rmtree(store)
-    cmd = "make bench" if os.environ.get("TRAJSTORE_BENCH_VIA_MAKE") else \
-        " ".join([".venv/bin/python", "scripts/bench/run_all.py", *sys.argv[1:]])
+    cmd = (
+        "make bench"
+        if os.environ.get("TRAJSTORE_BENCH_VIA_MAKE")
+        else " ".join([".venv/bin/python", "scripts/bench/run_all.py", *sys.argv[1:]])
+    )
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     mach = machine()
     say(f"machine {mach}; load {os.getloadavg()}; workdir {work}")
@@ -505,13 +743,22 @@ def main() -> int:
     try:
         runs["routes"] = run("routes", "bench_routes.py", S["routes"], work, True)
         runs["capture"] = run("capture", "bench_capture.py", S["capture"], work, True)
-        runs["scale"] = run("scale", "bench_replay_all.py", ["--build", str(store), "--distinct", *S["scale"], *cold],
-                            work, True)
+        runs["scale"] = run(
+            "scale",
+            "bench_replay_all.py",
+            ["--build", str(store), "--distinct", *S["scale"], *cold],
+            work,
+            True,
+        )
         shutil.rmtree(store, ignore_errors=True)
         runs["ceiling"] = run("ceiling", "bench_http_ceiling.py", [], work, False)
         runs["replay"] = run("replay", "bench_replay.py", S["replay"], work, False)
-        runs["catalog"] = run("catalog", "bench_catalog.py", [*S["catalog"], "--dir", str(work)], work, False)
-        runs["store"] = run("store", "bench_store.py", [*S["store"], "--workdir", str(work)], work, False)
+        runs["catalog"] = run(
+            "catalog", "bench_catalog.py", [*S["catalog"], "--dir", str(work)], work, False
+        )
+        runs["store"] = run(
+            "store", "bench_store.py", [*S["store"], "--workdir", str(work)], work, False
+        )
         for r in runs.values():
             if r.ok and not r.data:
                 parse_printed(r)

@@ -22,7 +22,9 @@ def parse_step(text: str) -> tuple[int, int]:
     """Parse an actor step id ``R:S`` (non-negative ints)."""
     m = _STEP_ARG.match(text.strip()) if isinstance(text, str) else None
     if not m:
-        raise UsageError(f"step id {text!r} is not ROLLOUT:STEP with non-negative integers (e.g. 120:0)")
+        raise UsageError(
+            f"step id {text!r} is not ROLLOUT:STEP with non-negative integers (e.g. 120:0)"
+        )
     return int(m.group(1)), int(m.group(2))
 
 
@@ -49,12 +51,18 @@ def list_capture(path: Path) -> list[Path]:
     """The step and rollout bundle directories directly under a capture directory."""
     out = []
     for child in sorted(path.iterdir()) if path.is_dir() else []:
-        if child.is_dir() and not child.is_symlink() and (STEP_DIR.match(child.name) or ROLLOUT_DIR.match(child.name)):
+        if (
+            child.is_dir()
+            and not child.is_symlink()
+            and (STEP_DIR.match(child.name) or ROLLOUT_DIR.match(child.name))
+        ):
             out.append(child)
     return out
 
 
-def resolve_target(path: Path | str, *, step: tuple[int, int] | None = None, rollout: int | None = None) -> Path:
+def resolve_target(
+    path: Path | str, *, step: tuple[int, int] | None = None, rollout: int | None = None
+) -> Path:
     """The bundle/cohort directory a CLI target plus ``--step``/``--rollout`` names."""
     path = Path(path)
     if step is not None and rollout is not None:

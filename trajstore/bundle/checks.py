@@ -53,11 +53,15 @@ def sample_record_problems(samples: list[Sample]) -> list[str]:
                 f"{where}: response_length {s.response_length} not in (0, total_length {s.total_length}]"
             )
         if len(s.loss_mask) != s.response_length:
-            out.append(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {s.response_length}")
+            out.append(
+                f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {s.response_length}"
+            )
         if bool in set(map(type, s.loss_mask)) or not set(s.loss_mask) <= {0, 1}:
             out.append(f"{where}: loss_mask values must be 0 or 1")
         if isinstance(s.reward, list) and len(s.reward) != s.response_length:
-            out.append(f"{where}: per-token reward has {len(s.reward)} entries, response_length is {s.response_length}")
+            out.append(
+                f"{where}: per-token reward has {len(s.reward)} entries, response_length is {s.response_length}"
+            )
     return out
 
 
@@ -67,7 +71,9 @@ def group_problems(bundle: Bundle) -> list[str]:
     samples = bundle.index.samples
     missing = [s.sample_id for s in samples if s.group_index is None]
     if missing:
-        out.append(f"sample(s) {', '.join(missing[:5])} have no group_index (semantic group unknown)")
+        out.append(
+            f"sample(s) {', '.join(missing[:5])} have no group_index (semantic group unknown)"
+        )
     sizes = Counter(s.group_index for s in samples if s.group_index is not None)
     n = bundle.index.config.get("n_samples_per_prompt")
     if isinstance(n, int) and bundle.index.identity.kind == "rollout":
@@ -79,7 +85,9 @@ def group_problems(bundle: Bundle) -> list[str]:
         present = {f"g-{g}" for g in sizes}
         undeclared = sorted(present - set(declared))
         if undeclared:
-            out.append(f"group(s) {', '.join(undeclared)} not listed in identity.semantic_group_ids")
+            out.append(
+                f"group(s) {', '.join(undeclared)} not listed in identity.semantic_group_ids"
+            )
     return out
 
 
@@ -96,7 +104,9 @@ def payload_problems(bundle: Bundle) -> list[str]:
             out.append(str(exc))
             continue
         if name in PER_TOKEN_PAYLOADS and t.shape != (n_resp,):
-            out.append(f"payload '{name}': shape {list(t.shape)}, samples have {n_resp} response tokens")
+            out.append(
+                f"payload '{name}': shape {list(t.shape)}, samples have {n_resp} response tokens"
+            )
         if name in ROUTE_PAYLOADS and (len(t.shape) != 3 or t.shape[0] != n_total):
             out.append(f"payload '{name}': shape {list(t.shape)}, expected [{n_total}, L, K]")
         arr = t.array
@@ -104,12 +114,16 @@ def payload_problems(bundle: Bundle) -> list[str]:
             bad = ~np.isfinite(arr)
             if bad.any():
                 first = int(np.flatnonzero(bad.reshape(-1))[0])
-                out.append(f"payload '{name}': {int(bad.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}")
+                out.append(
+                    f"payload '{name}': {int(bad.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}"
+                )
         elif t.dtype == "torch.bfloat16":
             exp_all_ones = (arr.reshape(-1) & 0x7F80) == 0x7F80
             if exp_all_ones.any():
                 first = int(np.flatnonzero(exp_all_ones)[0])
-                out.append(f"payload '{name}': {int(exp_all_ones.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}")
+                out.append(
+                    f"payload '{name}': {int(exp_all_ones.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}"
+                )
     return out
 
 

@@ -61,7 +61,15 @@ def convert_contents(
         contracts.pop(Stage.LOSS_VALUE, None)
     for c in contracts.values():
         c["version"] = version
-    known = {"bundle_id", "comparison_policy", "format_version", "payloads", "producer", "redaction", "stage_contracts"}
+    known = {
+        "bundle_id",
+        "comparison_policy",
+        "format_version",
+        "payloads",
+        "producer",
+        "redaction",
+        "stage_contracts",
+    }
     return BundleContents(
         bundle_id=m["bundle_id"],
         identity=identity,

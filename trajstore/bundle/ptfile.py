@@ -104,12 +104,16 @@ class PtTensor:
         return torch.from_numpy(arr.copy())
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):  # noqa: ANN001
+def _rebuild_tensor_v2(
+    storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None
+):  # noqa: ANN001
     if not isinstance(storage, _StorageRef):
         raise pickle.UnpicklingError("tensor storage is not a storage reference")
     if backward_hooks:
         raise pickle.UnpicklingError("tensor carries backward hooks")
-    return _TensorSpec(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+    return _TensorSpec(
+        storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    )
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

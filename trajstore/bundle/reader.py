@@ -85,7 +85,9 @@ class Bundle:
                 raise BundleError(f"{self.label}: no payload named '{name}'")
             t = read_pt_bytes(self.payload_file_bytes(name), label=f"payload '{name}'")
             if t.dtype != spec.dtype:
-                raise BundleError(f"payload '{name}': dtype {t.dtype}, manifest declares {spec.dtype}")
+                raise BundleError(
+                    f"payload '{name}': dtype {t.dtype}, manifest declares {spec.dtype}"
+                )
             if tuple(t.shape) != tuple(spec.shape):
                 raise BundleError(
                     f"payload '{name}': shape {list(t.shape)}, manifest declares {list(spec.shape)}"
@@ -169,7 +171,9 @@ def open_bundle(path: Path | str, *, verify_payloads: bool = False) -> Bundle:
     for name in METADATA_FILES:
         digest = sha256_bytes(raw[name])
         if complete.metadata[name] != digest:
-            raise BundleError(f"{name}: sha256 does not match COMPLETE (edited after the bundle was signed)")
+            raise BundleError(
+                f"{name}: sha256 does not match COMPLETE (edited after the bundle was signed)"
+            )
 
     shards: dict[int, RankShard] = {}
     owner: dict[str, int] = {}
@@ -181,7 +185,9 @@ def open_bundle(path: Path | str, *, verify_payloads: bool = False) -> Bundle:
         if shard.metadata != complete.metadata:
             raise BundleError(f"COMPLETE.{r}: metadata hashes differ from COMPLETE")
         if shard.anchor() != _anchor_of(index):
-            raise BundleError(f"COMPLETE.{r}: anchor {shard.anchor()} differs from index.json identity")
+            raise BundleError(
+                f"COMPLETE.{r}: anchor {shard.anchor()} differs from index.json identity"
+            )
         for name, digest in shard.payloads.items():
             if name in owner:
                 raise BundleError(f"payload '{name}' is owned by two ranks ({owner[name]} and {r})")
@@ -190,7 +196,9 @@ def open_bundle(path: Path | str, *, verify_payloads: bool = False) -> Bundle:
             if spec is None:
                 raise BundleError(f"COMPLETE.{r}: claims payload '{name}' absent from the manifest")
             if spec.sha256 != digest:
-                raise BundleError(f"COMPLETE.{r}: sha256 of payload '{name}' differs from the manifest")
+                raise BundleError(
+                    f"COMPLETE.{r}: sha256 of payload '{name}' differs from the manifest"
+                )
         shards[r] = shard
     missing = sorted(set(manifest.payloads) - set(owner))
     if missing:
@@ -281,13 +289,19 @@ def _children(path: Path) -> list[Path]:
 def open_cohort(path: Path, *, verify_payloads: bool = False) -> BundleSet:
     """Open a multi-rank cohort directory: every rank, checked against its shard."""
     if not (path / "COMPLETE").exists():
-        ranks = sorted(int(_RANK_DIR.match(p.name).group(1)) for p in _children(path) if _RANK_DIR.match(p.name))
+        ranks = sorted(
+            int(_RANK_DIR.match(p.name).group(1))
+            for p in _children(path)
+            if _RANK_DIR.match(p.name)
+        )
         raise BundleError(
             f"{path}: cohort is not complete (no cohort COMPLETE; rank dirs present: {ranks})"
         )
     cc = CohortComplete.from_dict(read_json(path / "COMPLETE", "cohort COMPLETE"))
     if sorted(cc.shards) != sorted(cc.ranks):
-        raise BundleError(f"{path}: cohort COMPLETE ranks {cc.ranks} and shards {sorted(cc.shards)} differ")
+        raise BundleError(
+            f"{path}: cohort COMPLETE ranks {cc.ranks} and shards {sorted(cc.shards)} differ"
+        )
     bundles = []
     anchors = set()
     for r in sorted(cc.ranks):
@@ -302,7 +316,9 @@ def open_cohort(path: Path, *, verify_payloads: bool = False) -> BundleSet:
         if on_disk.raw != shard.raw:
             raise BundleError(f"{path}: COMPLETE.{r} differs from the cohort COMPLETE's shard {r}")
         if sorted(shard.expected_ranks) != sorted(cc.ranks):
-            raise BundleError(f"{path}: shard {r} expects ranks {shard.expected_ranks}, cohort has {cc.ranks}")
+            raise BundleError(
+                f"{path}: shard {r} expects ranks {shard.expected_ranks}, cohort has {cc.ranks}"
+            )
         member = path / rel
         if not member.is_dir():
             raise BundleError(f"{path}: rank {r} directory {rel} is missing")
@@ -312,7 +328,9 @@ def open_cohort(path: Path, *, verify_payloads: bool = False) -> BundleSet:
         for name, digest in shard.payloads.items():
             spec = b.manifest.payloads.get(name)
             if spec is None or spec.sha256 != digest:
-                raise BundleError(f"{path}: rank {r} payload '{name}' differs from its cohort shard")
+                raise BundleError(
+                    f"{path}: rank {r} payload '{name}' differs from its cohort shard"
+                )
         anchors.add(repr(shard.anchor()))
         bundles.append(b)
     if len(anchors) != 1:

@@ -16,13 +16,17 @@ from trajstore.jsonio import read_json
 from trajstore.schema import Index, Manifest
 
 
-def _summary(manifest: Manifest | None, index: Index | None, expected: dict | None) -> dict[str, Any]:
+def _summary(
+    manifest: Manifest | None, index: Index | None, expected: dict | None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if manifest is not None:
         out["bundle_id"] = manifest.bundle_id
         out["format_version"] = manifest.format_version
         out["producer"] = manifest.producer
-        out["stage_capabilities"] = {k: c.capability for k, c in sorted(manifest.stage_contracts.items())}
+        out["stage_capabilities"] = {
+            k: c.capability for k, c in sorted(manifest.stage_contracts.items())
+        }
         out["payloads"] = {
             name: {"dtype": p.dtype, "shape": list(p.shape), "bytes": p.bytes}
             for name, p in sorted(manifest.payloads.items())
@@ -50,7 +54,9 @@ def _summary(manifest: Manifest | None, index: Index | None, expected: dict | No
             "masked_tokens": sum(sum(s.loss_mask) for s in samples),
         }
         out["groups"] = {str(g): n for g, n in sorted(groups.items(), key=lambda kv: str(kv[0]))}
-        out["micro_batches"] = {str(m): n for m, n in sorted(mbs.items(), key=lambda kv: str(kv[0]))}
+        out["micro_batches"] = {
+            str(m): n for m, n in sorted(mbs.items(), key=lambda kv: str(kv[0]))
+        }
         out["config"] = index.config
     if expected is not None:
         out["expected_stages"] = sorted(expected)
@@ -60,7 +66,11 @@ def _summary(manifest: Manifest | None, index: Index | None, expected: dict | No
 def _lenient(path: Path) -> dict[str, Any]:
     docs: dict[str, Any] = {}
     problems: list[str] = []
-    for name, model in (("manifest.json", Manifest), ("index.json", Index), ("expected.json", None)):
+    for name, model in (
+        ("manifest.json", Manifest),
+        ("index.json", Index),
+        ("expected.json", None),
+    ):
         try:
             d = read_json(path / name, name)
             docs[name] = model.from_dict(d) if model else d
@@ -82,7 +92,9 @@ def inspect_target(path: Path) -> dict[str, Any]:
         return out
     members = []
     for b in bset.bundles:
-        members.append({"path": str(b.path), "rank": b.rank, "warnings": b.warnings, **_bundle_summary(b)})
+        members.append(
+            {"path": str(b.path), "rank": b.rank, "warnings": b.warnings, **_bundle_summary(b)}
+        )
     return {
         "path": str(path),
         "complete": True,
@@ -128,14 +140,22 @@ def format_inspect(info: dict[str, Any]) -> str:
                 f"(masked-in {s['masked_tokens']})  total tokens {s['total_tokens']}"
             )
             lines.append("  groups: " + ", ".join(f"{g} x{n}" for g, n in m["groups"].items()))
-            lines.append("  micro-batches: " + ", ".join(f"{b} x{n}" for b, n in m["micro_batches"].items()))
+            lines.append(
+                "  micro-batches: " + ", ".join(f"{b} x{n}" for b, n in m["micro_batches"].items())
+            )
         if "producer" in m:
             p = m["producer"]
-            lines.append(f"  producer: commit {p.get('commit') or '(empty)'}  torch {p.get('torch_version')}")
+            lines.append(
+                f"  producer: commit {p.get('commit') or '(empty)'}  torch {p.get('torch_version')}"
+            )
         if "stage_capabilities" in m:
-            lines.append("  stages: " + ", ".join(f"{k}={v}" for k, v in m["stage_capabilities"].items()))
+            lines.append(
+                "  stages: " + ", ".join(f"{k}={v}" for k, v in m["stage_capabilities"].items())
+            )
         for name, p in m.get("payloads", {}).items():
-            lines.append(f"  payload {name:<24} {p['dtype']:<15} {str(p['shape']):<16} {p['bytes']} B")
+            lines.append(
+                f"  payload {name:<24} {p['dtype']:<15} {str(p['shape']):<16} {p['bytes']} B"
+            )
         for w in m.get("warnings", []):
             lines.append(f"  warning: {w}")
         for u in m.get("unreadable", []):

@@ -18,10 +18,22 @@ def validate_path(path: Path) -> dict[str, Any]:
     try:
         bset = open_target(path)
     except TrajstoreError as exc:
-        return {"path": str(path), "valid": False, "problems": [str(exc)], "warnings": [], "bundles": []}
+        return {
+            "path": str(path),
+            "valid": False,
+            "problems": [str(exc)],
+            "warnings": [],
+            "bundles": [],
+        }
     for b in bset.bundles:
         prefix = f"rank {b.rank}: " if bset.is_cohort else ""
         bundles.append(b.label)
         problems += [prefix + p for p in bundle_problems(b)]
         warnings += [prefix + w for w in bundle_warnings(b)]
-    return {"path": str(path), "valid": not problems, "problems": problems, "warnings": warnings, "bundles": bundles}
+    return {
+        "path": str(path),
+        "valid": not problems,
+        "problems": problems,
+        "warnings": warnings,
+        "bundles": bundles,
+    }

@@ -48,7 +48,9 @@ V1_STAGES: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-def default_stage_contracts(payloads: set[str], expected: dict[str, Any], samples: list[dict]) -> dict:
+def default_stage_contracts(
+    payloads: set[str], expected: dict[str, Any], samples: list[dict]
+) -> dict:
     """Declare the v1 stages whose inputs this bundle actually carries."""
     has_raw = bool(samples) and all("raw_reward" in s for s in samples)
     routes = {Payload.ROLLOUT_ROUTED_EXPERTS, Payload.TRAIN_ROUTED_EXPERTS}
@@ -58,7 +60,8 @@ def default_stage_contracts(payloads: set[str], expected: dict[str, Any], sample
         Stage.REWARD_POST_PROCESS: has_raw and Stage.REWARD_POST_PROCESS in expected,
         Stage.ADVANTAGE_KL: {Payload.KL} <= payloads,
         Stage.ADVANTAGE_ESTIMATE: {Payload.ADVANTAGES} <= payloads,
-        Stage.LOSS_POLICY: {Payload.OLD_LOG_PROBS, Payload.LOG_PROBS, Payload.ADVANTAGES} <= payloads
+        Stage.LOSS_POLICY: {Payload.OLD_LOG_PROBS, Payload.LOG_PROBS, Payload.ADVANTAGES}
+        <= payloads
         and Stage.LOSS_POLICY in expected,
         Stage.ROUTER_CONSISTENCY: routes <= payloads and Stage.ROUTER_CONSISTENCY in expected,
     }
@@ -131,7 +134,13 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
         # Never write what the reader refuses (e.g. complex dtypes).
         t = read_pt_bytes(data, label=f"payload '{name}'")
         dtype, shape = t.dtype, list(t.shape)
-    return {"bytes": len(data), "dtype": dtype, "name": name, "sha256": sha256_bytes(data), "shape": shape}
+    return {
+        "bytes": len(data),
+        "dtype": dtype,
+        "name": name,
+        "sha256": sha256_bytes(data),
+        "shape": shape,
+    }
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -241,7 +250,9 @@ def write_rank(
     if rank not in expected_ranks:
         raise BundleError(f"rank {rank} is not among expected ranks {expected_ranks}")
     cohort_dir.mkdir(parents=True, exist_ok=True)
-    member = write_bundle(cohort_dir / f"rank-{rank}", contents, rank=rank, expected_ranks=expected_ranks)
+    member = write_bundle(
+        cohort_dir / f"rank-{rank}", contents, rank=rank, expected_ranks=expected_ranks
+    )
     shard = read_json(member / f"COMPLETE.{rank}", f"COMPLETE.{rank}")
     shard["relpath"] = f"rank-{rank}"
     if not _atomic_create(cohort_dir / f"COMPLETE.{rank}", canonical_bytes(shard)):
@@ -269,7 +280,9 @@ def try_finalize(cohort_dir: Path | str) -> bool:
         return False
     expected = {tuple(sorted(s.expected_ranks)) for s in shards.values()}
     if len(expected) != 1:
-        raise BundleError(f"{cohort_dir}: cohort shards disagree on expected ranks {sorted(expected)}")
+        raise BundleError(
+            f"{cohort_dir}: cohort shards disagree on expected ranks {sorted(expected)}"
+        )
     want = list(expected.pop())
     if sorted(shards) != want:
         return False

@@ -66,10 +66,14 @@ def parse_bool(text: str, var: str) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise CaptureConfigError(f"{var}={text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+    raise CaptureConfigError(
+        f"{var}={text!r} is not a boolean (use 1/0, true/false, yes/no, on/off)"
+    )
 
 
-def parse_steps(text: str, var: str = "TRAJSTORE_CAPTURE_STEPS") -> frozenset[tuple[int, int]] | None:
+def parse_steps(
+    text: str, var: str = "TRAJSTORE_CAPTURE_STEPS"
+) -> frozenset[tuple[int, int]] | None:
     """``"120:0,120:1"`` -> {(120, 0), (120, 1)}; empty -> None (all steps)."""
     items = [p.strip() for p in text.split(",") if p.strip()]
     if not items:
@@ -149,8 +153,14 @@ class CaptureConfig:
             raise CaptureConfigError(
                 f"run name {self.run!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
             )
-        if isinstance(self.queue_size, bool) or not isinstance(self.queue_size, int) or self.queue_size < 1:
-            raise CaptureConfigError(f"queue_size must be a positive integer, got {self.queue_size!r}")
+        if (
+            isinstance(self.queue_size, bool)
+            or not isinstance(self.queue_size, int)
+            or self.queue_size < 1
+        ):
+            raise CaptureConfigError(
+                f"queue_size must be a positive integer, got {self.queue_size!r}"
+            )
         if self.enabled and (self.output_dir is None) == (self.store_dir is None):
             raise CaptureConfigError(
                 "capture is on but needs exactly one destination: TRAJSTORE_CAPTURE_DIR "
@@ -161,14 +171,25 @@ class CaptureConfig:
             ranks = tuple(sorted({int(r) for r in ranks}))
             set_(self, "producer_ranks", ranks)
             if not ranks or ranks[0] < 0:
-                raise CaptureConfigError(f"producer_ranks must be non-negative ints, got {self.producer_ranks}")
+                raise CaptureConfigError(
+                    f"producer_ranks must be non-negative ints, got {self.producer_ranks}"
+                )
         if ranks is not None and len(ranks) > 1 and self.rank not in ranks:
-            raise CaptureConfigError(f"rank {self.rank!r} is not among producer_ranks {list(ranks)}")
+            raise CaptureConfigError(
+                f"rank {self.rank!r} is not among producer_ranks {list(ranks)}"
+            )
         if self.rollout_ranks is not None:
             set_(self, "rollout_ranks", tuple(sorted({int(r) for r in self.rollout_ranks})))
         for k, v in (self.parallel or {}).items():
-            if k not in ("dp", "tp", "pp", "cp") or isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CaptureConfigError(f"parallel[{k!r}]={v!r}: keys dp/tp/pp/cp, positive int world sizes")
+            if (
+                k not in ("dp", "tp", "pp", "cp")
+                or isinstance(v, bool)
+                or not isinstance(v, int)
+                or v < 1
+            ):
+                raise CaptureConfigError(
+                    f"parallel[{k!r}]={v!r}: keys dp/tp/pp/cp, positive int world sizes"
+                )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CaptureConfig:

@@ -57,7 +57,9 @@ def digest(text: str) -> str:
 
 def check_rule(field: str, rule: str) -> str:
     if not isinstance(rule, str) or not _RULE.match(rule):
-        raise UsageError(f"redaction rule for {field!r} is {rule!r}; expected hash, drop or truncate:N")
+        raise UsageError(
+            f"redaction rule for {field!r} is {rule!r}; expected hash, drop or truncate:N"
+        )
     return rule
 
 

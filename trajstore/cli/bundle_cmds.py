@@ -10,7 +10,9 @@ from trajstore.cli._common import add_target_args, print_json, target_selector
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="identity, layout, producer, capabilities (incomplete bundles too)")
+    p = sub.add_parser(
+        "inspect", help="identity, layout, producer, capabilities (incomplete bundles too)"
+    )
     add_target_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)

@@ -18,13 +18,23 @@ FORMATS = ("table", "json", "csv")
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("query", help="steps, bundles, divergences or routes across a store")
     p.add_argument("what", choices=["steps", "bundles", "divergences", "routes"])
-    p.add_argument("--store", metavar="DIR", default=default_store(), help="store directory (env TRAJSTORE_STORE)")
+    p.add_argument(
+        "--store",
+        metavar="DIR",
+        default=default_store(),
+        help="store directory (env TRAJSTORE_STORE)",
+    )
     p.add_argument("--run", help="only this run")
     p.add_argument("--rollout-from", type=int, metavar="R")
     p.add_argument("--rollout-to", type=int, metavar="R")
-    p.add_argument("--first-divergent-stage", metavar="S", help="steps: whose latest verdict diverged first at S")
     p.add_argument(
-        "--status", choices=STEP_STATUSES,
+        "--first-divergent-stage",
+        metavar="S",
+        help="steps: whose latest verdict diverged first at S",
+    )
+    p.add_argument(
+        "--status",
+        choices=STEP_STATUSES,
         help="steps: latest verdict, or unreplayed (no result recorded)",
     )
     p.add_argument("--stage", metavar="S", help="divergences: at this stage")
@@ -32,16 +42,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample", metavar="ID", help="divergences: of this sample")
     p.add_argument("--kind", choices=["step", "rollout"], help="bundles: only this kind")
     p.add_argument(
-        "--source", choices=["producer", "replay"],
+        "--source",
+        choices=["producer", "replay"],
         help="routes: metrics the producer recorded, or those replay --record recomputed",
     )
-    p.add_argument("--all-attempts", action="store_true", help="bundles: every attempt, not only the latest")
+    p.add_argument(
+        "--all-attempts", action="store_true", help="bundles: every attempt, not only the latest"
+    )
     p.add_argument("--limit", type=int, help="at most this many rows")
     p.add_argument("--format", choices=FORMATS, default="table")
     p.set_defaults(func=cmd_query)
 
-    p = sub.add_parser("sql", help="read-only SQL over the catalog (docs/catalog.md lists the tables)")
-    p.add_argument("sql", help="one read-only statement (SELECT, WITH, EXPLAIN, DESCRIBE, SHOW, ...)")
+    p = sub.add_parser(
+        "sql", help="read-only SQL over the catalog (docs/catalog.md lists the tables)"
+    )
+    p.add_argument(
+        "sql", help="one read-only statement (SELECT, WITH, EXPLAIN, DESCRIBE, SHOW, ...)"
+    )
     p.add_argument("--store", metavar="DIR", default=default_store())
     p.add_argument("--format", choices=FORMATS, default="table")
     p.set_defaults(func=cmd_sql)
@@ -104,10 +121,56 @@ def _cell(v: Any, column: str = "") -> str:
     return str(v)
 
 
-STEP_COLUMNS = ["run", "rollout_id", "step_id", "attempt", "ranks", "status", "first_divergent_stage", "first_divergent_rank", "root_bundle_key", "recorded_at"]
-BUNDLE_COLUMNS = ["key", "run", "kind", "rollout_id", "step_id", "rank", "attempt", "num_samples", "logical_bytes", "published_at"]
-DIVERGENCE_COLUMNS = ["run", "rollout_id", "step_id", "bundle_key", "stage", "sample_id", "field", "token_offset", "expected", "actual", "abs_err"]
-ROUTE_COLUMNS = ["run", "rollout_id", "step_id", "source", "route_mismatch_rate", "token_any_mismatch", "f_tau_2", "kl_k3", "logprob_abs_diff", "valid_token_layers", "metric_error"]
+STEP_COLUMNS = [
+    "run",
+    "rollout_id",
+    "step_id",
+    "attempt",
+    "ranks",
+    "status",
+    "first_divergent_stage",
+    "first_divergent_rank",
+    "root_bundle_key",
+    "recorded_at",
+]
+BUNDLE_COLUMNS = [
+    "key",
+    "run",
+    "kind",
+    "rollout_id",
+    "step_id",
+    "rank",
+    "attempt",
+    "num_samples",
+    "logical_bytes",
+    "published_at",
+]
+DIVERGENCE_COLUMNS = [
+    "run",
+    "rollout_id",
+    "step_id",
+    "bundle_key",
+    "stage",
+    "sample_id",
+    "field",
+    "token_offset",
+    "expected",
+    "actual",
+    "abs_err",
+]
+ROUTE_COLUMNS = [
+    "run",
+    "rollout_id",
+    "step_id",
+    "source",
+    "route_mismatch_rate",
+    "token_any_mismatch",
+    "f_tau_2",
+    "kl_k3",
+    "logprob_abs_diff",
+    "valid_token_layers",
+    "metric_error",
+]
 
 
 def _all_pages(fn, limit: int | None, **kw: Any) -> list[dict]:  # noqa: ANN001
@@ -116,7 +179,11 @@ def _all_pages(fn, limit: int | None, **kw: Any) -> list[dict]:  # noqa: ANN001
     out: list[dict] = []
     cursor = None
     while True:
-        page = fn(limit=MAX_PAGE_SIZE if limit is None else min(limit - len(out), MAX_PAGE_SIZE), cursor=cursor, **kw)
+        page = fn(
+            limit=MAX_PAGE_SIZE if limit is None else min(limit - len(out), MAX_PAGE_SIZE),
+            cursor=cursor,
+            **kw,
+        )
         out += page["items"]
         cursor = page.get("next_cursor")
         if not cursor or (limit is not None and len(out) >= limit):
@@ -131,25 +198,54 @@ def cmd_query(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be >= 1")
-    if args.rollout_from is not None and args.rollout_to is not None and args.rollout_from > args.rollout_to:
+    if (
+        args.rollout_from is not None
+        and args.rollout_to is not None
+        and args.rollout_from > args.rollout_to
+    ):
         raise UsageError("--rollout-from is after --rollout-to")
     store = _need_store(args)
     rng = {"rollout_from": args.rollout_from, "rollout_to": args.rollout_to}
     with store.catalog() as cat:
         if args.what == "steps":
-            rows = _all_pages(partial(q.query_steps, cat), args.limit, run=args.run,
-                              first_divergent_stage=args.first_divergent_stage, status=args.status, **rng)
+            rows = _all_pages(
+                partial(q.query_steps, cat),
+                args.limit,
+                run=args.run,
+                first_divergent_stage=args.first_divergent_stage,
+                status=args.status,
+                **rng,
+            )
             cols = STEP_COLUMNS
         elif args.what == "bundles":
-            rows = _all_pages(partial(q.list_bundles, cat), args.limit, run=args.run, kind=args.kind,
-                              include_all_attempts=args.all_attempts, **rng)
+            rows = _all_pages(
+                partial(q.list_bundles, cat),
+                args.limit,
+                run=args.run,
+                kind=args.kind,
+                include_all_attempts=args.all_attempts,
+                **rng,
+            )
             cols = BUNDLE_COLUMNS
         elif args.what == "divergences":
-            rows = _all_pages(partial(q.query_divergences, cat), args.limit, run=args.run, stage=args.stage,
-                              min_abs_err=args.min_abs_err, sample_id=args.sample, **rng)
+            rows = _all_pages(
+                partial(q.query_divergences, cat),
+                args.limit,
+                run=args.run,
+                stage=args.stage,
+                min_abs_err=args.min_abs_err,
+                sample_id=args.sample,
+                **rng,
+            )
             cols = DIVERGENCE_COLUMNS
         else:
-            rows = _all_pages(partial(q.query_router_metrics, cat), args.limit, run=args.run, source=args.source, **rng)
+            rows = _all_pages(
+                partial(q.query_router_metrics, cat),
+                args.limit,
+                run=args.run,
+                source=args.source,
+                **rng,
+            )
             cols = ROUTE_COLUMNS
     emit_rows(rows, [c for c in cols if not rows or c in rows[0]] or cols, args.format)
     return 0
@@ -198,8 +294,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if len(a) != len(b):
         raise UsageError(f"{la} has {len(a)} rank(s), {lb} has {len(b)}; cannot pair them")
     reports: list[DiffReport] = [
-        diff_sources(x, y, a_label=f"{la}" + (f"[rank {x.rank}]" if len(a) > 1 else ""),
-                     b_label=f"{lb}" + (f"[rank {y.rank}]" if len(b) > 1 else ""))
+        diff_sources(
+            x,
+            y,
+            a_label=f"{la}" + (f"[rank {x.rank}]" if len(a) > 1 else ""),
+            b_label=f"{lb}" + (f"[rank {y.rank}]" if len(b) > 1 else ""),
+        )
         for x, y in zip(a, b, strict=True)
     ]
     if args.json:

@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve /v1 over a store. With TRAJSTORE_API_TOKEN set every request needs "
         "'Authorization: Bearer <token>'.",
     )
-    p.add_argument("--store", metavar="DIR", default=default_store(), help="store (env TRAJSTORE_STORE)")
+    p.add_argument(
+        "--store", metavar="DIR", default=default_store(), help="store (env TRAJSTORE_STORE)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")

@@ -12,7 +12,10 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
     from trajstore.cli._common import default_store
 
     p.add_argument(
-        "--store", default=default_store(), metavar="DIR", help="store directory (default: $TRAJSTORE_STORE)"
+        "--store",
+        default=default_store(),
+        metavar="DIR",
+        help="store directory (default: $TRAJSTORE_STORE)",
     )
 
 
@@ -26,7 +29,9 @@ def _open(args: argparse.Namespace, *, create: bool = False):  # noqa: ANN202
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ingest", help="store bundles/cohorts/capture dirs (deduplicated, idempotent)")
+    p = sub.add_parser(
+        "ingest", help="store bundles/cohorts/capture dirs (deduplicated, idempotent)"
+    )
     p.add_argument("paths", nargs="+", metavar="PATH", help="bundle, cohort or capture directory")
     _store_arg(p)
     p.add_argument("--run", default="default", help="run name (default: default)")
@@ -49,7 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _store_arg(p)
     p.add_argument("--run", help="only this run")
     p.add_argument("--kind", choices=("step", "rollout"), help="only this kind")
-    p.add_argument("--all-attempts", action="store_true", help="list every attempt, not only the latest")
+    p.add_argument(
+        "--all-attempts", action="store_true", help="list every attempt, not only the latest"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
@@ -71,7 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("gc", help="delete unreachable objects older than the grace period")
     _store_arg(p)
-    p.add_argument("--grace", default="1h", metavar="DURATION", help="e.g. 30m, 1h, 2d (default 1h)")
+    p.add_argument(
+        "--grace", default="1h", metavar="DURATION", help="e.g. 30m, 1h, 2d (default 1h)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gc)
 
@@ -107,7 +116,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     try:
         with _open(args, create=True) as store:
-            store.ingest(args.paths, run=args.run, progress=None if not args.json else False, on_outcome=report)
+            store.ingest(
+                args.paths,
+                run=args.run,
+                progress=None if not args.json else False,
+                on_outcome=report,
+            )
     except KeyboardInterrupt:
         stored = sum(o.status != "refused" for o in done)
         print(
@@ -168,7 +182,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print_json(s)
         return 0
-    print(f"{'run':20} {'bundles':>7} {'logical':>11} {'physical':>11} {'dedup':>6} {'route B/tok-layer':>17}")
+    print(
+        f"{'run':20} {'bundles':>7} {'logical':>11} {'physical':>11} {'dedup':>6} {'route B/tok-layer':>17}"
+    )
     for r in s["runs"]:
         rb = r.get("route_bytes_per_token_layer")
         print(
@@ -191,7 +207,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rep.to_dict())
     else:
-        print(f"checked {rep.objects_checked} objects, {rep.refs_checked} refs: {'ok' if rep.ok else 'PROBLEMS'}")
+        print(
+            f"checked {rep.objects_checked} objects, {rep.refs_checked} refs: {'ok' if rep.ok else 'PROBLEMS'}"
+        )
         for w in rep.warnings:
             print(f"  warning: {w}")
     for p in rep.problems:
@@ -231,5 +249,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_reindex(args: argparse.Namespace) -> int:
     with _open(args) as store:
         s = store.reindex()
-    print(f"reindexed: {s['new_refs']} refs, {s['new_tombstones']} tombstones, {s['new_results']} results")
+    print(
+        f"reindexed: {s['new_refs']} refs, {s['new_tombstones']} tombstones, {s['new_results']} results"
+    )
     return 0

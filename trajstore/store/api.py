@@ -90,7 +90,9 @@ class Store:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         ing = Ingestor(self.layout, self.objs, self.refs, durable=self.durable)
-        return ingest_paths(ing, [Path(p) for p in paths], run, progress=progress, on_outcome=on_outcome)
+        return ingest_paths(
+            ing, [Path(p) for p in paths], run, progress=progress, on_outcome=on_outcome
+        )
 
     def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
         """Tombstone bundles (by key) or a whole run; nothing is deleted until gc."""
@@ -135,14 +137,19 @@ class Store:
             raise NotFoundError(f"no published bundle {key!r}")
         return self._stored(e)
 
-    def _group(self, run: str, kind: str, rollout_id: int, step_id: int | None, attempt: int | None) -> list[StoredBundle]:
+    def _group(
+        self, run: str, kind: str, rollout_id: int, step_id: int | None, attempt: int | None
+    ) -> list[StoredBundle]:
         what = f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
         cands = self.refs.at_anchor(run, kind, rollout_id, step_id)
         if not cands:
             raise NotFoundError(f"run {run!r} has no {what}")
         if attempt is None:
             attempt = max(e.attempt for e in cands)
-        chosen = sorted((e for e in cands if e.attempt == attempt), key=lambda e: -1 if e.rank is None else e.rank)
+        chosen = sorted(
+            (e for e in cands if e.attempt == attempt),
+            key=lambda e: -1 if e.rank is None else e.rank,
+        )
         if not chosen:
             have = sorted({e.attempt for e in cands})
             raise NotFoundError(f"run {run!r} {what} has no attempt {attempt} (attempts: {have})")
@@ -155,7 +162,9 @@ class Store:
             )
         return [self._stored(e) for e in chosen]
 
-    def step(self, run: str, rollout_id: int, step_id: int, attempt: int | None = None) -> list[StoredBundle]:
+    def step(
+        self, run: str, rollout_id: int, step_id: int, attempt: int | None = None
+    ) -> list[StoredBundle]:
         """Every rank of actor step (rollout_id, step_id): the latest attempt unless one is named."""
         return self._group(run, "step", int(rollout_id), int(step_id), attempt)
 
@@ -163,7 +172,9 @@ class Store:
         """Every rank of the rollout-level bundle of `rollout_id`."""
         return self._group(run, "rollout", int(rollout_id), None, attempt)
 
-    def attempts(self, run: str, kind: str, rollout_id: int, step_id: int | None = None) -> list[int]:
+    def attempts(
+        self, run: str, kind: str, rollout_id: int, step_id: int | None = None
+    ) -> list[int]:
         return sorted({e.attempt for e in self.refs.at_anchor(run, kind, rollout_id, step_id)})
 
     # -- the catalog --
@@ -204,8 +215,12 @@ class Store:
         with self.catalog() as cat:
             while True:
                 page = list_bundles(
-                    cat, run=run, kind=kind, include_all_attempts=all_attempts,
-                    limit=MAX_PAGE_SIZE, cursor=cursor,
+                    cat,
+                    run=run,
+                    kind=kind,
+                    include_all_attempts=all_attempts,
+                    limit=MAX_PAGE_SIZE,
+                    cursor=cursor,
                 )
                 out += page["items"]
                 cursor = page.get("next_cursor")
@@ -219,4 +234,8 @@ class Store:
 
         target = self.catalog_url or str(self.root / CATALOG_FILE)
         s = reindex(target, self.root, self.load_document)
-        return {"new_refs": s.new_refs, "new_tombstones": s.new_tombstones, "new_results": s.new_results}
+        return {
+            "new_refs": s.new_refs,
+            "new_tombstones": s.new_tombstones,
+            "new_results": s.new_results,
+        }

@@ -38,7 +38,9 @@ def _write_member(sb: StoredBundle, dest: Path) -> None:
         _write(dest / fname, sb.file_bytes(fname))
 
 
-def export_bundles(bundles: list[StoredBundle], out: Path | str, *, format_major: int | None = None) -> Path:
+def export_bundles(
+    bundles: list[StoredBundle], out: Path | str, *, format_major: int | None = None
+) -> Path:
     """Write `bundles` (one single-producer bundle, or every rank of one cohort) at `out`."""
     out = Path(out)
     if not bundles:

@@ -43,7 +43,10 @@ from trajstore.store.stored_bundle import put_blob
 
 REF_VERSION = 1
 #: route payloads stored as an XOR delta against this base payload when shapes match
-DELTA_BASES = {"train_routed_experts": "rollout_routed_experts", "train_natural_routed_experts": "rollout_routed_experts"}
+DELTA_BASES = {
+    "train_routed_experts": "rollout_routed_experts",
+    "train_natural_routed_experts": "rollout_routed_experts",
+}
 _BASE_NAMES = frozenset(DELTA_BASES.values())
 
 
@@ -107,16 +110,22 @@ def identity_of(run: str, b: Bundle) -> tuple[str, str, int, int | None, int | N
     return (run, ident.kind, ident.rollout_id, ident.step_id, b.rank)
 
 
-def bundle_key(run: str, kind: str, rollout_id: int, step_id: int | None, rank: int | None, attempt: int) -> str:
+def bundle_key(
+    run: str, kind: str, rollout_id: int, step_id: int | None, rank: int | None, attempt: int
+) -> str:
     anchor = f"step-{rollout_id}-{step_id}" if kind == "step" else f"rollout-{rollout_id}"
     parts = [run, anchor] + ([f"rank-{rank}"] if rank is not None else []) + [f"a{attempt}"]
     return "/".join(parts)
 
 
 def check_run_name(run: str) -> str:
-    ok = isinstance(run, str) and 0 < len(run) <= 128 and all(c.isalnum() or c in "._-" for c in run)
+    ok = (
+        isinstance(run, str) and 0 < len(run) <= 128 and all(c.isalnum() or c in "._-" for c in run)
+    )
     if not ok or run.startswith("."):
-        raise StoreError(f"run name {run!r} must be 1-128 characters of [A-Za-z0-9._-], not starting with '.'")
+        raise StoreError(
+            f"run name {run!r} must be 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
+        )
     return run
 
 
@@ -125,7 +134,11 @@ def _row_lengths(name: str, shape: tuple[int, ...], b: Bundle) -> tuple[list[int
     resp = [s.response_length for s in b.index.samples]
     total = [s.total_length for s in b.index.samples]
     if len(shape) >= 1 and resp:
-        order = [("total", total), ("response", resp)] if name in ROUTE_PAYLOADS else [("response", resp), ("total", total)]
+        order = (
+            [("total", total), ("response", resp)]
+            if name in ROUTE_PAYLOADS
+            else [("response", resp), ("total", total)]
+        )
         if name not in ROUTE_PAYLOADS and len(shape) != 1:
             order = [("total", total)]
         for kind, lengths in order:
@@ -144,10 +157,19 @@ class _Prepared:
     doc: dict[str, Any]
 
 
-def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[str, bytes]) -> tuple[dict, int]:
+def _write_bundle_objects(
+    objs: ObjectStore, b: Bundle, cohort_sentinels: dict[str, bytes]
+) -> tuple[dict, int]:
     rec = _Recorder(objs)
-    docs = {k: put_blob(rec, read_bytes(b.path / f"{k}.json", f"{k}.json")) for k in ("manifest", "index", "expected")}
-    sentinels = {p.name: put_blob(rec, read_bytes(p, p.name)) for p in sorted(b.path.glob("COMPLETE*")) if p.is_file()}
+    docs = {
+        k: put_blob(rec, read_bytes(b.path / f"{k}.json", f"{k}.json"))
+        for k in ("manifest", "index", "expected")
+    }
+    sentinels = {
+        p.name: put_blob(rec, read_bytes(p, p.name))
+        for p in sorted(b.path.glob("COMPLETE*"))
+        if p.is_file()
+    }
     csent = {name: put_blob(rec, data) for name, data in cohort_sentinels.items()}
     payloads: dict[str, Any] = {}
     records: dict[str, ArrayRecord] = {}
@@ -169,7 +191,11 @@ def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[s
         ):
             base = None
         record = write_array(
-            rec, values, lengths, dtype_tag=t.dtype, base=base,
+            rec,
+            values,
+            lengths,
+            dtype_tag=t.dtype,
+            base=base,
             base_values=base_values.get(base_name) if base is not None else None,
         )
         records[name] = record
@@ -193,7 +219,12 @@ def _write_bundle_objects(objs: ObjectStore, b: Bundle, cohort_sentinels: dict[s
         # Keep memory to about one payload: drop the bundle's caches of this one.
         b.release(name)
     base_values.clear()
-    out = {"documents": docs, "sentinels": sentinels, "cohort_sentinels": csent, "payloads": payloads}
+    out = {
+        "documents": docs,
+        "sentinels": sentinels,
+        "cohort_sentinels": csent,
+        "payloads": payloads,
+    }
     return out, sum(rec.sizes.values())
 
 
@@ -213,7 +244,9 @@ def content_digest(documents: dict[str, str], cohort_sentinels: dict[str, str]) 
 class Ingestor:
     """Publishes bundles into one store; keeps a cache of which keys are live."""
 
-    def __init__(self, layout: StoreLayout, objs: ObjectStore, refs: RefIndex, *, durable: bool = True) -> None:
+    def __init__(
+        self, layout: StoreLayout, objs: ObjectStore, refs: RefIndex, *, durable: bool = True
+    ) -> None:
         self.layout = layout
         self.objs = objs
         self.refs = refs
@@ -287,10 +320,14 @@ class Ingestor:
                 continue
             p.doc.update(key=key, attempt=attempt, published_at=_now())
             data = json.dumps(p.doc, sort_keys=True, indent=1).encode()
-            while not atomic_create(self.layout.bundle_refs / f"{new_doc_name()}.json", data, durable=self.durable):
+            while not atomic_create(
+                self.layout.bundle_refs / f"{new_doc_name()}.json", data, durable=self.durable
+            ):
                 pass  # a name collision is practically impossible; never overwrite
             published = True
-        return IngestOutcome(str(path), "published" if published else "unchanged", keys, None, logical)
+        return IngestOutcome(
+            str(path), "published" if published else "unchanged", keys, None, logical
+        )
 
     def _claim_attempt(self, identity: tuple, digest: str) -> int:
         idh = blake3(json.dumps(list(identity)).encode()).hexdigest()[:40]
@@ -330,7 +367,9 @@ class Progress:
         rate = self.bytes / max(time.monotonic() - self.start, 1e-6) / 1e6
         width = 30
         fill = int(width * self.done / max(self.total, 1))
-        sys.stderr.write(f"\ringest [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {rate:7.1f} MB/s")
+        sys.stderr.write(
+            f"\ringest [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {rate:7.1f} MB/s"
+        )
         sys.stderr.flush()
 
     def clear(self) -> None:

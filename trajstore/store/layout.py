@@ -80,7 +80,9 @@ def list_docs(directory: Path) -> list[str]:
     """Names (without `.json`) of published documents, oldest first."""
     try:
         with os.scandir(directory) as it:
-            names = [e.name[:-5] for e in it if e.name.endswith(".json") and not e.name.startswith(".")]
+            names = [
+                e.name[:-5] for e in it if e.name.endswith(".json") and not e.name.startswith(".")
+            ]
     except FileNotFoundError:
         return []
     return sorted(names)
@@ -184,9 +186,16 @@ class RefIndex:
                 d = self.read(name)
                 cr = d.get("cohort_ranks")
                 self._refs[name] = RefEntry(
-                    name, str(d["key"]), str(d["run"]), str(d["kind"]), int(d["rollout_id"]),
-                    d.get("step_id"), d.get("rank"), int(d["attempt"]),
-                    None if cr is None else tuple(int(r) for r in cr), str(d.get("content_digest")),
+                    name,
+                    str(d["key"]),
+                    str(d["run"]),
+                    str(d["kind"]),
+                    int(d["rollout_id"]),
+                    d.get("step_id"),
+                    d.get("rank"),
+                    int(d["attempt"]),
+                    None if cr is None else tuple(int(r) for r in cr),
+                    str(d.get("content_digest")),
                 )
             except (StoreError, KeyError, TypeError, ValueError) as e:
                 self._bad[name] = f"ref {name}: unreadable ({e})"
@@ -232,7 +241,9 @@ class RefIndex:
             self._live = {k: e for k, e in newest.items() if removed.get(k, "") < e.name}
         return self._live
 
-    def at_anchor(self, run: str, kind: str, rollout_id: int, step_id: int | None) -> list[RefEntry]:
+    def at_anchor(
+        self, run: str, kind: str, rollout_id: int, step_id: int | None
+    ) -> list[RefEntry]:
         """Live refs of one anchor (every rank and attempt): a lookup by actor step id."""
         live = self.live()
         if self._anchors is None:

@@ -32,7 +32,9 @@ def parse_duration(text: str) -> float:
     """`90s`, `15m`, `1h`, `2d`, `1w` or plain seconds."""
     m = _DURATION.match(str(text))
     if not m:
-        raise UsageError(f"duration {text!r} is not a number with an optional unit s/m/h/d/w (e.g. 1h)")
+        raise UsageError(
+            f"duration {text!r} is not a number with an optional unit s/m/h/d/w (e.g. 1h)"
+        )
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
@@ -171,7 +173,9 @@ def stats(store: Store) -> dict[str, Any]:
         ref = store.refs.read(e.name)
         r = per_run.setdefault(e.run, {"run": e.run, "bundles": 0, "logical_bytes": 0})
         r["bundles"] += 1
-        r["logical_bytes"] += sum(int(p.get("logical_bytes") or 0) for p in ref["payloads"].values())
+        r["logical_bytes"] += sum(
+            int(p.get("logical_bytes") or 0) for p in ref["payloads"].values()
+        )
         closure = set(ref_closure(store, ref))
         reach[e.run] |= closure
         all_reach |= closure

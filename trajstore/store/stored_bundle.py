@@ -30,7 +30,9 @@ _ctx = threading.local()
 def _cctx() -> zstandard.ZstdCompressor:
     c = getattr(_ctx, "c", None)
     if c is None:
-        c = _ctx.c = zstandard.ZstdCompressor(level=3, write_checksum=False, write_content_size=True)
+        c = _ctx.c = zstandard.ZstdCompressor(
+            level=3, write_checksum=False, write_content_size=True
+        )
     return c
 
 
