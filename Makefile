@@ -19,8 +19,12 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+LINT_PATHS := trajstore api migrations examples tests scripts
+
+# Formatting is a habit, not a review comment: CI fails on an unformatted file or a long line.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check trajstore api migrations tests scripts
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 demo: $(STAMP)
 	$(PY) -m trajstore demo demo-store
