@@ -142,8 +142,9 @@ def main() -> int:
             for fmt, ts in gets.items():
                 tg = float(np.median(ts))
                 print(
-                    f"  GET format={fmt}: cold {mb / cold[fmt]:.0f} MB/s ({tl / cold[fmt]:.2f}x torch.load), "
-                    f"warm {mb / tg:.0f} MB/s ({tl / tg:.2f}x torch.load, from the server's body cache)"
+                    f"  GET format={fmt}: cold {mb / cold[fmt]:.0f} MB/s ({tl / cold[fmt]:.2f}x "
+                    f"torch.load), warm {mb / tg:.0f} MB/s ({tl / tg:.2f}x torch.load, from the "
+                    "server's body cache)"
                 )
     finally:
         server.terminate()

@@ -48,7 +48,10 @@ def bench_cfg(args: argparse.Namespace) -> tiny_grpo.TinyConfig:
 def block(
     args: argparse.Namespace, capture_on: bool, out: Path
 ) -> tuple[list[float], list[float], dict]:
-    """Per-step wall and CPU times; info holds the block's wall time (close() included) and capture stats."""
+    """Per-step wall and CPU times.
+
+    info holds the block's wall time (close() included) and capture stats.
+    """
     cap = None
     if capture_on:
         cap = CaptureManager(
@@ -138,10 +141,12 @@ def main() -> int:
     )
     print(f"step time off  median {statistics.median(off_med) * 1e3:8.2f} ms")
     print(
-        f"step time on   median {statistics.median(on_med) * 1e3:8.2f} ms  (every step and rollout captured)"
+        f"step time on   median {statistics.median(on_med) * 1e3:8.2f} ms  (every step and "
+        "rollout captured)"
     )
     print(
-        f"ratio on/off   whole block incl. close() flush, median {statistics.median(block_ratios):.3f}x  (per rep: "
+        "ratio on/off   whole block incl. close() flush, median "
+        f"{statistics.median(block_ratios):.3f}x  (per rep: "
         + ", ".join(f"{r:.3f}" for r in block_ratios)
         + ")"
     )
@@ -155,8 +160,9 @@ def main() -> int:
         f"({best[True] * 1e3:.2f} / {best[False] * 1e3:.2f} ms; least disturbed by other load)"
     )
     print(
-        f"ratio on/off   training-thread CPU {statistics.median(cpu_med[True]) / statistics.median(cpu_med[False]):.3f}x "
-        "(snapshot + enqueue cost on the training thread)"
+        "ratio on/off   training-thread CPU "
+        f"{statistics.median(cpu_med[True]) / statistics.median(cpu_med[False]):.3f}x (snapshot + "
+        "enqueue cost on the training thread)"
     )
     print(
         f"bundles written {written}, dropped {drops} (queue size {args.queue_size}), "

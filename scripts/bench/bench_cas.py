@@ -62,8 +62,8 @@ def main() -> None:
         print(f"payload: {args.rows} rows, {len(values)} float32 tokens, {nchunks} chunks")
         print(
             f"direct  write {t_write * 1e3:7.1f} ms ({t_write / nchunks * 1e6:6.1f} us/chunk, "
-            f"flush+fsync incl.)  read {t_read * 1e3:7.1f} ms ({t_read / nchunks * 1e6:6.1f} us/chunk, "
-            f"cold instance)  read_rows 1/16: {t_rows * 1e3:.1f} ms"
+            f"flush+fsync incl.)  read {t_read * 1e3:7.1f} ms ({t_read / nchunks * 1e6:6.1f} "
+            f"us/chunk, cold instance)  read_rows 1/16: {t_rows * 1e3:.1f} ms"
         )
 
         # Bulk payload read vs torch.load of the same tensor from a .pt file (same run).
@@ -82,8 +82,9 @@ def main() -> None:
         mb = bvals.nbytes / 1e6
         bchunks = sum(h is not None for row in brec.chunks for h in row)
         print(
-            f"bulk read {mb:.1f} MB float32, 2000 rows, {bchunks} chunks: read_array {mb / t_bulk:.0f} MB/s, "
-            f"torch.load {mb / t_load:.0f} MB/s, ratio {t_load / t_bulk:.2f}x"
+            f"bulk read {mb:.1f} MB float32, 2000 rows, {bchunks} chunks: read_array "
+            f"{mb / t_bulk:.0f} MB/s, torch.load {mb / t_load:.0f} MB/s, ratio "
+            f"{t_load / t_bulk:.2f}x"
         )
 
         padded = np.zeros((args.rows, max(lengths)), np.float32)
@@ -109,9 +110,9 @@ def main() -> None:
         t_zw = _best(zwrite, 3)
         t_zr = _best(lambda: zarr.open_array(store=CASZarrStore(objs, {"a": rec}), path="a")[:], 3)
         print(
-            f"zarr-py write {t_zw * 1e3:7.1f} ms ({t_zw / nchunks * 1e6:6.1f} us/chunk, MemoryStore)"
-            f"           read {t_zr * 1e3:7.1f} ms ({t_zr / nchunks * 1e6:6.1f} us/chunk, "
-            f"via CASZarrStore)"
+            f"zarr-py write {t_zw * 1e3:7.1f} ms ({t_zw / nchunks * 1e6:6.1f} us/chunk, "
+            f"MemoryStore)           read {t_zr * 1e3:7.1f} ms ({t_zr / nchunks * 1e6:6.1f} "
+            "us/chunk, via CASZarrStore)"
         )
 
         # Routes: Qwen3-30B-A3B-like [T, 48, 8] uint8, train = rollout with 18% of
@@ -141,7 +142,8 @@ def main() -> None:
         print(
             f"routes {rollout.nbytes / 2**20:.0f} MiB raw: base {size(base) / 2**20:.1f} MiB "
             f"({t_base * 1e3:.0f} ms), delta(equal) {size(same)} B ({t_same * 1e3:.0f} ms), "
-            f"delta(18%) {size(delta) / 2**20:.2f} MiB ({t_delta * 1e3:.0f} ms, read {t_rd * 1e3:.0f} ms)"
+            f"delta(18%) {size(delta) / 2**20:.2f} MiB ({t_delta * 1e3:.0f} ms, read "
+            f"{t_rd * 1e3:.0f} ms)"
         )
 
 

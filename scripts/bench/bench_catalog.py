@@ -78,7 +78,8 @@ def build_store(root: Path, n: int, seed: int = 0) -> tuple[dict[str, dict], int
                     "cohort_ranks": [r for r in ranks if r is not None], "attempt": 1,
                     "bundle_id": f"replay-{rollout}-{step}", "format_version": "2.0.0",
                     "content_digest": "0" * 64, "published_at": "2026-11-30T01:02:03Z",
-                    "documents": {"manifest": "manifest", "index": index_hash, "expected": "expected"},
+                    "documents": {"manifest": "manifest", "index": index_hash,
+                                  "expected": "expected"},
                     "payloads": {"log_probs": {"record": "r" * 64, "dtype": "torch.float32",
                                                "shape": [k * 100], "logical_bytes": k * 400}},
                     "physical_bytes": k * 100,
@@ -162,11 +163,13 @@ def main() -> None:
             )
             med, p95, p99 = timed(lambda: query_steps(cat, run="bench", limit=100), 30)
             print(
-                f"query_steps(run, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
+                f"query_steps(run, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 "
+                f"{p99:.1f} ms"
             )
             med, p95, p99 = timed(lambda: query_divergences(cat, stage="advantage.estimate"), 30)
             print(
-                f"query_divergences(stage, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
+                f"query_divergences(stage, limit=100): median {med:.1f} ms, p95 {p95:.1f} ms, p99 "
+                f"{p99:.1f} ms"
             )
             t0 = time.perf_counter()
             snap = cat.snapshot_in_memory()

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Replay at scale on a 10,000-step generated store: replay-all throughput, queries, lookups, REST.
 
-    .venv/bin/python scripts/bench/bench_replay_all.py --store DIR            # a store from make_big_store.py
-    .venv/bin/python scripts/bench/bench_replay_all.py --build DIR [--steps 10000 --samples 256 --mean-tokens 64]
+    .venv/bin/python scripts/bench/bench_replay_all.py --store DIR  # a store from make_big_store.py
+    .venv/bin/python scripts/bench/bench_replay_all.py --build DIR
+        [--steps 10000 --samples 256 --mean-tokens 64]
 
 In one run (same process, same machine state), on the store:
 
@@ -102,7 +103,10 @@ def drop_caches() -> None:
 def dir_baseline(
     store_root: Path, run: str, lo: int, hi: int, scratch: Path
 ) -> tuple[int, float, float, dict]:
-    """Export every bundle of rollouts [lo, hi] and replay the directories; (n, export s, replay s, statuses)."""
+    """Export every bundle of rollouts [lo, hi] and replay the directories.
+
+    Returns (n, export s, replay s, statuses).
+    """
     from trajstore.bundle.reader import open_target
     from trajstore.replay.runner import replay_sources
 
@@ -193,9 +197,11 @@ def bench_api(
                     time.sleep(0.2)
             RESULTS["server_ready_s"] = time.perf_counter() - t0
             say(
-                f"server ready in {RESULTS['server_ready_s']:.1f} s (startup: catalog snapshot + view)"
+                f"server ready in {RESULTS['server_ready_s']:.1f} s "
+                "(startup: catalog snapshot + view)"
             )
-            # first touch of every step (in random order): the server reads each step's samples from the store
+            # first touch of every step (in random order): the server reads each step's samples
+            # from the store
             drop_caches()
             order = list(steps)
             random.Random(2).shuffle(order)
@@ -223,8 +229,8 @@ def bench_api(
                 size = len(resp.content)
             RESULTS["get_step"] = {**quantiles(lat), "body_bytes": size}
             say(
-                f"GET /v1/runs/{run}/steps/R:S, {requests} random steps (after warm-up): {pct(lat)}; "
-                f"body {size} bytes; load {load()}"
+                f"GET /v1/runs/{run}/steps/R:S, {requests} random steps (after warm-up): "
+                f"{pct(lat)}; body {size} bytes; load {load()}"
             )
 
             r, s = steps[0]
@@ -257,9 +263,10 @@ def bench_api(
             }
             parts = [f"GET {fmt} {tl / float(np.median(ts)):.2f}x" for fmt, ts in gets.items()]
             say(
-                f"payload log_probs {kb:.0f} kB: first (after the cache drop) torch.load {t_load0 * 1e3:.2f} ms, "
-                f"GET raw {t_get0 * 1e3:.2f} ms = {t_load0 / t_get0:.2f}x; repeated: torch.load {tl * 1e3:.2f} ms; "
-                f"ratio torch.load/GET: {', '.join(parts)}"
+                f"payload log_probs {kb:.0f} kB: first (after the cache drop) torch.load "
+                f"{t_load0 * 1e3:.2f} ms, GET raw {t_get0 * 1e3:.2f} ms = "
+                f"{t_load0 / t_get0:.2f}x; repeated: torch.load {tl * 1e3:.2f} ms; ratio "
+                f"torch.load/GET: {', '.join(parts)}"
             )
     finally:
         server.terminate()
@@ -313,8 +320,8 @@ def main() -> int:
         drop_caches()  # fail early when not allowed
 
     say(
-        f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python {platform.python_version()}, "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}"
+        f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python "
+        f"{platform.python_version()}, date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}"
     )
     if args.build:
         import make_big_store
@@ -344,9 +351,10 @@ def main() -> int:
         store_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()),
     )
     say(
-        f"store {root}: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} rollouts, "
-        f"{truth['samples_per_bundle']} samples and {truth['response_tokens_per_bundle']} response tokens per bundle; "
-        f"faulty rollouts {len(truth['faulty_rollouts'])}, wrong-clip steps {len(truth['clip_steps'])}"
+        f"store {root}: {truth['bundles']} bundles = {truth['steps']} steps + {truth['rollouts']} "
+        f"rollouts, {truth['samples_per_bundle']} samples and "
+        f"{truth['response_tokens_per_bundle']} response tokens per bundle; faulty rollouts "
+        f"{len(truth['faulty_rollouts'])}, wrong-clip steps {len(truth['clip_steps'])}"
     )
 
     from trajstore.catalog import lookup_step, query_steps
@@ -361,8 +369,9 @@ def main() -> int:
         dir_bps = n_dir / t_dir
         RESULTS["dir"] = {"bundles": n_dir, "seconds": t_dir, "bps": dir_bps, "statuses": st_dir}
         say(
-            f"[dir]   export {n_dir} bundles (rollouts {lo}..{hi}) {t_exp:.1f} s; replay from directories "
-            f"{t_dir:.1f} s = {dir_bps:.1f} bundles/s (1 process) {st_dir}; load {load()}"
+            f"[dir]   export {n_dir} bundles (rollouts {lo}..{hi}) {t_exp:.1f} s; replay from "
+            f"directories {t_dir:.1f} s = {dir_bps:.1f} bundles/s (1 process) {st_dir}; load "
+            f"{load()}"
         )
         n_nl, t_nl = stored_nolink(root, run, lo, hi)
         RESULTS["stored_nolink"] = {"bundles": n_nl, "seconds": t_nl, "bps": n_nl / t_nl}
@@ -392,9 +401,10 @@ def main() -> int:
                 "refused": s.refused,
             }
             say(
-                f"[store] replay_all workers={w}: {s.total} bundles in {s.seconds:.1f} s = {bps:.1f} bundles/s "
-                f"({bps / w:.1f} per worker), ratio to directories {bps / dir_bps:.2f}x; "
-                f"pass {s.passed} diverged {s.diverged} refused {s.refused}; load {load()}"
+                f"[store] replay_all workers={w}: {s.total} bundles in {s.seconds:.1f} s = "
+                f"{bps:.1f} bundles/s ({bps / w:.1f} per worker), ratio to directories "
+                f"{bps / dir_bps:.2f}x; pass {s.passed} diverged {s.diverged} refused "
+                f"{s.refused}; load {load()}"
             )
 
         # -- 2. replay --all --record over the whole store
@@ -408,8 +418,9 @@ def main() -> int:
             }
             say(
                 f"[store] replay_all --record workers=2, whole store: {s.total} bundles "
-                f"({s.skipped} already recorded) in {s.seconds:.0f} s = {(s.total - s.skipped) / s.seconds:.1f} bundles/s; "
-                f"histogram {dict(s.histogram)}; refused {s.refused}; load {load()}"
+                f"({s.skipped} already recorded) in {s.seconds:.0f} s = "
+                f"{(s.total - s.skipped) / s.seconds:.1f} bundles/s; histogram "
+                f"{dict(s.histogram)}; refused {s.refused}; load {load()}"
             )
 
         # -- 3. divergence query
@@ -434,9 +445,10 @@ def main() -> int:
                 "rooted": all(k and "/rollout-" in k for k in roots),
             }
             say(
-                f"query reward.post_process: {len(got)} steps, exactly the injected rollouts' steps: {got == want}; "
-                f"rooted in rollout bundles: {all(k and '/rollout-' in k for k in roots)}; "
-                f"loss.policy: {len(got_clip)} steps, exactly the wrong-clip steps: "
+                f"query reward.post_process: {len(got)} steps, exactly the injected rollouts' "
+                f"steps: {got == want}; rooted in rollout bundles: "
+                f"{all(k and '/rollout-' in k for k in roots)}; loss.policy: {len(got_clip)} "
+                "steps, exactly the wrong-clip steps: "
                 f"{got_clip == {tuple(x) for x in truth['clip_steps']}}"
             )
             lat = []
@@ -446,7 +458,8 @@ def main() -> int:
                 lat.append(time.perf_counter() - t)
             RESULTS["query"] = quantiles(lat)
             say(
-                f"query_steps(first_divergent_stage=reward.post_process, limit=1000): {pct(lat)}; load {load()}"
+                f"query_steps(first_divergent_stage=reward.post_process, limit=1000): {pct(lat)}; "
+                f"load {load()}"
             )
             lat = []
             for _ in range(args.queries):
@@ -454,7 +467,8 @@ def main() -> int:
                 query_steps(cat, run=run, first_divergent_stage="reward.post_process")
                 lat.append(time.perf_counter() - t)
             say(
-                f"query_steps(first_divergent_stage=reward.post_process) first page of 100: {pct(lat)}"
+                "query_steps(first_divergent_stage=reward.post_process) first page of 100: "
+                f"{pct(lat)}"
             )
 
             # -- 4. lookup by actor step id
@@ -498,8 +512,9 @@ def main() -> int:
             text=True,
         )
         say(
-            f"`trajstore query steps --first-divergent-stage reward.post_process` end to end: "
-            f"{time.perf_counter() - t:.2f} s wall (exit {out.returncode}, process start + catalog open included)"
+            "`trajstore query steps --first-divergent-stage reward.post_process` end to end: "
+            f"{time.perf_counter() - t:.2f} s wall (exit {out.returncode}, process start + "
+            "catalog open included)"
         )
 
         # -- 5. REST

@@ -86,12 +86,12 @@ def main() -> int:
     }
     print(
         f"routes {args.samples} samples, {t_total} tokens x {args.layers} x {args.topk} uint8 = "
-        f"{rollout.nbytes / 2**20:.1f} MiB raw; {diff.mean():.1%} of token-layers with the whole top-k redrawn\n"
-        f"  rollout routes (base): {base_b / 2**20:.2f} MiB stored, {res['base_bytes_per_token_layer']:.2f} B/token-layer\n"
-        f"  train routes, equal (R3): {same_b} B\n"
-        f"  train routes, XOR delta: {delta_b / 2**20:.2f} MiB stored, {res['delta_bytes_per_token_layer']:.2f} "
-        f"B/token-layer = {res['delta_vs_base']:.3f}x the stored base ({res['delta_vs_raw']:.3f}x raw); "
-        f"target <= 0.35x"
+        f"{rollout.nbytes / 2**20:.1f} MiB raw; {diff.mean():.1%} of token-layers with the whole "
+        f"top-k redrawn\n  rollout routes (base): {base_b / 2**20:.2f} MiB stored, "
+        f"{res['base_bytes_per_token_layer']:.2f} B/token-layer\n  train routes, equal (R3): "
+        f"{same_b} B\n  train routes, XOR delta: {delta_b / 2**20:.2f} MiB stored, "
+        f"{res['delta_bytes_per_token_layer']:.2f} B/token-layer = {res['delta_vs_base']:.3f}x "
+        f"the stored base ({res['delta_vs_raw']:.3f}x raw); target <= 0.35x"
     )
     if args.json:
         args.json.write_text(json.dumps(res, indent=1) + "\n")

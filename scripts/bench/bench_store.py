@@ -133,8 +133,8 @@ def main() -> int:
             return logical / t / 1e6
 
         print(
-            f"\nRouted long run: {args.rollouts} rollouts x {args.steps} steps, {args.samples} samples/rollout, "
-            f"{bundles} bundles, {logical / 1e6:.1f} MB of bundle files\n"
+            f"\nRouted long run: {args.rollouts} rollouts x {args.steps} steps, {args.samples} "
+            f"samples/rollout, {bundles} bundles, {logical / 1e6:.1f} MB of bundle files\n"
         )
         print("| method | physical MB | physical/logical | time s | MB/s | vs torch.save |")
         print("|---|---:|---:|---:|---:|---:|")
@@ -149,8 +149,8 @@ def main() -> int:
             ratio = "-" if size is None else f"{size / logical:.3f}"
             print(f"| {name} | {ps} | {ratio} | {t:.2f} | {mbps(t):.0f} | {t_save / t:.2f} |")
         print(
-            f"\ntrajstore: {s['objects']} objects, dedup ratio (payload logical / physical) {s['dedup_ratio']}, "
-            f"route bytes per token-layer {route}"
+            f"\ntrajstore: {s['objects']} objects, dedup ratio (payload logical / physical) "
+            f"{s['dedup_ratio']}, route bytes per token-layer {route}"
         )
     return 0
 

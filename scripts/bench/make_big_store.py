@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Build a large generated store fast: N actor steps (plus their rollout bundles) with injected faults.
+"""Build a large generated store fast: N actor steps (plus their rollout bundles)
+with injected faults.
 
-    .venv/bin/python scripts/bench/make_big_store.py OUT --steps 10000 [--samples 256] [--mean-tokens 64]
-        [--steps-per-rollout 8] [--jobs 2] [--run long] [--small | --distinct]
+    .venv/bin/python scripts/bench/make_big_store.py OUT --steps 10000 [--samples 256]
+        [--mean-tokens 64] [--steps-per-rollout 8] [--jobs 2] [--run long] [--small | --distinct]
 
 Writing 10,000 distinct bundles with torch.save costs 50-150 ms each here, so
 the store is built from a few *template* bundles (trajstore.examples.replay_builders
@@ -248,7 +249,10 @@ class DistinctMaker:
 
     @staticmethod
     def _own_policy(c: Any, rollout_id: int, step_id: int, faults: Faults | None) -> None:
-        """This step's own log_probs and entropy, and the loss a correct (or faulty) producer derives."""
+        """This step's own log_probs and entropy.
+
+        And the loss a correct (or faulty) producer derives.
+        """
         rng = np.random.default_rng([rollout_id, step_id, 1])
         p = c.payloads
         old = p["old_log_probs"]
@@ -448,8 +452,9 @@ def main() -> int:
     truth = args.out.parent / f"{args.out.name}.truth.json"
     truth.write_text(json.dumps(p, indent=1) + "\n")
     print(
-        f"{p['bundles']} bundles ({p['steps']} steps, {p['rollouts']} rollouts, {p['samples_per_bundle']} samples, "
-        f"{p['response_tokens_per_bundle']} response tokens each) in {p['build_seconds']} s -> {args.out}; truth {truth}"
+        f"{p['bundles']} bundles ({p['steps']} steps, {p['rollouts']} rollouts, "
+        f"{p['samples_per_bundle']} samples, {p['response_tokens_per_bundle']} response tokens "
+        f"each) in {p['build_seconds']} s -> {args.out}; truth {truth}"
     )
     return 0
 
