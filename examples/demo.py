@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     trajstore("stats", "--store", str(store))
     check(
         stats["dedup_ratio"] > 1.0,
-        f"dedup ratio {stats['dedup_ratio']:.2f} > 1 (logical {stats['logical_bytes']} B, physical {stats['physical_bytes']} B)",
+        f"dedup ratio {stats['dedup_ratio']:.2f} > 1 (logical {stats['logical_bytes']} B, physical "
+        f"{stats['physical_bytes']} B)",
     )
     print("first divergent stage histogram:")
     for stage, count in summary["first_divergent_stage_histogram"].items():
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     check(
         {row["rollout_id"] for row in rows} == set(FAULT_ROLLOUTS),
-        f"steps rooted in reward.post_process are exactly those of the injected rollouts {FAULT_ROLLOUTS}",
+        "steps rooted in reward.post_process are exactly those of the injected rollouts "
+        f"{FAULT_ROLLOUTS}",
     )
     clip = json.loads(
         trajstore(
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  curl -s http://127.0.0.1:8000/v1/runs/synthetic/steps/{first['rollout_id']}:{first['step_id']}"
     )
     print(
-        f"  trajstore replay --store {store} --run synthetic --step {first['rollout_id']}:{first['step_id']}"
+        f"  trajstore replay --store {store} --run synthetic --step "
+        f"{first['rollout_id']}:{first['step_id']}"
     )
     return 0
 

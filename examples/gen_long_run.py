@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Synthetic long-run generator: capture directories shaped like a real async GRPO run.
 
-    python -m trajstore.examples.gen_long_run OUT --rollouts 6 --steps 4 --samples 128 --routes --resumed 0.1
+    python -m trajstore.examples.gen_long_run OUT \\
+        --rollouts 6 --steps 4 --samples 128 --routes --resumed 0.1
 
 Writes, per rollout R: `replay-rollout-R/` (every sample: rewards, KL, advantages,
 routes) and k step bundles `replay-R-S/` that each consume a subset of R's

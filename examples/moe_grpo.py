@@ -497,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(
-        description="Tiny MoE GRPO run (bf16 rollout, fp32 training) captured into a trajstore store."
+        description=(
+            "Tiny MoE GRPO run (bf16 rollout, fp32 training) captured into a trajstore store."
+        )
     )
     p.add_argument("--store", required=True, help="store directory (created if absent)")
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
@@ -507,7 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         "--via",
         choices=("capture", "dir"),
         default="capture",
-        help="capture: CaptureManager into the store; dir: bundle dirs with producer metrics + ingest",
+        help=(
+            "capture: CaptureManager into the store; "
+            "dir: bundle dirs with producer metrics + ingest"
+        ),
     )
     args = p.parse_args(argv)
     modes = MODES if args.mode == "both" else (args.mode,)

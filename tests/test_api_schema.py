@@ -18,7 +18,10 @@ from test_api import serve
 
 from trajstore.store import Store
 
-CHECKS = "not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance"
+CHECKS = (
+    "not_a_server_error,status_code_conformance,"
+    "response_schema_conformance,content_type_conformance"
+)
 
 
 @pytest.fixture(scope="module")

@@ -383,7 +383,8 @@ def test_migration_from_0001_keeps_rows(tmp_path):
     migrate(engine, "0001")
     with engine.begin() as conn:
         conn.exec_driver_sql(
-            "INSERT INTO bundles (key, run, kind, rollout_id, step_id, attempt, is_latest, ref_name)"
+            "INSERT INTO bundles "
+            "(key, run, kind, rollout_id, step_id, attempt, is_latest, ref_name)"
             " VALUES ('k', 'default', 'step', 120, 0, 1, true, 'r1')"
         )
         conn.exec_driver_sql(

@@ -148,7 +148,8 @@ def test_validate_incomplete_bundle_exits_2(tmp_path: Path) -> None:
     (bundle / "COMPLETE").unlink()
     lines = assert_clean_failure(run("validate", bundle))
     assert lines == [
-        f"trajstore: invalid: {bundle}: {bundle}: COMPLETE is missing (bundle incomplete or still being written)"
+        f"trajstore: invalid: {bundle}: {bundle}: COMPLETE is missing "
+        "(bundle incomplete or still being written)"
     ]
 
 
@@ -168,7 +169,8 @@ def test_validate_nan_payload_exits_2_naming_it_and_inspect_still_works(tmp_path
     bundle = write_bundle(tmp_path / "b", contents)
     lines = assert_clean_failure(run("validate", bundle))
     assert lines == [
-        f"trajstore: invalid: {bundle}: payload 'ref_log_probs': 1 non-finite value(s) (NaN/Inf), first at flat index 0"
+        f"trajstore: invalid: {bundle}: payload 'ref_log_probs': 1 non-finite value(s) (NaN/Inf), "
+        "first at flat index 0"
     ]
     assert run("inspect", bundle).returncode == 0
 
@@ -218,7 +220,8 @@ def test_step_and_rollout_together_is_a_usage_error() -> None:
 def test_malformed_step_is_a_usage_error() -> None:
     lines = assert_clean_failure(run("validate", CAPTURE_DIR, "--step", "120"))
     assert lines == [
-        "trajstore: error: step id '120' is not ROLLOUT:STEP with non-negative integers (e.g. 120:0)"
+        "trajstore: error: step id '120' is not ROLLOUT:STEP "
+        "with non-negative integers (e.g. 120:0)"
     ]
 
 

@@ -153,7 +153,8 @@ def sh_lines(markdown: str) -> list[Line]:
                 expect = int(em.group(1))
                 code = line[: em.start()]
         assert "#" not in code.replace("'#", "").replace('"#', ""), (
-            f"tutorial.md:{start}: only '# exit N' or the not-run marker may trail a command: {line!r}"
+            f"tutorial.md:{start}: only '# exit N' or the not-run marker may trail a command: "
+            f"{line!r}"
         )
         out.append(Line(start, code.strip(), expect, skip, block))
     assert not in_sh, "tutorial.md: unterminated ```sh block"
@@ -285,7 +286,8 @@ def test_tutorial_commands_run_in_order(tutorial_run: tuple[Path, list[Ran]]) ->
     # exactly the server and curl lines are skipped
     for ln in skipped:
         assert ln.text.startswith(("trajstore serve", "curl ")), (
-            f"tutorial.md:{ln.lineno}: only `trajstore serve` and `curl` may be marked not-run: {ln.text!r}"
+            f"tutorial.md:{ln.lineno}: only `trajstore serve` and `curl` may be marked not-run: "
+            f"{ln.text!r}"
         )
     assert any(ln.text.startswith("trajstore serve") for ln in skipped)
     assert any(ln.text.startswith("curl ") for ln in skipped)
@@ -374,7 +376,8 @@ def test_checked_lines_and_normalisation() -> None:
         "[skipped] loss.value — unsupported: value loss is not replayable (GRPO has no critic)",
         "replayed 18 of 18 bundle(s) in 0.571 s (0 already recorded): 14 pass, 4 diverged",
         "          advantages r3-s16@1: expected=-0.465129 actual=-0.353552 abs_err=0.111577",
-        "long  3  0  1  []  diverged  reward.post_process  null  long/rollout-3/a1  2026-11-30T00:40:55.8Z",
+        "long  3  0  1  []  diverged  reward.post_process  null  long/rollout-3/a1  "
+        "2026-11-30T00:40:55.8Z",
     ):
         assert CHECKED.search(line), line
     for line in (
@@ -385,7 +388,8 @@ def test_checked_lines_and_normalisation() -> None:
         assert not CHECKED.search(line), line
     assert (
         normalise(
-            "  advantages r3-s16@1: expected=-0.465129 actual=-0.35 abs_err=1e-07 in 0.571 s at 2026-11-30T00:40:55Z"
+            "  advantages r3-s16@1: expected=-0.465129 actual=-0.35 abs_err=1e-07 in 0.571 s at "
+            "2026-11-30T00:40:55Z"
         )
         == "advantages r3-s16@1: expected=<v> actual=<v> abs_err=<v> in <num> s at <time>"
     )

@@ -82,7 +82,10 @@ def test_recorded_replay_makes_route_metrics_queryable_in_sql(toy_store, capsys)
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == STEPS
     assert all(r["route_mismatch_rate"] == 0.0 for r in rows)
-    sql = "SELECT count(*) AS n FROM router_metrics WHERE source = 'replay' AND route_mismatch_rate > 0"
+    sql = (
+        "SELECT count(*) AS n FROM router_metrics "
+        "WHERE source = 'replay' AND route_mismatch_rate > 0"
+    )
     assert main(["sql", "--store", str(toy_store), sql, "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["n"] > 0  # some baseline steps flipped
 

@@ -33,7 +33,8 @@ STAGE_KEYS = {
 
 @pytest.fixture(autouse=True)
 def _no_default_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests replay bundle directories; a TRAJSTORE_STORE in the environment must not apply."""
+    """These tests replay bundle directories;
+    a TRAJSTORE_STORE in the environment must not apply."""
     monkeypatch.delenv("TRAJSTORE_STORE", raising=False)
 
 

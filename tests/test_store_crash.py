@@ -1,4 +1,5 @@
-"""Crash safety and concurrency of the store, with real processes (SIGKILL, SIGINT, parallel ingests)."""
+"""Crash safety and concurrency of the store,
+with real processes (SIGKILL, SIGINT, parallel ingests)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _ingest_cmd(st: Path, *paths: Path) -> list[str]:
 
 
 def _check_all_or_nothing(st: Path, targets: list[Path], tmp: Path) -> int:
-    """Every bundle is fully visible (and exports byte-identical) or absent; returns how many are visible."""
+    """Every bundle is fully visible (and exports byte-identical) or absent;
+    returns how many are visible."""
     store = Store.open(st, create=False)
     visible = 0
     for t in targets:

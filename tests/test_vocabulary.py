@@ -1,4 +1,5 @@
-"""The replay vocabulary is defined once (trajstore/vocab.py) and prints as the bundle format's words."""
+"""The replay vocabulary is defined once (trajstore/vocab.py)
+and prints as the bundle format's words."""
 
 from __future__ import annotations
 

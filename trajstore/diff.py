@@ -59,7 +59,10 @@ class DiffReport:
 
     def format(self) -> str:
         if self.same:
-            return f"{self.a} and {self.b}: identical (identity, samples, config, expected values, payloads)"
+            return (
+                f"{self.a} and {self.b}: identical "
+                "(identity, samples, config, expected values, payloads)"
+            )
         lines = [f"{self.a} vs {self.b}: {len(self.differences)} difference(s)"]
         for d in self.differences:
             where = d.what
@@ -74,7 +77,8 @@ class DiffReport:
         fp = self.first_payload_difference()
         if fp is not None:
             lines.append(
-                f"first differing payload: {fp.what} at {fp.sample_id}@{fp.token_offset}: a={fp.a!r} b={fp.b!r}"
+                f"first differing payload: {fp.what} at {fp.sample_id}@{fp.token_offset}: "
+                f"a={fp.a!r} b={fp.b!r}"
             )
         return "\n".join(lines)
 
@@ -126,7 +130,8 @@ def _scalar(x: Any) -> Any:
 
 
 def _first_unequal(x: np.ndarray, y: np.ndarray) -> int | None:
-    """Index along axis 0 of the first row whose bits differ (so NaN equals NaN); 0 if shapes differ."""
+    """Index along axis 0 of the first row whose bits differ (so NaN equals NaN);
+    0 if shapes differ."""
     if x.shape != y.shape:
         return 0
     if x.size == 0:

@@ -76,7 +76,8 @@ def resolve_target(
         raise BundleError(f"{path}: not a bundle, cohort or capture directory")
     if step is None and rollout is None:
         raise UsageError(
-            f"{path} is a capture directory with {len(children)} bundle(s); pick one with --step R:S or --rollout R"
+            f"{path} is a capture directory with {len(children)} bundle(s); "
+            "pick one with --step R:S or --rollout R"
         )
     name = step_dir_name(*step) if step is not None else rollout_dir_name(rollout)
     target = path / name

@@ -50,17 +50,20 @@ def sample_record_problems(samples: list[Sample]) -> list[str]:
         where = f"sample '{s.sample_id}'"
         if not (0 < s.response_length <= s.total_length):
             out.append(
-                f"{where}: response_length {s.response_length} not in (0, total_length {s.total_length}]"
+                f"{where}: response_length {s.response_length} not in (0, total_length "
+                f"{s.total_length}]"
             )
         if len(s.loss_mask) != s.response_length:
             out.append(
-                f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {s.response_length}"
+                f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is "
+                f"{s.response_length}"
             )
         if bool in set(map(type, s.loss_mask)) or not set(s.loss_mask) <= {0, 1}:
             out.append(f"{where}: loss_mask values must be 0 or 1")
         if isinstance(s.reward, list) and len(s.reward) != s.response_length:
             out.append(
-                f"{where}: per-token reward has {len(s.reward)} entries, response_length is {s.response_length}"
+                f"{where}: per-token reward has {len(s.reward)} entries, response_length is "
+                f"{s.response_length}"
             )
     return out
 
@@ -115,14 +118,16 @@ def payload_problems(bundle: Bundle) -> list[str]:
             if bad.any():
                 first = int(np.flatnonzero(bad.reshape(-1))[0])
                 out.append(
-                    f"payload '{name}': {int(bad.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}"
+                    f"payload '{name}': {int(bad.sum())} non-finite value(s) (NaN/Inf), first at "
+                    f"flat index {first}"
                 )
         elif t.dtype == "torch.bfloat16":
             exp_all_ones = (arr.reshape(-1) & 0x7F80) == 0x7F80
             if exp_all_ones.any():
                 first = int(np.flatnonzero(exp_all_ones)[0])
                 out.append(
-                    f"payload '{name}': {int(exp_all_ones.sum())} non-finite value(s) (NaN/Inf), first at flat index {first}"
+                    f"payload '{name}': {int(exp_all_ones.sum())} non-finite value(s) (NaN/Inf), "
+                    f"first at flat index {first}"
                 )
     return out
 

@@ -56,7 +56,8 @@ def convert_contents(
         per_token = [s["sample_id"] for s in samples if isinstance(s.get("reward"), list)]
         if per_token:
             raise UsageError(
-                f"sample(s) {', '.join(per_token[:5])} carry per-token rewards, which major 1 cannot express"
+                f"sample(s) {', '.join(per_token[:5])} carry per-token rewards, "
+                "which major 1 cannot express"
             )
         contracts.pop(Stage.LOSS_VALUE, None)
     for c in contracts.values():

@@ -109,13 +109,15 @@ class Bundle:
         size = path.stat().st_size
         if size != spec.bytes:
             raise BundleError(
-                f"payload '{name}': size {size} bytes, manifest declares {spec.bytes} (truncated or replaced)"
+                f"payload '{name}': size {size} bytes, manifest declares {spec.bytes} "
+                "(truncated or replaced)"
             )
         data = read_bytes(path, f"payload '{name}'", limit=MAX_PAYLOAD_BYTES)
         digest = sha256_bytes(data)
         if digest != spec.sha256:
             raise BundleError(
-                f"payload '{name}': sha256 mismatch (file {digest[:12]}…, manifest {spec.sha256[:12]}…)"
+                f"payload '{name}': sha256 mismatch (file {digest[:12]}…, manifest "
+                f"{spec.sha256[:12]}…)"
             )
         return data
 
@@ -142,7 +144,8 @@ def _read_docs(path: Path) -> tuple[dict[str, bytes], Manifest, Index, dict[str,
         raise BundleError("expected.json: expected a JSON object keyed by stage")
     if manifest.bundle_id != index.bundle_id:
         raise BundleError(
-            f"bundle_id differs: manifest.json {manifest.bundle_id!r}, index.json {index.bundle_id!r}"
+            f"bundle_id differs: manifest.json {manifest.bundle_id!r}, index.json "
+            f"{index.bundle_id!r}"
         )
     for name in manifest.payloads:
         check_payload_name(name)
@@ -215,13 +218,15 @@ def open_bundle(path: Path | str, *, verify_payloads: bool = False) -> Bundle:
         cshard = cc.shards.get(rank)
         if cshard is None or cshard.metadata != complete.metadata:
             raise BundleError(
-                f"{path}: rank {rank} metadata hashes differ from the cohort COMPLETE's shard {rank}"
+                f"{path}: rank {rank} metadata hashes differ from the cohort COMPLETE's shard "
+                f"{rank}"
             )
     elif sorted(set(complete.ranks)) != sorted(set(expected_ranks)):
         # A single-directory bundle is complete only when every expected rank signed it.
         raise BundleError(
             f"{path}: COMPLETE lists ranks {sorted(complete.ranks)} but expects ranks "
-            f"{sorted(expected_ranks)} (bundle incomplete; a rank member belongs in rank-<r>/ of a cohort)"
+            f"{sorted(expected_ranks)} "
+            "(bundle incomplete; a rank member belongs in rank-<r>/ of a cohort)"
         )
     bundle = Bundle(
         path=path,
@@ -243,13 +248,15 @@ def _require_cohort_complete(cohort: Path, expected_ranks: list[int]) -> CohortC
     sentinel = cohort / "COMPLETE"
     if not sentinel.exists():
         raise BundleError(
-            f"{cohort}: cohort is not complete (no cohort COMPLETE; ranks {expected_ranks} expected); "
+            f"{cohort}: cohort is not complete "
+            f"(no cohort COMPLETE; ranks {expected_ranks} expected); "
             "a rank bundle of an unfinished cohort is refused"
         )
     cc = CohortComplete.from_dict(read_json(sentinel, "cohort COMPLETE"))
     if sorted(cc.ranks) != sorted(expected_ranks):
         raise BundleError(
-            f"{cohort}: cohort COMPLETE lists ranks {sorted(cc.ranks)}, members expect {sorted(expected_ranks)}"
+            f"{cohort}: cohort COMPLETE lists ranks {sorted(cc.ranks)}, members expect "
+            f"{sorted(expected_ranks)}"
         )
     return cc
 

@@ -130,7 +130,8 @@ def format_inspect(info: dict[str, Any]) -> str:
             )
             lines.append(f"  identity: {ident['kind']} bundle, {anchor}")
             lines.append(
-                f"    rollout partitions {ident['rollout_partition_ids']}  consumer batches {ident['consumer_batch_ids']}"
+                f"    rollout partitions {ident['rollout_partition_ids']}  consumer batches "
+                f"{ident['consumer_batch_ids']}"
             )
             lines.append(f"    weights {ident['weight_lineage']}  rank {ident['rank']}")
         if "samples" in m:

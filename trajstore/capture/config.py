@@ -13,8 +13,8 @@ accepted too; both spellings set to different values is an error):
 | TRAJSTORE_CAPTURE / RELAX_REPLAY_CAPTURE | 1/true/yes/on switches capture on (default off) |
 | TRAJSTORE_CAPTURE_DIR / RELAX_REPLAY_CAPTURE_DIR | write bundle directories here |
 | TRAJSTORE_CAPTURE_STORE | write straight into this store instead |
-| TRAJSTORE_CAPTURE_STEPS / RELAX_REPLAY_CAPTURE_STEPS | ``R:S,R:S`` actor steps to capture (unset: all) |
-| TRAJSTORE_CAPTURE_ROLLOUTS / RELAX_REPLAY_CAPTURE_ROLLOUTS | ``R,R`` rollouts to capture (unset: all) |
+| TRAJSTORE_CAPTURE_STEPS / RELAX_REPLAY_CAPTURE_STEPS | ``R:S,R:S`` actor steps (unset: all) |
+| TRAJSTORE_CAPTURE_ROLLOUTS / RELAX_REPLAY_CAPTURE_ROLLOUTS | ``R,R`` rollouts (unset: all) |
 | TRAJSTORE_RUN | run name (``[A-Za-z0-9._-]``, default ``default``) |
 | TRAJSTORE_CAPTURE_QUEUE_SIZE | bounded queue length in bundles (default 64) |
 | TRAJSTORE_CAPTURE_BLOCK | 1: wait for queue space instead of dropping |
@@ -83,7 +83,8 @@ def parse_steps(
         m = _STEP.match(item)
         if not m:
             raise CaptureConfigError(
-                f"{var}: item {item!r} is not ROLLOUT_ID:STEP_ID with non-negative integers (e.g. 120:0)"
+                f"{var}: item {item!r} is not ROLLOUT_ID:STEP_ID "
+                "with non-negative integers (e.g. 120:0)"
             )
         out.add((int(m.group(1)), int(m.group(2))))
     return frozenset(out)
@@ -151,7 +152,8 @@ class CaptureConfig:
         set_(self, "redaction", RedactionPolicy.parse(self.redaction))
         if not isinstance(self.run, str) or not _RUN.match(self.run):
             raise CaptureConfigError(
-                f"run name {self.run!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
+                f"run name {self.run!r} must be 1-128 characters "
+                "of letters, digits, '.', '_' or '-'"
             )
         if (
             isinstance(self.queue_size, bool)

@@ -96,7 +96,8 @@ class RedactionPolicy:
         unknown = sorted(set(spec) - set(TEXT_FIELDS))
         if unknown:
             raise UsageError(
-                f"redaction: unknown field(s) {', '.join(unknown)}; fields: {', '.join(TEXT_FIELDS)}"
+                f"redaction: unknown field(s) {', '.join(unknown)}; fields: "
+                f"{', '.join(TEXT_FIELDS)}"
             )
         return cls(**dict(spec))
 

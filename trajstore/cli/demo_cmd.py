@@ -1,4 +1,5 @@
-"""`trajstore demo [DIR]`: the main job end to end (trajstore.examples.demo, as `make demo` runs it)."""
+"""`trajstore demo [DIR]`: the main job end to end
+(trajstore.examples.demo, as `make demo` runs it)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "replay",
         help="recompute reward -> advantage -> loss and name the first divergent stage",
-        description="Replay a bundle, cohort or capture directory (or a step in a store with --store).",
+        description=(
+            "Replay a bundle, cohort or capture directory (or a step in a store with --store)."
+        ),
     )
     p.add_argument("target", nargs="?", help="bundle, cohort or capture directory")
     sel = p.add_mutually_exclusive_group()
@@ -149,9 +151,10 @@ def _replay_all(args: argparse.Namespace) -> int:
     else:
         d = summary.to_dict()
         print(
-            f"replayed {d['total'] - d['skipped_already_recorded']} of {d['total']} bundle(s) in {d['seconds']} s "
-            f"({d['skipped_already_recorded']} already recorded): "
-            f"{d['pass']} pass, {d['diverged']} diverged, {d['unsupported']} unsupported, {d['refused']} refused"
+            f"replayed {d['total'] - d['skipped_already_recorded']} of {d['total']} bundle(s) in "
+            f"{d['seconds']} s ({d['skipped_already_recorded']} already recorded): "
+            f"{d['pass']} pass, {d['diverged']} diverged, {d['unsupported']} unsupported, "
+            f"{d['refused']} refused"
         )
         if d["first_divergent_stage_histogram"]:
             print("first divergent stage:")

@@ -125,7 +125,8 @@ def format_report(r: dict[str, Any]) -> str:
     router = r.get("router") or {}
     head = (
         f"{r['label']}  {r['anchor']}  mode={fmt(router.get('mode'))}  "
-        f"E={fmt(router.get('num_experts'))} L={fmt(router.get('num_layers'))} K={fmt(router.get('top_k'))}"
+        f"E={fmt(router.get('num_experts'))} L={fmt(router.get('num_layers'))} "
+        f"K={fmt(router.get('top_k'))}"
     )
     lines = [
         head,

@@ -183,17 +183,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print_json(s)
         return 0
     print(
-        f"{'run':20} {'bundles':>7} {'logical':>11} {'physical':>11} {'dedup':>6} {'route B/tok-layer':>17}"
+        f"{'run':20} {'bundles':>7} {'logical':>11} {'physical':>11} {'dedup':>6} "
+        f"{'route B/tok-layer':>17}"
     )
     for r in s["runs"]:
         rb = r.get("route_bytes_per_token_layer")
         print(
-            f"{r['run']:20} {r['bundles']:>7} {_human(r['logical_bytes']):>11} {_human(r['physical_bytes']):>11} "
+            f"{r['run']:20} {r['bundles']:>7} {_human(r['logical_bytes']):>11} "
+            f"{_human(r['physical_bytes']):>11} "
             f"{r['dedup_ratio'] or 0:>6.2f} {'-' if rb is None else f'{rb:.3f}':>17}"
         )
     print(
-        f"{'(store)':20} {s['bundles']:>7} {_human(s['logical_bytes']):>11} {_human(s['physical_bytes']):>11} "
-        f"{s['dedup_ratio'] or 0:>6.2f}   objects {s['objects']}, stored {_human(s['stored_bytes'])}, "
+        f"{'(store)':20} {s['bundles']:>7} {_human(s['logical_bytes']):>11} "
+        f"{_human(s['physical_bytes']):>11} "
+        f"{s['dedup_ratio'] or 0:>6.2f}   objects {s['objects']}, stored "
+        f"{_human(s['stored_bytes'])}, "
         f"garbage {_human(s['garbage_bytes'])}"
     )
     return 0
@@ -208,7 +212,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         print_json(rep.to_dict())
     else:
         print(
-            f"checked {rep.objects_checked} objects, {rep.refs_checked} refs: {'ok' if rep.ok else 'PROBLEMS'}"
+            f"checked {rep.objects_checked} objects, {rep.refs_checked} refs: "
+            f"{'ok' if rep.ok else 'PROBLEMS'}"
         )
         for w in rep.warnings:
             print(f"  warning: {w}")
@@ -250,6 +255,7 @@ def cmd_reindex(args: argparse.Namespace) -> int:
     with _open(args) as store:
         s = store.reindex()
     print(
-        f"reindexed: {s['new_refs']} refs, {s['new_tombstones']} tombstones, {s['new_results']} results"
+        f"reindexed: {s['new_refs']} refs, {s['new_tombstones']} tombstones, "
+        f"{s['new_results']} results"
     )
     return 0

@@ -258,8 +258,10 @@ def check_linkage(
     if mismatches == 0:
         return Linkage(
             status=StageStatus.PASS,
-            reason=f"the advantages {checked} sample(s) consumed match those {ro_name}'s recomputed "
-            f"rewards give{note}",
+            reason=(
+                f"the advantages {checked} sample(s) consumed match those "
+                f"{ro_name}'s recomputed rewards give{note}"
+            ),
             samples_checked=checked,
             max_abs_error=max_err,
             **base,

@@ -70,13 +70,15 @@ def format_report(report: ReplayReport) -> str:
             )
         else:
             out.append(
-                f"cohort {report.label} — all requested stages pass on {len(report.bundles)} rank(s)"
+                f"cohort {report.label} — "
+                f"all requested stages pass on {len(report.bundles)} rank(s)"
             )
     if report.linkage is not None:
         out.append(f"rollout linkage: {report.linkage.status} — {report.linkage.reason}")
     if report.root_bundle_key:
         out.append(
-            f"first divergent stage: {report.root_stage} in upstream bundle {report.root_bundle_key}; "
+            f"first divergent stage: {report.root_stage} in upstream bundle "
+            f"{report.root_bundle_key}; "
             f"this bundle's {report.first.first_divergent_stage} is downstream of it"
         )
     return "\n".join(out).rstrip("\n")

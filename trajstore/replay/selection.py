@@ -84,7 +84,8 @@ def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> S
         lacking = [s.sample_id for s in samples if s.micro_batch_id is None]
         if lacking:
             raise SelectionError(
-                f"cannot select micro-batch {mb}: sample(s) {', '.join(lacking[:5])} have no micro_batch_id"
+                f"cannot select micro-batch {mb}: sample(s) {', '.join(lacking[:5])} "
+                "have no micro_batch_id"
             )
         members = [i for i, s in enumerate(samples) if s.micro_batch_id == mb]
         if not members:
@@ -100,7 +101,8 @@ def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> S
         g = samples[i].group_index
         if g is None:
             raise SelectionError(
-                f"sample {samples[i].sample_id} has no group_index; its semantic group is unknown, refusing to guess"
+                f"sample {samples[i].sample_id} has no group_index; its semantic group is unknown, "
+                "refusing to guess"
             )
         closed.update(j for j, s in enumerate(samples) if s.group_index == g)
     added = [samples[j].sample_id for j in sorted(closed - chosen)]

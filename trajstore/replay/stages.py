@@ -69,7 +69,10 @@ def stage_sample(ctx: ReplayContext) -> StageOutcome:
         want = int(ctx.all_lengths.sum())
         if tuple(spec.shape) != (want,):
             have = int(spec.shape[0]) if len(spec.shape) == 1 else None
-            msg = f"payload '{name}' has shape {list(spec.shape)}, samples have {want} response tokens"
+            msg = (
+                f"payload '{name}' has shape {list(spec.shape)}, "
+                f"samples have {want} response tokens"
+            )
             if have is not None and have < want:
                 # Under the flat layout the payload ends inside/before these samples.
                 all_offsets = kernels.segment_offsets(ctx.all_lengths)
@@ -109,7 +112,8 @@ def stage_sample(ctx: ReplayContext) -> StageOutcome:
                 )
         if values.shape[0] != total:
             problems.append(
-                f"payload '{name}' has {values.shape[0]} tokens for {total} selected response tokens"
+                f"payload '{name}' has {values.shape[0]} tokens "
+                f"for {total} selected response tokens"
             )
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""

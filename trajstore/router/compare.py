@@ -310,7 +310,8 @@ def format_comparison(cmp: RunComparison) -> str:
         lines.append(
             f"  {run}: steps={st['steps']} missing_steps={st['missing_steps']} "
             f"metric_error_steps={st['metric_error_steps']} ({errs}) "
-            f"hang_count={fmt(st['hang_count'])} engine_error_count={fmt(st['engine_error_count'])} "
+            f"hang_count={fmt(st['hang_count'])} "
+            f"engine_error_count={fmt(st['engine_error_count'])} "
             f"recorded_disagreements={st['recorded_disagreements']} modes={fmt(st['modes'])}"
         )
     return "\n".join(lines)

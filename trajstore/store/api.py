@@ -121,7 +121,8 @@ class Store:
     # -- reading --
 
     def load_document(self, h: str) -> dict:
-        """A stored JSON document (manifest/index/expected) by object hash (the catalog's loader)."""
+        """A stored JSON document (manifest/index/expected)
+        by object hash (the catalog's loader)."""
         doc = get_json_blob(self.objs, h)
         if not isinstance(doc, dict):
             raise StoreError(f"document object {h} is not a JSON object")
@@ -157,15 +158,16 @@ class Store:
         if want is not None and sorted(e.rank for e in chosen) != sorted(want):
             have = sorted(e.rank for e in chosen)
             raise NotFoundError(
-                f"run {run!r} {what} attempt {attempt}: cohort incomplete (ranks {have} of {list(want)} "
-                "published); re-run the ingest to complete it"
+                f"run {run!r} {what} attempt {attempt}: cohort incomplete "
+                f"(ranks {have} of {list(want)} published); re-run the ingest to complete it"
             )
         return [self._stored(e) for e in chosen]
 
     def step(
         self, run: str, rollout_id: int, step_id: int, attempt: int | None = None
     ) -> list[StoredBundle]:
-        """Every rank of actor step (rollout_id, step_id): the latest attempt unless one is named."""
+        """Every rank of actor step (rollout_id, step_id):
+        the latest attempt unless one is named."""
         return self._group(run, "step", int(rollout_id), int(step_id), attempt)
 
     def rollout(self, run: str, rollout_id: int, attempt: int | None = None) -> list[StoredBundle]:

@@ -71,7 +71,8 @@ class IngestOutcome:
 
 
 class _Recorder(ObjectStore):
-    """Delegates to the real store and remembers the size of every object put (a bundle's closure)."""
+    """Delegates to the real store and remembers the size of every object put
+    (a bundle's closure)."""
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
@@ -368,7 +369,8 @@ class Progress:
         width = 30
         fill = int(width * self.done / max(self.total, 1))
         sys.stderr.write(
-            f"\ringest [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} {rate:7.1f} MB/s"
+            f"\ringest [{'#' * fill}{'.' * (width - fill)}] "
+            f"{self.done}/{self.total} {rate:7.1f} MB/s"
         )
         sys.stderr.flush()
 

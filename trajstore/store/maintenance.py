@@ -81,7 +81,8 @@ def ref_closure(store: Store, ref: dict[str, Any]) -> dict[str, str]:
 
 
 def fsck(store: Store, *, deep: bool = True) -> FsckReport:
-    """Re-hash every object; check every live ref's closure (and, if deep, that each .pt reproduces)."""
+    """Re-hash every object; check every live ref's closure
+    (and, if deep, that each .pt reproduces)."""
     rep = FsckReport()
     good: set[str] = set()
     bad: dict[str, str] = {}

@@ -92,7 +92,8 @@ def payload_file_bytes(objs: ObjectStore, entry: dict[str, Any], record: ArrayRe
         data = env[:off] + tensor + env[off:]
     if len(data) != f["bytes"] or sha256_bytes(data) != f["sha256"]:
         raise IntegrityError(
-            f"payload file of record {entry['record']} does not reproduce its sha256 {f['sha256'][:12]}…"
+            f"payload file of record {entry['record']} does not reproduce its sha256 "
+            f"{f['sha256'][:12]}…"
         )
     return data
 
