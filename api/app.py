@@ -1,4 +1,4 @@
-"""The REST API (DESIGN.md "REST"): `create_app(store_dir)` builds the FastAPI app.
+"""The REST API (docs/rest.md): `create_app(store_dir)` builds the FastAPI app.
 
 Endpoints are sync (`def`): DuckDB has no async driver, so FastAPI runs them
 in its thread pool. Lookups by id read the snapshot's `View` (dicts); filtered
@@ -77,7 +77,7 @@ def create_app(store_dir: Path, *, token: str | None = None, poll_s: float = 0.2
     app = FastAPI(
         title="trajstore",
         version=__version__,
-        description="Store and replay what asynchronous RL training consumed (DESIGN.md REST).",
+        description="Store and replay what asynchronous RL training consumed (docs/rest.md).",
         lifespan=lifespan,
         responses=ERRORS,
     )

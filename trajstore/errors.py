@@ -1,6 +1,6 @@
 """Error types. Each carries the CLI exit code it maps to.
 
-Exit codes (DESIGN.md): 0 success, 1 a divergence / requested unsupported
+Exit codes (docs/cli.md): 0 success, 1 a divergence / requested unsupported
 stage, 2 invalid input, integrity failure or usage error. The CLI prints
 `trajstore: error: <message>` on one line for every TrajstoreError and never
 a traceback.
