@@ -8,6 +8,10 @@ which runs `demo`.
 - `moe_grpo`: a tiny MoE GRPO loop, bf16 rollout vs fp32 training, captured into a store
   (docs/router.md);
 - `gen_long_run`: synthetic long-run capture directories with injectable faults;
+- `oracle`: the GRPO math of docs/replay-math.md transcribed in plain PyTorch, independent of
+  `trajstore.replay.kernels`, so tests and benchmarks can check the kernels against it;
+- `replay_builders`: mathematically consistent bundles (values from `oracle`) with injectable
+  faults, for tests and benchmarks;
 - `demo`: the whole job end to end (`trajstore demo`, `make demo`); its fixture bundles from
   the public producer are in `data/relax-v2/`.
 """
