@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from trajstore.errors import BundleError
-from trajstore.vocab import REWARD_STAGES
+from trajstore.vocab import REWARD_STAGES, DeclaredCapability
 
 SUPPORTED_MAJORS = (1, 2)
 WRITE_FORMAT_VERSION = "1.0.0"
-#: stages only major 1 has: major-2 rewards arrive already post-processed
-CAPABILITIES = ("recompute", "recorded-only", "inspect-only", "unsupported")
+#: the capabilities a stage contract may declare (plain strings, as the manifest spells them)
+CAPABILITIES: tuple[str, ...] = tuple(capability.value for capability in DeclaredCapability)
 DEFAULT_ATOL = 1e-6
 DEFAULT_RTOL = 1e-5
 

@@ -60,6 +60,15 @@ class Capability(_Word):
     UNSUPPORTED = "unsupported"
 
 
+class DeclaredCapability(_Word):
+    """What a producer's stage contract (manifest.json) says replay may do with a stage."""
+
+    RECOMPUTE = "recompute"
+    RECORDED_ONLY = "recorded-only"
+    INSPECT_ONLY = "inspect-only"
+    UNSUPPORTED = "unsupported"
+
+
 class Verdict(_Word):
     """One replay's overall status (the report's and the recorded result's ``status``)."""
 
