@@ -87,6 +87,16 @@ def _need_store(args: argparse.Namespace):  # noqa: ANN202
     return Store.open(args.store, create=False)
 
 
+def _synced_catalog(args: argparse.Namespace):  # noqa: ANN202
+    """The store's synced catalog, without importing the store's object layer."""
+    from trajstore.cli._catalog import synced_catalog
+    from trajstore.errors import UsageError
+
+    if not args.store:
+        raise UsageError("--store DIR is required (or set TRAJSTORE_STORE)")
+    return synced_catalog(args.store)
+
+
 def emit_rows(rows: list[dict[str, Any]], columns: list[str], fmt: str) -> None:
     if fmt == "json":
         print_json(rows)
@@ -204,9 +214,8 @@ def cmd_query(args: argparse.Namespace) -> int:
         and args.rollout_from > args.rollout_to
     ):
         raise UsageError("--rollout-from is after --rollout-to")
-    store = _need_store(args)
     rng = {"rollout_from": args.rollout_from, "rollout_to": args.rollout_to}
-    with store.catalog() as cat:
+    with _synced_catalog(args) as cat:
         if args.what == "steps":
             rows = _all_pages(
                 partial(q.query_steps, cat),
@@ -254,8 +263,7 @@ def cmd_query(args: argparse.Namespace) -> int:
 def cmd_sql(args: argparse.Namespace) -> int:
     from trajstore.catalog import run_readonly_sql
 
-    store = _need_store(args)
-    with store.catalog() as cat:
+    with _synced_catalog(args) as cat:
         columns, rows = run_readonly_sql(cat, args.sql)
     emit_rows([dict(zip(columns, r, strict=True)) for r in rows], columns, args.format)
     return 0

@@ -160,8 +160,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _open(args) as store:
-        rows = store.bundles(run=args.run, kind=args.kind, all_attempts=args.all_attempts)
+    # the catalog alone: the object layer (numpy, zstandard, ...) is not imported
+    from trajstore.cli._catalog import all_bundles, synced_catalog
+    from trajstore.errors import UsageError
+
+    if not args.store:
+        raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
+    with synced_catalog(args.store) as cat:
+        rows = all_bundles(cat, run=args.run, kind=args.kind, all_attempts=args.all_attempts)
     if args.json:
         print_json(rows)
         return 0
