@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,10 @@ import torch
 from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_contents, resign_bundle
 
 from trajstore.bundle.writer import write_bundle
-from trajstore.errors import IntegrityError, NotFoundError, UsageError
+from trajstore.errors import BundleError, IntegrityError, NotFoundError, UsageError
 from trajstore.store import Store, export_bundles
 from trajstore.store.maintenance import fsck, gc, stats
+from trajstore.store.stored_bundle import get_json_blob, put_blob
 
 FIXTURE_TARGETS = [
     FIXTURES / "example_bundle",
@@ -231,6 +233,46 @@ def test_flipped_byte_is_reported_by_fsck_and_by_reads(store: Store, tmp_path: P
     assert proc.returncode == 2 and rec_hash in proc.stderr
     with pytest.raises(IntegrityError, match=rec_hash):
         Store.open(store.root).step("r", 7, 0)[0].payload("log_probs")
+
+
+def test_a_lookup_leaves_the_loss_masks_unparsed_but_no_data_escapes_their_checks(
+    store: Store, tmp_path: Path
+) -> None:
+    """`Store.step` and a bundle's metadata do not parse index.json (its loss masks are
+    most of a lookup's cost); any read of samples, payloads or files runs its checks first,
+    with the message and exit code a lookup used to give."""
+    store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=5))], run="r")
+    (entry,) = store.refs.at_anchor("r", "step", 7, 0)
+    ref_path = store.layout.bundle_refs / f"{entry.name}.json"
+    ref = json.loads(ref_path.read_bytes())
+    index = get_json_blob(store.objs, ref["documents"]["index"])
+    index["samples"][1]["loss_mask"][2] = "1"  # one bad entry deep in the loss masks
+    ref["documents"]["index"] = put_blob(store.objs, json.dumps(index).encode())
+    store.objs.flush()
+    ref_path.write_bytes(json.dumps(ref).encode())
+    store.close()
+    msg = f"index.json samples[1] '{index['samples'][1]['sample_id']}': loss_mask entries"
+
+    with Store.open(store.root) as st:
+        (b,) = st.step("r", 7, 0)  # looked up, metadata readable: the masks are not parsed
+        assert (b.bundle_id, b.attempt, b.rank) == (index["bundle_id"], 1, None)
+        assert "log_probs" in b.payload_names() and "log_probs" in b.manifest.payloads
+        reads = {
+            "index": lambda: b.index,
+            "payload": lambda: b.payload("log_probs"),
+            "rows": lambda: b.payload_rows("log_probs", np.array([0])),
+            "file": lambda: b.payload_file("log_probs"),
+            "record": lambda: b.record("log_probs"),
+            "index.json": lambda: b.file_bytes("index.json"),
+        }
+        for read in reads.values():  # each refused (a failed parse is not cached)
+            with pytest.raises(BundleError, match=re.escape(msg)):
+                read()
+    out = tmp_path / "out"
+    proc = cli("export", "--store", store.root, "--run", "r", "--step", "7:0", out)
+    assert proc.returncode == BundleError.exit_code, proc.stderr
+    assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()
 
 
 def test_invalid_bundle_is_refused_and_the_rest_ingested(tmp_path: Path) -> None:

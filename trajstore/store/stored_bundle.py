@@ -6,6 +6,12 @@ a corrupt or hostile object never allocates more than `MAX_BLOB_BYTES`.
 Payloads are CAS arrays (`trajstore.cas`); `payload_rows` fetches only the
 chunks of the selected samples, which is what makes replaying one group of
 a 4,000-token-per-sample step cheap.
+
+A lookup is cheap too: a `StoredBundle` reads and checks its manifest and
+expected documents at once, and fetches its index object (verified against
+its hash), but decodes, parses and validates the index (every sample's loss
+mask: most of a bundle's metadata) only on first use of `index` or of any
+payload or file, so nothing is handed out before every check has run.
 """
 
 from __future__ import annotations
@@ -43,7 +49,11 @@ def put_blob(objs: ObjectStore, data: bytes) -> str:
 
 def get_blob(objs: ObjectStore, h: str) -> bytes:
     """The bytes of blob `h` (the object is verified against its hash by `get`)."""
-    data = objs.get(h)
+    return _decode_blob(h, objs.get(h))
+
+
+def _decode_blob(h: str, data: bytes) -> bytes:
+    """The bytes of blob `h` whose (verified) object bytes are `data`."""
     try:
         size = zstandard.frame_content_size(data)
         if size < 0 or size > MAX_BLOB_BYTES:
@@ -57,8 +67,13 @@ def get_blob(objs: ObjectStore, h: str) -> bytes:
 
 
 def get_json_blob(objs: ObjectStore, h: str) -> Any:
+    return _decode_json_blob(h, objs.get(h))
+
+
+def _decode_json_blob(h: str, data: bytes) -> Any:
+    blob = _decode_blob(h, data)
     try:
-        return json.loads(get_blob(objs, h).decode("utf-8"))
+        return json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise IntegrityError(f"document object {h} is not JSON: {e}") from None
 
@@ -106,17 +121,39 @@ class StoredBundle:
     ref: dict[str, Any]
     ref_name: str
     manifest: Manifest = field(init=False)
-    index: Index = field(init=False)
     expected: dict[str, Any] = field(init=False)
     rank: int | None = field(init=False)
     _records: dict[str, ArrayRecord] = field(default_factory=dict, repr=False)
+    # The index object's verified (compressed) bytes until `index` parses them.
+    _index_object: bytes | None = field(default=None, init=False, repr=False)
+    _index: Index | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         docs = self.ref["documents"]
         self.manifest = Manifest.from_dict(get_json_blob(self.objs, docs["manifest"]))
-        self.index = Index.from_dict(get_json_blob(self.objs, docs["index"]))
+        # Fetched (and so hash-checked: a missing or damaged object fails the lookup)
+        # but parsed on first use: decoding and validating every loss mask is most of
+        # a lookup's cost, and a lookup by step id often needs none of it.
+        self._index_object = self.objs.get(docs["index"])
         self.expected = get_json_blob(self.objs, docs["expected"])
         self.rank = self.ref.get("rank")
+
+    @property
+    def index(self) -> Index:
+        """index.json, decoded and validated on first use (its errors are raised here)."""
+        if self._index is None:
+            h = self.ref["documents"]["index"]
+            data = self._index_object  # kept until a parse succeeds (a retry raises again)
+            index = Index.from_dict(
+                _decode_json_blob(h, self.objs.get(h) if data is None else data)
+            )
+            self._index, self._index_object = index, None
+            return index
+        return self._index
+
+    def _checked(self) -> None:
+        """Every document checked: run before any payload or file is handed out."""
+        self.index  # noqa: B018 - parses and validates index.json (raises if it is invalid)
 
     @property
     def bundle_key(self) -> str:
@@ -145,6 +182,7 @@ class StoredBundle:
 
     def record(self, name: str) -> ArrayRecord:
         """The payload's CAS array record (for `CASZarrStore` or `read_rows`)."""
+        self._checked()
         if name not in self._records:
             self._records[name] = load_record(self.objs, self._entry(name)["record"])
         return self._records[name]
@@ -156,6 +194,7 @@ class StoredBundle:
 
     def payload_rows(self, name: str, positions: np.ndarray) -> np.ndarray:
         """The tokens of the samples at `positions`, reading only their chunks."""
+        self._checked()
         entry = self._entry(name)
         if entry.get("rows") in ("response", "total"):
             return read_rows(self.objs, self.record(name), [int(p) for p in positions])
@@ -180,6 +219,7 @@ class StoredBundle:
 
     def file_bytes(self, filename: str) -> bytes:
         """A stored metadata or sentinel file of this bundle (manifest.json, COMPLETE, ...)."""
+        self._checked()
         docs = {f"{k}.json": v for k, v in self.ref["documents"].items()}
         h = docs.get(filename) or (self.ref.get("sentinels") or {}).get(filename)
         if h is None:
