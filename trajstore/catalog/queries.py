@@ -100,6 +100,13 @@ def _after(sort_exprs: list, values: list | None):
     return sa.tuple_(*sort_exprs) > sa.tuple_(*[sa.literal(v) for v in values])
 
 
+def _before(sort_exprs: list, values: list | None):
+    """The keyset condition of a descending order."""
+    if values is None:
+        return sa.true()
+    return sa.tuple_(*sort_exprs) < sa.tuple_(*[sa.literal(v) for v in values])
+
+
 def _rollout_range(col, rollout_from: int | None, rollout_to: int | None) -> list:
     clauses = []
     if rollout_from is not None:
@@ -328,8 +335,14 @@ def _latest_results(run: str | None, kind: str | None = "step"):
 _STEP_IDENTITY = ("run", "rollout_id", "step_id", "attempt")
 
 
-def _latest_attempt_steps(run: str | None, rollout_from: int | None, rollout_to: int | None):
-    """One row per actor step (its latest attempt): bundle count, sizes, publish time."""
+def _latest_attempt_steps(
+    run: str | None,
+    rollout_from: int | None,
+    rollout_to: int | None,
+    attempt: int | None = None,
+):
+    """One row per actor step (its latest attempt, or only those whose latest attempt is
+    ``attempt``): bundle count, sizes, publish time."""
     bundles = _B
     query = (
         sa.select(
@@ -348,7 +361,25 @@ def _latest_attempt_steps(run: str | None, rollout_from: int | None, rollout_to:
     )
     if run is not None:
         query = query.where(bundles.c.run == run)
+    if attempt is not None:
+        query = query.where(bundles.c.attempt == attempt)
     return query.subquery("steps")
+
+
+#: step listing orders: name -> the leading sort column (None: step order only); a leading
+#: "-" reverses the whole order. Nulls sort as the coalesced value, so a keyset can pass them.
+STEP_SORTS = ("step", "-step", "status", "-status", "stage", "-stage", "tokens", "-tokens")
+
+
+def _step_sort_lead(sort: str, steps, latest):
+    name = sort.removeprefix("-")
+    if name == "status":
+        return sa.func.coalesce(latest.c.status, UNREPLAYED)
+    if name == "stage":
+        return sa.func.coalesce(latest.c.first_divergent_stage, "")
+    if name == "tokens":
+        return sa.func.coalesce(steps.c.num_tokens, 0)
+    return None
 
 
 def _steps_page(
@@ -359,11 +390,19 @@ def _steps_page(
     status: str | None,
     after: list | None,
     limit: int,
+    sort: str = "step",
 ):
-    """The steps joined with their latest verdict, filtered on it; limit + 1 rows, in order."""
-    sort = [steps.c.run, steps.c.rollout_id, steps.c.step_id, steps.c.attempt]
+    """The steps joined with their latest verdict, filtered on it; limit + 1 rows, in order.
+
+    Each row carries ``sort_key`` (the leading sort value, or null in step order)."""
+    lead = _step_sort_lead(sort, steps, latest)
+    order = [steps.c.run, steps.c.rollout_id, steps.c.step_id, steps.c.attempt]
+    if lead is not None:
+        order = [lead, *order]
+    descending = sort.startswith("-")
     query = (
         sa.select(
+            (lead if lead is not None else sa.null()).label("sort_key"),
             steps,
             latest.c.result_id,
             latest.c.bundle_key.label("result_bundle_key"),
@@ -380,8 +419,8 @@ def _steps_page(
                 sa.and_(*(latest.c[name] == steps.c[name] for name in _STEP_IDENTITY)),
             )
         )
-        .where(_after(sort, after))
-        .order_by(*sort)
+        .where(_before(order, after) if descending else _after(order, after))
+        .order_by(*(column.desc() if descending else column for column in order))
         .limit(limit + 1)
     )
     if first_divergent_stage is not None:
@@ -393,10 +432,11 @@ def _steps_page(
     return query
 
 
-def _with_rank_bundles(page_query):
+def _with_rank_bundles(page_query, descending: bool = False):
     """The page joined with its rank bundles, in one statement: ranks and keys
     are gathered for this page only (aggregating every step costs more)."""
     page = page_query.subquery("page")
+    order = [page.c.sort_key, *(page.c[name] for name in _STEP_IDENTITY)]
     member = _B.alias("member")
     return (
         sa.select(page, member.c.rank.label("member_rank"), member.c.key.label("member_key"))
@@ -411,7 +451,7 @@ def _with_rank_bundles(page_query):
             )
         )
         .order_by(
-            *(page.c[name] for name in _STEP_IDENTITY),
+            *(column.desc() if descending else column for column in order),
             sa.func.coalesce(member.c.rank, -1),
             member.c.key,
         )
@@ -426,7 +466,7 @@ def _collate_steps(rows: list) -> list[dict]:
         identity = (row.run, row.rollout_id, row.step_id, row.attempt)
         if identity != last_identity:
             item = _row(row)
-            del item["member_rank"], item["member_key"]
+            del item["member_rank"], item["member_key"], item["sort_key"]
             item["ranks"], item["bundle_keys"] = [], []
             items.append(item)
             last_identity = identity
@@ -445,6 +485,8 @@ def query_steps(
     status: str | None = None,
     limit: int | None = None,
     cursor: str | None = None,
+    attempt: int | None = None,
+    sort: str = "step",
 ) -> dict:
     """Actor steps (latest attempt) with their latest replay verdict; a page.
 
@@ -452,27 +494,37 @@ def query_steps(
     the most recently recorded result of any of its rank bundles (result
     columns are null when none was recorded). Filters on the verdict apply to
     that latest result only; status UNREPLAYED selects the steps with none.
+    ``attempt`` keeps the steps whose latest attempt is that number. ``sort``
+    is one of STEP_SORTS (default: rollout, step); a cursor is valid for its sort only.
     """
     limit = _limit(limit)
-    after = _decode_cursor("steps", cursor, 4)
+    if sort not in STEP_SORTS:
+        raise UsageError(f"sort must be one of {', '.join(STEP_SORTS)}, got {sort!r}")
+    by_step = sort.removeprefix("-") == "step"
+    tag = "steps" if sort == "step" else f"steps:{sort}"
+    after = _decode_cursor(tag, cursor, 4 if by_step else 5)
     if status is not None and status not in STEP_STATUSES:
         raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
     page_query = _steps_page(
-        _latest_attempt_steps(run, rollout_from, rollout_to),
+        _latest_attempt_steps(run, rollout_from, rollout_to, attempt),
         _latest_results(run),
         first_divergent_stage=first_divergent_stage,
         status=status,
         after=after,
         limit=limit,
+        sort=sort,
     )
     with catalog.connect() as conn:
-        rows = conn.execute(_with_rank_bundles(page_query)).all()
+        rows = conn.execute(_with_rank_bundles(page_query, sort.startswith("-"))).all()
+    sort_keys = {(row.run, row.rollout_id, row.step_id, row.attempt): row.sort_key for row in rows}
     items = _collate_steps(rows)
     more = len(items) > limit
     items = items[:limit]
-    next_cursor = (
-        _encode_cursor("steps", [items[-1][name] for name in _STEP_IDENTITY]) if more else None
-    )
+    next_cursor = None
+    if more:
+        last = [items[-1][name] for name in _STEP_IDENTITY]
+        lead = [] if by_step else [jsonable("sort_key", sort_keys[tuple(last)])]
+        next_cursor = _encode_cursor(tag, lead + last)
     return {"items": items, "next_cursor": next_cursor}
 
 
