@@ -337,6 +337,31 @@ class Index(Doc):
         return [f"index.json: unknown top-level key '{k}' (ignored)" for k in self.unknown_keys]
 
 
+#: config keys of the GRPO loss family (replay-math.md "Loss family"): understood only by the
+#: family variants of the stages (trajstore/replay/losses.py); the v1 stages refuse them
+LOSS_FAMILY_FIELDS: dict[str, tuple[tuple[type, ...], bool, bool]] = {
+    "policy_loss": (_STR, True, False),
+    "importance_sampling_level": (_STR, True, False),
+    "delta": (_NUM, True, False),
+    "top_entropy_quantile": (_NUM, True, False),
+    "mask_truncated_completions": ((bool,), True, False),
+    "max_response_length": (_INT, True, False),
+    "gradient_accumulation_steps": (_INT, True, False),
+    "loss_token_normalizer": (_NUM, True, False),
+    "sapo_temperature_pos": (_NUM, True, False),
+    "sapo_temperature_neg": (_NUM, True, False),
+    "off_policy_mask_threshold": (_NUM, True, False),
+    "is_correction": (_STR, True, False),
+    "is_clip_min": (_NUM, True, False),
+    "is_clip_max": (_NUM, True, False),
+    "aux_loss_coef": (_NUM, True, False),
+    "reward_scale": (_STR, True, False),
+    "reward_std_eps": (_NUM, True, False),
+    "reward_aggregation": (_STR, True, False),
+    "reward_weights": (_LIST, True, False),
+}
+
+
 @dataclass
 class Config(Doc):
     """index.json ``config``: the recompute configuration (replay-math.md).
@@ -360,6 +385,7 @@ class Config(Doc):
         "entropy_coef": (_NUM, False, False),
         "use_unbiased_kl": ((bool,), False, False),
         "router": (_DICT, True, False),
+        **LOSS_FAMILY_FIELDS,
     }
     WHERE: ClassVar[str] = "index.json config"
 

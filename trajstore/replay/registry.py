@@ -14,7 +14,7 @@ they check, and register a `StageDef` there; list that module in
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trajstore.errors import UsageError
 from trajstore.replay.context import ReplayContext, StageOutcome
@@ -45,7 +45,28 @@ class StageDef:
     version: str = "v1"
 
 
+@dataclass(frozen=True)
+class StageVariant:
+    """Other math for a registered stage, chosen per bundle by its config.
+
+    Why: the loss family (TRL's loss types, GSPO, DAPO, ...) recomputes the same
+    stages of the chain with other formulas; the chain and its names stay one.
+    ``applies`` says whether a bundle selects this variant; the first registered
+    variant that applies replaces the stage's run, capability and version.
+    """
+
+    stage: Stage
+    name: str
+    applies: Callable[[BundleSource], bool]
+    run: Callable[[ReplayContext], StageOutcome]
+    capability: CapabilityCheck
+    version: str
+    inputs: tuple[str, ...] = ()
+    compared_with: tuple[str, ...] = ()
+
+
 _STAGES: dict[Stage, StageDef] = {}
+_VARIANTS: dict[Stage, list[StageVariant]] = {}
 
 
 def register_stage(stage: StageDef) -> StageDef:
@@ -54,6 +75,32 @@ def register_stage(stage: StageDef) -> StageDef:
     if name in _STAGES and _STAGES[name] is not stage:
         raise ValueError(f"replay stage {name} is registered twice")
     _STAGES[name] = stage
+    return stage
+
+
+def register_variant(variant: StageVariant) -> StageVariant:
+    """Add a config-selected variant of a stage; one name per stage once."""
+    name = Stage(variant.stage)
+    known = _VARIANTS.setdefault(name, [])
+    if any(other.name == variant.name and other is not variant for other in known):
+        raise ValueError(f"variant {variant.name} of replay stage {name} is registered twice")
+    if variant not in known:
+        known.append(variant)
+    return variant
+
+
+def resolve_stage(stage: StageDef, source: BundleSource) -> StageDef:
+    """``stage`` as this bundle replays it: its first applicable variant, else itself."""
+    for variant in _VARIANTS.get(Stage(stage.name), ()):
+        if variant.applies(source):
+            return replace(
+                stage,
+                run=variant.run,
+                capability=variant.capability,
+                version=variant.version,
+                inputs=variant.inputs or stage.inputs,
+                compared_with=variant.compared_with or stage.compared_with,
+            )
     return stage
 
 
@@ -77,4 +124,4 @@ def stage_names() -> tuple[Stage, ...]:
 
 def capability(source: BundleSource, stage: str) -> tuple[Capability, str]:
     """(recompute | skipped | unsupported, reason) of ``stage`` on this bundle."""
-    return get_stage(stage).capability(source)
+    return resolve_stage(get_stage(stage), source).capability(source)

@@ -15,7 +15,7 @@ from trajstore.errors import SelectionError, UsageError
 from trajstore.jsonio import json_safe
 from trajstore.replay import builtin
 from trajstore.replay.context import ReplayContext, StageInputError, StageOutcome
-from trajstore.replay.registry import StageDef, registered_stages, stage_names
+from trajstore.replay.registry import StageDef, registered_stages, resolve_stage, stage_names
 from trajstore.replay.selection import Selection, SelectionRequest, select
 from trajstore.replay.source import BundleSource
 from trajstore.vocab import STAGE_ORDER, Capability, StageStatus, Verdict
@@ -232,7 +232,8 @@ def replay_bundle(
     wanted = set(request.stages)
     last = max(STAGE_ORDER.index(name) for name in wanted)
     outcomes: list[StageOutcome] = []
-    for stage in registered_stages():
+    for registered in registered_stages():
+        stage = resolve_stage(registered, source)
         name = stage.name
         requested = name in wanted
         explicit = request.explicit and requested

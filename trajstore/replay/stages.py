@@ -28,7 +28,7 @@ from trajstore.replay.context import (
 )
 from trajstore.replay.registry import CapabilityCheck, StageDef, register_stage
 from trajstore.replay.source import BundleSource
-from trajstore.schema import Config
+from trajstore.schema import LOSS_FAMILY_FIELDS, Config
 from trajstore.vocab import (
     LOSS_FIELDS,
     REWARD_STAGES,
@@ -39,8 +39,9 @@ from trajstore.vocab import (
     required_loss_fields,
 )
 
-#: config keys every stage understands (replay-math.md); anything else -> unsupported
-KNOWN_CONFIG_KEYS = frozenset(Config.FIELDS)
+#: config keys every v1 stage understands (replay-math.md); anything else -> unsupported (the
+#: loss-family keys are understood by the family variants of trajstore/replay/losses.py only)
+KNOWN_CONFIG_KEYS = frozenset(Config.FIELDS) - frozenset(LOSS_FAMILY_FIELDS)
 #: sample ids a reason lists before it says "(+N more)"
 MAX_LISTED_SAMPLES = 5
 
@@ -340,7 +341,13 @@ def grpo_capability(
             return Capability.SKIPPED, f"declared {contract.capability} by the producer"
         if not reads_config:
             return Capability.RECOMPUTE, ""
-        unknown = sorted(set(source.index.config) - KNOWN_CONFIG_KEYS)
+        config = source.index.config
+        unknown = sorted(
+            key
+            for key in config
+            if key not in KNOWN_CONFIG_KEYS
+            and not (key in LOSS_FAMILY_FIELDS and config.get(key) is None)
+        )
         if unknown:
             return (
                 Capability.UNSUPPORTED,
