@@ -1,0 +1,163 @@
+"""R3 on a real transformers MoE model: trajstore.integrations.hf_moe.
+
+Tiny models built from configs here (2 layers, hidden 64, 8 experts, top-2),
+nothing downloaded. Every expected route is recomputed in the test itself
+from what the router module received (softmax + top-k of ``x @ W.T``), never
+taken from the hooks under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from trajstore.integrations.hf_moe import (
+    UnsupportedMoEModel,
+    generate_with_routes,
+    pack_routes,
+    record_routes,
+    replay_routes,
+    unpack_routes,
+)
+
+VOCAB, LAYERS, EXPERTS, TOP_K = 32, 2, 8, 2
+SIZES = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "num_experts_per_tok": TOP_K,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+
+
+def _model(family: str = "qwen3_moe", seed: int = 0) -> torch.nn.Module:
+    import transformers as tf
+
+    moe = {"num_experts": EXPERTS, "moe_intermediate_size": 32, "norm_topk_prob": True}
+    configs = {
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, {**moe, "head_dim": 16}),
+        "qwen2_moe": (
+            tf.Qwen2MoeConfig,
+            tf.Qwen2MoeForCausalLM,
+            {**moe, "shared_expert_intermediate_size": 32},
+        ),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM, {**moe, "norm_topk_prob": False}),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, {"num_local_experts": EXPERTS}),
+    }
+    config_cls, model_cls, extra = configs[family]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**SIZES, **extra)).eval()
+
+
+def _gates(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.mlp.gate for layer in model.model.layers]
+
+
+class RouterInputs:
+    """The test's own hooks: what each router module received, per forward call."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.gates = _gates(model)
+        self.seen: list[list[torch.Tensor]] = [[] for _ in self.gates]
+        self.handles = [
+            g.register_forward_pre_hook(self._hook(i)) for i, g in enumerate(self.gates)
+        ]
+
+    def _hook(self, layer: int):
+        def hook(module, args):
+            self.seen[layer].append(args[0].detach().reshape(-1, module.hidden_dim).clone())
+
+        return hook
+
+    def probs(self, layer: int, call: int) -> torch.Tensor:
+        x = self.seen[layer][call]
+        logits = F.linear(x, self.gates[layer].weight.to(x.dtype))
+        return torch.softmax(logits.float(), dim=-1)
+
+    def topk(self, shape: tuple[int, int], call: int = 0) -> torch.Tensor:
+        """[B, S, L, K] softmax + top-k of the router logits of one forward call."""
+        per_layer = [
+            torch.topk(self.probs(layer, call), TOP_K, dim=-1).indices.view(*shape, TOP_K)
+            for layer in range(len(self.gates))
+        ]
+        return torch.stack(per_layer, dim=2)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
+def test_recorded_training_routes_equal_softmax_topk_of_router_logits(family):
+    model = _model(family)
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(1))
+    seen = RouterInputs(model)
+    with torch.no_grad(), record_routes(model) as rec:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    seen.close()
+    routes = rec.routes()
+    assert routes.shape == (4, 10, LAYERS, TOP_K)
+    assert torch.equal(routes, seen.topk((4, 10)))
+
+
+def test_generation_records_every_position_including_the_last_token():
+    """Prefill, each decode step and the final token: ids equal the recomputation per call."""
+    model = _model().to(torch.bfloat16)
+    prompts = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(prompts)
+    mask[0, :2] = 0  # a left-padded prompt
+    prompts[0, :2] = 0
+    seen = RouterInputs(model)
+    torch.manual_seed(3)
+    gen = generate_with_routes(
+        model,
+        input_ids=prompts,
+        attention_mask=mask,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=True,
+    )
+    seen.close()
+    batch, total = gen.sequences.shape
+    assert total == 9 and gen.routes.shape == (batch, total, LAYERS, TOP_K)
+    calls = len(seen.seen[0])
+    assert calls == 1 + 4  # prefill [B, 5], three decode steps, one step for the last token
+    expected = [seen.topk((batch, 5), 0)] + [seen.topk((batch, 1), c) for c in range(1, calls)]
+    assert torch.equal(gen.routes, torch.cat(expected, dim=1))
+    assert gen.logits.shape == (batch, 4, VOCAB)
+
+
+def test_packed_routes_hold_the_real_tokens_in_sample_order():
+    routes = torch.arange(2 * 3 * LAYERS * TOP_K).view(2, 3, LAYERS, TOP_K) % EXPERTS
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    packed = pack_routes(routes, mask, EXPERTS)
+    assert packed.shape == (5, LAYERS, TOP_K) and packed.dtype.name == "uint8"
+    assert (packed[:2] == routes[0, 1:].numpy()).all()
+    back = unpack_routes(packed, mask)
+    assert (back[0, 0] == -1).all() and torch.equal(back[mask.bool()], routes[mask.bool()])
+
+
+class FooTopKRouter(torch.nn.Module):
+    """A router class hf_moe has never seen."""
+
+
+def test_a_dense_model_is_refused_with_a_clear_error():
+    import transformers as tf
+
+    dense = tf.Qwen3ForCausalLM(tf.Qwen3Config(**SIZES, head_dim=16))
+    with pytest.raises(UnsupportedMoEModel, match="Qwen3ForCausalLM has no supported MoE router"):
+        record_routes(dense)
+
+
+def test_an_unknown_router_family_is_refused_by_name():
+    model = _model()
+    model.model.layers[0].mlp.extra_router = FooTopKRouter()
+    with pytest.raises(UnsupportedMoEModel, match="FooTopKRouter"):
+        replay_routes(model, torch.zeros(1, 1, LAYERS, TOP_K, dtype=torch.long))
