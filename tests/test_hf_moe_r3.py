@@ -161,3 +161,108 @@ def test_an_unknown_router_family_is_refused_by_name():
     model.model.layers[0].mlp.extra_router = FooTopKRouter()
     with pytest.raises(UnsupportedMoEModel, match="FooTopKRouter"):
         replay_routes(model, torch.zeros(1, 1, LAYERS, TOP_K, dtype=torch.long))
+
+
+class ExpertInputs:
+    """The test's own hook on each experts module: the ids and gates it was handed."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.handles = [
+            layer.mlp.experts.register_forward_pre_hook(self._hook) for layer in model.model.layers
+        ]
+
+    def _hook(self, module, args):
+        self.seen.append((args[1].detach().clone(), args[2].detach().clone()))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _forced_routes(natural: torch.Tensor, seed: int) -> torch.Tensor:
+    """Distinct random expert ids per (token, layer): differ from the router's own somewhere."""
+    g = torch.Generator().manual_seed(seed)
+    rows = natural.shape[:-1].numel()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(rows)])
+    return ids.view(natural.shape)
+
+
+def test_replay_executes_exactly_the_replayed_ids():
+    from trajstore.router.metrics import compute_router_metrics
+
+    model = _model()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), record_routes(model) as own:
+        model(input_ids=ids)
+    forced = _forced_routes(own.routes(), seed=5)
+    assert not torch.equal(forced, own.routes())
+    experts, seen = ExpertInputs(model), RouterInputs(model)
+    with torch.no_grad(), replay_routes(model, forced) as rec:
+        model(input_ids=ids)
+    experts.close()
+    seen.close()
+    executed = torch.stack([i.view(4, 10, TOP_K) for i, _ in experts.seen], dim=2)
+    assert torch.equal(executed, forced)
+    mask = torch.ones(4, 10, dtype=torch.long)
+    metrics = compute_router_metrics(
+        pack_routes(forced, mask, EXPERTS),
+        pack_routes(rec.routes(), mask, EXPERTS),
+        total_lengths=[10] * 4,
+        response_lengths=[6] * 4,
+        loss_masks=[[1] * 6] * 4,
+        num_experts=EXPERTS,
+        num_layers=LAYERS,
+        top_k=TOP_K,
+    )
+    assert metrics.route_mismatch_rate == 0.0 and metrics.valid_token_layers == 4 * 6 * LAYERS
+    assert torch.equal(rec.natural_routes(), seen.topk((4, 10)))  # what the router chose
+
+
+def test_replayed_gates_are_the_training_routers_renormalised_softmax():
+    model = _model()
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    forced = _forced_routes(torch.zeros(2, 7, LAYERS, TOP_K), seed=7)
+    seen, experts = RouterInputs(model), ExpertInputs(model)
+    with torch.no_grad(), replay_routes(model, forced):
+        model(input_ids=ids)
+    seen.close()
+    experts.close()
+    for layer, (_, gates) in enumerate(experts.seen):
+        at = seen.probs(layer, 0).gather(-1, forced[:, :, layer].reshape(-1, TOP_K))
+        torch.testing.assert_close(gates, at / at.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+
+
+def test_the_router_keeps_its_gradient_under_replay():
+    model = _model().train()
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(8))
+    forced = _forced_routes(torch.zeros(2, 7, LAYERS, TOP_K), seed=9)
+    with replay_routes(model, forced):
+        model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    assert all(g.weight.grad is not None and g.weight.grad.abs().sum() > 0 for g in _gates(model))
+
+
+def test_padding_rows_of_minus_one_are_left_to_the_router():
+    model = _model()
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad(), record_routes(model) as own:
+        model(input_ids=ids)
+    forced = _forced_routes(own.routes(), seed=11)
+    forced[0, :3] = -1
+    with torch.no_grad(), replay_routes(model, forced) as rec:
+        model(input_ids=ids)
+    assert torch.equal(rec.routes()[0, :3], own.routes()[0, :3])
+    assert torch.equal(rec.routes()[0, 3:], forced[0, 3:])
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (torch.full((2, 6, LAYERS, TOP_K), EXPERTS), r"must lie in \[0, 8\)"),
+        (torch.zeros(2, 6, LAYERS, TOP_K, dtype=torch.long), "repeats an expert id"),
+        (torch.zeros(2, 6, LAYERS + 1, TOP_K, dtype=torch.long), r"must be \[B, S, 2, 2\]"),
+    ],
+)
+def test_malformed_replay_routes_are_refused_before_any_forward(bad, message):
+    with pytest.raises(ValueError, match=message):
+        replay_routes(_model(), bad)
