@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +238,17 @@ def make_cohort(tmp_path: Path) -> Callable[..., Path]:
         return dest
 
     return _make
+
+
+@pytest.fixture(params=["duckdb", "postgresql"])
+def catalog_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """A catalog backend for the catalog suite: None (the store's own DuckDB file) or
+    a fresh PostgreSQL schema's URL (tests/pg_server.py: skips, or fails under CI,
+    when no server answers)."""
+    if request.param == "duckdb":
+        yield None
+        return
+    from pg_server import fresh_schema
+
+    with fresh_schema() as url:
+        yield url

@@ -55,14 +55,19 @@ class StoreWriter:
     """Publishes bundles, tombstones and results into a real store, as ingest,
     `trajstore rm` and `replay --record` do."""
 
-    def __init__(self, root: Path, work: Path) -> None:
+    def __init__(self, root: Path, work: Path, url: str | None = None) -> None:
         self.root = root
         self.work = work
+        self.url = url  # the catalog: None for the store's DuckDB file
         self.store = Store.open(root, durable=False)
         self.seeds = itertools.count(1)
 
     def load(self, digest: str) -> dict:
         return self.store.load_document(digest)
+
+    def catalog(self, **kwargs):  # noqa: ANN003, ANN201
+        """The store's catalog on the backend under test (not synced)."""
+        return open_catalog(self.root, self.url, **kwargs)
 
     def _ingest(self, target: Path, run: str) -> list[str]:
         (out,) = self.store.ingest([target], run=run)
@@ -168,12 +173,19 @@ class StoreWriter:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> StoreWriter:
+def store(tmp_path: Path, catalog_url: str | None) -> StoreWriter:
+    """A store whose catalog is DuckDB or PostgreSQL (the suite runs on both)."""
+    return StoreWriter(tmp_path / "store", tmp_path / "bundles", catalog_url)
+
+
+@pytest.fixture
+def duck_store(tmp_path: Path) -> StoreWriter:
+    """A store with its DuckDB file catalog, for what only a file has (locks, snapshots)."""
     return StoreWriter(tmp_path / "store", tmp_path / "bundles")
 
 
 def _sync(store: StoreWriter):
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         return sync_catalog(cat, store.root, store.load)
 
 
@@ -194,7 +206,7 @@ def test_index_bundle_from_ref_and_documents(store):
     key = store.ingest_example()
     manifest = json.loads((EXAMPLE / "manifest.json").read_text())
     index = json.loads((EXAMPLE / "index.json").read_text())
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         assert sync_catalog(cat, store.root, store.load).new_refs == 1
         (row,) = lookup_step(cat, "default", 120, 0)
         samples = samples_of(cat, key)
@@ -223,7 +235,7 @@ def test_sync_is_incremental_and_idempotent(store):
     assert (first.new_refs, first.new_results) == (1, 1)
     assert (again.new_refs, again.new_tombstones, again.new_results) == (0, 0, 0)
     assert third.new_refs == 1
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         assert stats(cat)["bundles"] == 2
         assert stats(cat)["results"] == 1
 
@@ -231,7 +243,7 @@ def test_sync_is_incremental_and_idempotent(store):
 def test_latest_attempt_is_the_highest(store):
     keys = [store.publish(120, 0), store.publish(120, 0)]
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         latest = lookup_step(cat, "default", 120, 0)
         first = lookup_step(cat, "default", 120, 0, attempt=1)
         every = list_bundles(cat, include_all_attempts=True)["items"]
@@ -245,7 +257,7 @@ def test_lookup_step_returns_every_rank(store):
     store.publish_cohort(120, 0)
     store.publish(120, None)
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         ranks = [r["rank"] for r in lookup_step(cat, "default", 120, 0)]
         rollout = lookup_rollout(cat, "default", 120)
         steps = query_steps(cat)["items"]
@@ -260,7 +272,7 @@ def test_tombstone_hides_bundle_and_uncovers_previous_attempt(store):
     _sync(store)
     store.tombstone(second)
     assert _sync(store).new_tombstones == 1
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         assert [r["attempt"] for r in lookup_step(cat, "default", 120, 0)] == [1]
         assert get_bundle(cat, second) is None
         assert get_bundle(cat, second, include_removed=True)["removed_at"] is not None
@@ -274,7 +286,7 @@ def test_tombstone_synced_before_its_ref_still_hides_it(store):
     _sync(store)  # sees only the tombstone
     hidden.rename(ref)
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         assert lookup_step(cat, "default", 120, 0) == []
 
 
@@ -287,7 +299,7 @@ def test_query_steps_filters_by_latest_first_divergent_stage(store):
     store.record(c, stage="advantage.estimate", recorded_at="2026-11-30T01:00:00Z")
     store.record(c, status="pass", stage=None, recorded_at="2026-11-30T03:00:00Z")
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         hits = query_steps(cat, first_divergent_stage="advantage.estimate")["items"]
         passed = query_steps(cat, status="pass")["items"]
     assert [(h["rollout_id"], h["result_bundle_key"]) for h in hits] == [(120, a)]
@@ -300,7 +312,7 @@ def test_query_divergences_filters(store):
     other = store.publish(130, 0, run="fix")
     store.record(other, stage="loss.policy")
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         big = query_divergences(cat, run="default", min_abs_err=2.0)["items"]
         one = query_divergences(cat, sample_id="s-0", stage="loss.policy")["items"]
     assert [(d["sample_id"], d["abs_err"]) for d in big] == [("s-1", 2.3), ("s-2", 3.3)]
@@ -311,7 +323,7 @@ def test_recorded_result_exists_per_version(store):
     key = store.publish(120, 0)
     store.record(key, version="0.1.0")
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         assert recorded_result_exists(cat, key, "0.1.0")
         assert not recorded_result_exists(cat, key, "0.2.0")
         assert results_of(cat, key)[0]["stages"][0]["stage"] == "advantage.estimate"
@@ -325,7 +337,7 @@ def test_router_lineage_and_producer_metrics_indexed(store):
         120, 0, router=router, consistency={"route_mismatch_rate": 0.01, "f_tau_2": 0.002}
     )
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         columns, rows = run_readonly_sql(
             cat,
             "SELECT l.mode, l.num_layers, m.source, m.route_mismatch_rate, m.f_tau_2, m.kl_k1 "
@@ -341,7 +353,7 @@ def test_pagination_walks_everything_exactly_once(store):
             store.record(store.publish(rollout, step))
         store.publish(rollout, None)
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         seen, cursor = [], None
         while True:
             page = list_bundles(cat, limit=4, cursor=cursor)
@@ -367,19 +379,25 @@ def test_pagination_walks_everything_exactly_once(store):
 
 
 def test_page_size_is_bounded(store):
-    with open_catalog(store.root) as cat, pytest.raises(UsageError, match="1000"):
+    with store.catalog() as cat, pytest.raises(UsageError, match="1000"):
         list_bundles(cat, limit=1001)
 
 
 def test_bad_cursor_is_a_usage_error(store):
-    with open_catalog(store.root) as cat, pytest.raises(UsageError, match="cursor"):
+    with store.catalog() as cat, pytest.raises(UsageError, match="cursor"):
         query_steps(cat, cursor="not-a-cursor")
 
 
-def test_migration_from_0001_keeps_rows(tmp_path):
-    path = tmp_path / "store" / CATALOG_FILE
-    path.parent.mkdir()
-    engine = sa.create_engine(f"duckdb:///{path}")
+def _catalog_target(tmp_path: Path, catalog_url: str | None) -> tuple[Path, str]:
+    """(store directory, catalog URL) of an empty catalog on the backend under test."""
+    root = tmp_path / "store"
+    root.mkdir()
+    return root, catalog_url or f"duckdb:///{root / CATALOG_FILE}"
+
+
+def test_migration_from_0001_keeps_rows(tmp_path, catalog_url):
+    root, url = _catalog_target(tmp_path, catalog_url)
+    engine = sa.create_engine(url)
     migrate(engine, "0001")
     with engine.begin() as conn:
         conn.exec_driver_sql(
@@ -391,7 +409,7 @@ def test_migration_from_0001_keeps_rows(tmp_path):
             "INSERT INTO replay_results (result_name, bundle_key, status) VALUES ('x', 'k', 'pass')"
         )
     engine.dispose()
-    with open_catalog(tmp_path / "store") as cat:
+    with open_catalog(root, url) as cat:
         assert cat.revision() == t.HEAD_REVISION
         assert [r["key"] for r in lookup_step(cat, "default", 120, 0)] == ["k"]
         _, rows = run_readonly_sql(cat, "SELECT id, status, selection FROM replay_results")
@@ -399,27 +417,35 @@ def test_migration_from_0001_keeps_rows(tmp_path):
     assert rows == [[1, "pass", None]] and metrics == [[0]]
 
 
-def test_migrations_build_exactly_the_declared_tables(tmp_path):
-    with open_catalog(tmp_path) as cat, cat.connect() as conn:
+_INDEX_NAMES = {
+    "duckdb": "SELECT index_name FROM duckdb_indexes()",
+    "postgresql": "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema()",
+}
+
+
+def test_migrations_build_exactly_the_declared_tables(tmp_path, catalog_url):
+    root, url = _catalog_target(tmp_path, catalog_url)
+    with open_catalog(root, url) as cat, cat.connect() as conn:
         got = {
             (table, column)
             for table, column in conn.exec_driver_sql(
                 "SELECT table_name, column_name FROM information_schema.columns"
-                " WHERE table_name <> 'alembic_version'"
+                " WHERE table_name <> 'alembic_version' AND table_schema = current_schema()"
             )
         }
-        indexes = {r[0] for r in conn.exec_driver_sql("SELECT index_name FROM duckdb_indexes()")}
+        indexes = {r[0] for r in conn.exec_driver_sql(_INDEX_NAMES[conn.dialect.name])}
     want = {(table.name, c.name) for table in t.metadata.tables.values() for c in table.columns}
     want_indexes = {i.name for table in t.metadata.tables.values() for i in table.indexes}
     assert got == want
     assert want_indexes <= indexes
 
 
-def test_newer_catalog_is_refused(tmp_path):
-    with open_catalog(tmp_path) as cat, cat.begin() as conn:
+def test_newer_catalog_is_refused(tmp_path, catalog_url):
+    root, url = _catalog_target(tmp_path, catalog_url)
+    with open_catalog(root, url) as cat, cat.begin() as conn:
         conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
     with pytest.raises(StoreError, match="newer than this trajstore.*upgrade trajstore"):
-        open_catalog(tmp_path)
+        open_catalog(root, url)
 
 
 def test_reindex_after_deleting_catalog_gives_identical_answers(store):
@@ -434,21 +460,23 @@ def test_reindex_after_deleting_catalog_gives_identical_answers(store):
     rank0, _ = store.publish_cohort(122, 0)
     store.record(rank0, stage="loss.policy")
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         before = _answers(cat)
-    (store.root / CATALOG_FILE).unlink()
-    stats_ = reindex(store.root / CATALOG_FILE, store.root, store.load)
-    with open_catalog(store.root) as cat:
+    if store.url is None:
+        (store.root / CATALOG_FILE).unlink()
+    stats_ = reindex(store.url or store.root / CATALOG_FILE, store.root, store.load)
+    with store.catalog() as cat:
         after = _answers(cat)
     assert (stats_.new_refs, stats_.new_tombstones, stats_.new_results) == (6, 1, 2)
     assert after == before
 
 
-def test_reindex_of_a_corrupt_catalog_file_rebuilds_it(store):
+def test_reindex_of_a_corrupt_catalog_file_rebuilds_it(duck_store):
+    store = duck_store
     store.publish(120, 0)
     (store.root / CATALOG_FILE).write_bytes(b"not a duckdb file" * 100)
     reindex(store.root / CATALOG_FILE, store.root, store.load)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         assert len(lookup_step(cat, "default", 120, 0)) == 1
 
 
@@ -473,7 +501,7 @@ def test_reindex_of_a_corrupt_catalog_file_rebuilds_it(store):
 def test_readonly_sql_refuses_writes(store, sql):
     store.publish(120, 0)
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         with pytest.raises(UsageError):
             run_readonly_sql(cat, sql)
         assert stats(cat)["bundles"] == 1
@@ -485,17 +513,27 @@ def test_readonly_sql_refuses_writes(store, sql):
     [
         "SELECT key, attempt FROM bundles",
         "WITH b AS (SELECT * FROM bundles) SELECT count(*) FROM b",
-        "DESCRIBE bundles",
-        "SHOW TABLES",
-        "PRAGMA table_info('bundles')",
         "EXPLAIN SELECT * FROM samples",
-        "SUMMARIZE samples",
     ],
 )
 def test_readonly_sql_allows_reads(store, sql):
     store.publish(120, 0)
     _sync(store)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
+        columns, rows = run_readonly_sql(cat, sql)
+    assert columns and rows
+    json.dumps(rows)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    ["DESCRIBE bundles", "SHOW TABLES", "PRAGMA table_info('bundles')", "SUMMARIZE samples"],
+)
+def test_readonly_sql_allows_duckdb_reads(duck_store, sql):
+    store = duck_store
+    store.publish(120, 0)
+    _sync(store)
+    with store.catalog() as cat:
         columns, rows = run_readonly_sql(cat, sql)
     assert columns and rows
     json.dumps(rows)
@@ -503,7 +541,7 @@ def test_readonly_sql_allows_reads(store, sql):
 
 def test_sync_still_works_after_readonly_sql(store):
     store.publish(120, 0)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         run_readonly_sql(cat, "SELECT 1")
         store.publish(121, 0)
         assert sync_catalog(cat, store.root, store.load).new_refs == 2
@@ -538,7 +576,8 @@ def _spawn(store: StoreWriter, *, hold: bool = False) -> subprocess.Popen:
     )
 
 
-def test_concurrent_syncers_retry_the_lock_and_index_everything(store):
+def test_concurrent_syncers_retry_the_lock_and_index_everything(duck_store):
+    store = duck_store
     keys = {store.publish(r, 0) for r in range(10)}
     holder = _spawn(store, hold=True)
     assert holder.stdout.readline().strip() == "holding"
@@ -549,24 +588,26 @@ def test_concurrent_syncers_retry_the_lock_and_index_everything(store):
     results = [p.communicate() for p in syncers]
     assert holder.returncode == 0
     assert [p.returncode for p in syncers] == [0, 0], results
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         indexed = {b["key"] for b in list_bundles(cat, limit=1000)["items"]}
     assert indexed == keys
 
 
-def test_lock_timeout_names_the_lock(store):
+def test_lock_timeout_names_the_lock(duck_store):
+    store = duck_store
     holder = _spawn(store, hold=True)
     assert holder.stdout.readline().strip() == "holding"
     try:
         with pytest.raises(StoreError, match="locked by another process"):
-            open_catalog(store.root, lock_timeout=0.2)
+            store.catalog(lock_timeout=0.2)
     finally:
         holder.communicate("go\n")
 
 
-def test_snapshot_answers_while_file_is_held_and_refreshes(store):
+def test_snapshot_answers_while_file_is_held_and_refreshes(duck_store):
+    store = duck_store
     store.publish(120, 0)
-    with open_catalog(store.root) as cat:
+    with store.catalog() as cat:
         sync_catalog(cat, store.root, store.load)
         snap = cat.snapshot_in_memory()
     try:

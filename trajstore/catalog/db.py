@@ -38,6 +38,41 @@ def catalog_url(store_dir: Path | str | None, url: str | None = None) -> str:
     return f"duckdb:///{Path(store_dir).resolve() / CATALOG_FILE}"
 
 
+#: how long a connection to a server catalog may take before the command fails
+CONNECT_TIMEOUT_S = 10
+
+
+def parse_url(url: str) -> sa.engine.URL:
+    """A catalog URL, parsed; a malformed one is one line naming it."""
+    try:
+        return sa.engine.make_url(url)
+    except sa.exc.ArgumentError:
+        raise StoreError(
+            f"catalog URL {url!r} is not a database URL (e.g. "
+            "postgresql+psycopg://user@host:5432/db or duckdb:///path/catalog.duckdb)"
+        ) from None
+
+
+def shown_url(url: sa.engine.URL | str) -> str:
+    """The URL as messages show it: the password masked."""
+    if isinstance(url, str):
+        url = parse_url(url)
+    return url.render_as_string(hide_password=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _engine_options(url: sa.engine.URL) -> dict:
+    """Engine options per backend: a bounded connect time on a server, so that an
+    unreachable host fails the command in seconds instead of hanging it."""
+    if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+        return {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+    return {}
+
+
 def _duckdb_file(url: sa.engine.URL) -> str | None:
     """The database file of a DuckDB URL; None for other backends and :memory:."""
     if url.get_backend_name() != "duckdb":
@@ -86,7 +121,8 @@ class Catalog:
         self.url = url
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.lock_timeout = lock_timeout
-        self._sa_url = sa.engine.make_url(url)
+        self._sa_url = parse_url(url)
+        self.shown_url = shown_url(self._sa_url)
         self.file = _duckdb_file(self._sa_url)
         self._engine: sa.Engine | None = None
         self._keeper = None  # a checked-out DBAPI connection: holds the file / memory db
@@ -105,14 +141,24 @@ class Catalog:
 
     def _ensure_open(self) -> None:
         if self._closed:
-            raise StoreError(f"catalog {self.url} is closed")
+            raise StoreError(f"catalog {self.shown_url} is closed")
         if self._engine is not None:
             return
-        engine = sa.create_engine(self.url)
+        try:
+            engine = sa.create_engine(self._sa_url, **_engine_options(self._sa_url))
+        except (ImportError, sa.exc.ArgumentError) as exc:
+            raise StoreError(f"cannot use catalog {self.shown_url}: {_first_line(exc)}") from None
         try:
             self._keeper = _retry_lock(
-                engine.raw_connection, self.file or self.url, self.lock_timeout
+                engine.raw_connection, self.file or self.shown_url, self.lock_timeout
             )
+        except sa.exc.DBAPIError as exc:
+            engine.dispose()
+            if not self.is_duckdb:
+                raise StoreError(
+                    f"cannot connect to catalog {self.shown_url}: {_first_line(exc.orig)}"
+                ) from None
+            raise
         except BaseException:
             engine.dispose()
             raise

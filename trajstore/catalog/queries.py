@@ -675,6 +675,15 @@ def query_router_metrics(
     )
 
 
+def _total(column, *where):  # noqa: ANN001, ANN202
+    """sum() as a BIGINT, 0 when empty: PostgreSQL sums bigints as NUMERIC (a Decimal,
+    which JSON would show as a float), DuckDB as HUGEINT."""
+    summed = sa.func.sum(column)
+    if where:
+        summed = summed.filter(*where)
+    return sa.cast(sa.func.coalesce(summed, 0), sa.BigInteger)
+
+
 def stats(catalog: Catalog, run: str | None = None) -> dict:
     """Counts and sizes over the catalog (or one run)."""
     bundles, results = _B, tables.replay_results
@@ -693,14 +702,10 @@ def stats(catalog: Catalog, run: str | None = None) -> dict:
                 sa.func.count()
                 .filter(bundles.c.removed_at.is_(None), sa.not_(visible))
                 .label("superseded_bundles"),
-                sa.func.coalesce(sa.func.sum(bundles.c.num_samples).filter(visible), 0).label(
-                    "samples"
-                ),
-                sa.func.coalesce(sa.func.sum(bundles.c.num_tokens).filter(visible), 0).label(
-                    "num_tokens"
-                ),
-                sa.func.coalesce(sa.func.sum(bundles.c.logical_bytes), 0).label("logical_bytes"),
-                sa.func.coalesce(sa.func.sum(bundles.c.physical_bytes), 0).label("physical_bytes"),
+                _total(bundles.c.num_samples, visible).label("samples"),
+                _total(bundles.c.num_tokens, visible).label("num_tokens"),
+                _total(bundles.c.logical_bytes).label("logical_bytes"),
+                _total(bundles.c.physical_bytes).label("physical_bytes"),
             ).where(*run_filter)
         ).one()
         out = _row(row)

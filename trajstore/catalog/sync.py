@@ -765,4 +765,10 @@ def reindex(
         with catalog.begin() as conn:
             for table in tables.INDEX_TABLES:
                 conn.execute(table.delete())
+            if conn.dialect.name == "postgresql":
+                # ids restart as in a new catalog, so the rebuilt one answers identically
+                # (DuckDB cannot restart a sequence; its reindex of a readable file keeps
+                # counting, and a rebuild from a deleted file starts at 1)
+                for seq in (tables.REPLAY_RESULTS_ID_SEQ, tables.ROUTER_METRICS_ID_SEQ):
+                    conn.exec_driver_sql(f"ALTER SEQUENCE {seq.name} RESTART WITH 1")
         return sync_catalog(catalog, store_dir, load_document)
