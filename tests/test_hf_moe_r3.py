@@ -8,6 +8,10 @@ taken from the hooks under test.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -266,3 +270,62 @@ def test_padding_rows_of_minus_one_are_left_to_the_router():
 def test_malformed_replay_routes_are_refused_before_any_forward(bad, message):
     with pytest.raises(ValueError, match=message):
         replay_routes(_model(), bad)
+
+
+# ---- baseline vs r3: two short GRPO runs captured into a store, compared by the CLI
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    from trajstore.examples.hf_moe_r3 import run_into_store
+
+    store = tmp_path_factory.mktemp("hf_moe") / "store"
+    records = run_into_store(store, steps=STEPS, seed=0)
+    return store, records
+
+
+def _trajstore(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def compared(hf_runs):
+    store, _ = hf_runs
+    proc = _trajstore(
+        "router", "compare", "--store", str(store), "--run", "hf-baseline", "--run", "hf-r3",
+        "--format", "json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_router_compare_shows_baseline_route_mismatch_above_zero(compared):
+    rows = [step["runs"]["hf-baseline"] for step in compared["steps"]]
+    assert len(rows) == STEPS and all(r["metric_error"] == [] for r in rows)
+    assert sum(r["route_mismatch_rate"] for r in rows) > 0.0
+
+
+def test_router_compare_shows_r3_route_mismatch_exactly_zero(compared):
+    rows = [step["runs"]["hf-r3"] for step in compared["steps"]]
+    assert len(rows) == STEPS
+    assert all(r["route_mismatch_rate"] == 0.0 and r["metric_error"] == [] for r in rows)
+    assert all(r["valid_token_layers"] == 16 * 8 * LAYERS for r in rows)
+
+
+def test_r3_overrode_the_training_router_where_it_drifted(hf_runs):
+    """r3's zero is replay at work: its own router disagreed with the rollout somewhere."""
+    _, records = hf_runs
+    assert any((r.natural_routes != r.rollout_routes).any() for r in records["r3"])
+
+
+@pytest.mark.parametrize("run", ["hf-baseline", "hf-r3"])
+def test_captured_hf_moe_steps_replay_with_exit_0(hf_runs, run):
+    store, _ = hf_runs
+    proc = _trajstore("replay", "--store", str(store), "--run", run, "--all", "--json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["total"] == 2 * STEPS and summary["refused"] == 0
