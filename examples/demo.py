@@ -7,7 +7,11 @@
 3. every bundle is replayed with --record;
 4. it prints sizes and dedup, the first-divergent-stage histogram, the steps
    rooted in reward.post_process (checked against the injected rollouts), the
-   router comparison, and the commands to type next.
+   router comparison, and the commands to type next;
+5. R3 on a real transformers MoE model: GRPO on a tiny Qwen3-MoE (bf16
+   generation, fp32 training) as runs `hf-baseline` and `hf-r3`, routes
+   recorded and replayed by trajstore.integrations.hf_moe, every captured
+   step replayed (exit 0) and the two runs compared.
 
 Every step runs the real `trajstore` CLI, and the trainers as `python -m
 trajstore.examples.*`; everything it needs is installed with trajstore, so it
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "--store", default="demo-store", help="store to (re)create (default: ./demo-store)"
     )
     parser.add_argument("--moe-steps", type=int, default=6)
+    parser.add_argument("--hf-steps", type=int, default=4)
     args = parser.parse_args(argv)
     store = Path(args.store)
     work = store.parent / (store.name + "-work")
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(own_dir, ignore_errors=True)
     work.mkdir(parents=True)
 
-    say("1/5 tiny MoE GRPO run, captured through CaptureManager (runs baseline and r3)")
+    say("1/6 tiny MoE GRPO run, captured through CaptureManager (runs baseline and r3)")
     run(
         [
             sys.executable,
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
 
-    say("2/5 synthetic long run with injected faults, plus the Relax fixture bundles")
+    say("2/6 synthetic long run with injected faults, plus the Relax fixture bundles")
     capture_dir = work / "capture"
     gen = [
         sys.executable,
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "relax",
     )
 
-    say("3/5 replay every bundle from the store, recording the results")
+    say("3/6 replay every bundle from the store, recording the results")
     out = trajstore(
         "replay",
         "--store",
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads(out)
     check(summary["refused"] == 0, f"no bundle refused ({summary['total']} replayed)")
 
-    say("4/5 what the store holds and what diverged")
+    say("4/6 what the store holds and what diverged")
     stats = json.loads(trajstore("stats", "--store", str(store), "--json", show=False))
     trajstore("stats", "--store", str(store))
     check(
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         f"the wrong-clip steps {FAULT_CLIP_STEPS} diverge first at loss.policy",
     )
 
-    say("5/5 MoE routing consistency: baseline vs r3")
+    say("5/6 MoE routing consistency: baseline vs r3")
     plot = work / "router_compare.png"
     trajstore(
         "router",
@@ -235,6 +240,52 @@ def main(argv: list[str] | None = None) -> int:
     check(sum(rate or 0 for rate in baseline) > 0, "baseline route mismatch > 0")
     check(all(rate == 0 for rate in r3), "r3 route mismatch exactly 0 on every step")
     print(f"plot written to {plot}")
+
+    say("6/6 R3 on a transformers Qwen3-MoE: GRPO baseline vs r3, captured, replayed, compared")
+    hf_runs = tuple(f"hf-{mode}" for mode in ("baseline", "r3"))
+    run(
+        [
+            sys.executable,
+            "-m",
+            "trajstore.examples.hf_moe_r3",
+            "--store",
+            str(store),
+            "--steps",
+            str(args.hf_steps),
+            "--seed",
+            "0",
+        ]
+    )
+    for hf_run in hf_runs:
+        replayed = json.loads(
+            trajstore(
+                "replay", "--store", str(store), "--run", hf_run, "--all", "--json", show=False
+            )
+        )
+        check(
+            replayed["total"] == 2 * args.hf_steps and replayed["diverged"] == 0,
+            f"`trajstore replay --store {store} --run {hf_run} --all` exits 0: "
+            f"{replayed['total']} rollout and step bundles pass",
+        )
+    hf_compare = [
+        "router",
+        "compare",
+        "--store",
+        str(store),
+        "--run",
+        hf_runs[0],
+        "--run",
+        hf_runs[1],
+    ]
+    trajstore(*hf_compare)
+    hf = json.loads(trajstore(*hf_compare, "--format", "json", show=False))
+    hf_base = [row["runs"][hf_runs[0]]["route_mismatch_rate"] for row in hf["steps"]]
+    hf_r3 = [row["runs"][hf_runs[1]]["route_mismatch_rate"] for row in hf["steps"]]
+    check(sum(rate or 0 for rate in hf_base) > 0, "hf-baseline route mismatch > 0 (bf16 vs fp32)")
+    check(
+        len(hf_r3) == args.hf_steps and all(rate == 0 for rate in hf_r3),
+        "hf-r3 route mismatch exactly 0 on every step (replayed routes executed)",
+    )
 
     first = rows[0] if rows else {"rollout_id": FAULT_ROLLOUTS[0], "step_id": 0}
     say(f"done: all expectations met in {time.perf_counter() - T0:.0f}s. Next, try:")

@@ -359,7 +359,7 @@ def generate_with_routes(
             input_ids=seq[:, -1:],
             attention_mask=seen,
             position_ids=position,
-            cache=out.past_key_values,
+            cache=out["cache"] if "cache" in out else out.past_key_values,
             use_cache=True,
         )
     logits = torch.stack([step.float() for step in out.logits], dim=1)
