@@ -39,6 +39,8 @@ class CapturedRecord:
     identity_extra: dict[str, Any]
     #: the producer's own route-consistency record (expected.json router.consistency)
     router_consistency: dict[str, Any] | None = None
+    #: other expected values by stage, merged into expected.json (e.g. a loss family's record)
+    expected_extra: dict[str, dict[str, Any]] | None = None
 
 
 class SampleRedaction(Protocol):
@@ -260,6 +262,8 @@ def build_contents(
             expected[Stage.LOSS_POLICY] = loss
     if rec.router_consistency is not None:
         expected[Stage.ROUTER_CONSISTENCY] = rec.router_consistency
+    for stage, values in (rec.expected_extra or {}).items():
+        expected.setdefault(stage, {}).update(values)
     contracts = default_stage_contracts(set(payloads), expected, records)
     contracts = _prune_contracts(contracts, records, payloads, config)
     anchor = (

@@ -216,6 +216,19 @@ class StepCapture:
         except (TypeError, ValueError):
             self._manager.stats.count_error("recording router.consistency metrics")
 
+    def expect(self, stage: str, values: Mapping[str, Any]) -> None:
+        """Record expected values of ``stage`` (JSON-able numbers and lists) for this step,
+        merged into expected.json: how a loss family's producer states what it computed."""
+        if self._broken or self._done:
+            return
+        try:
+            extra = self._rec.expected_extra = self._rec.expected_extra or {}
+            extra.setdefault(str(stage), {}).update(
+                json.loads(json.dumps(json_safe(dict(values)), allow_nan=False))
+            )
+        except (TypeError, ValueError):
+            self._manager.stats.count_error(f"recording expected {stage}")
+
     def end(self) -> bool:
         """Enqueue the step (returns immediately). True when it was queued."""
         if self._done:
@@ -373,11 +386,13 @@ class CaptureManager:
         recompute: Any = None,
         weight_lineage: Mapping[str, Any] | None = None,
         rollout_partition_ids: Sequence[str] | None = None,
+        expected: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> bool:
         """Enqueue a rollout-level bundle (reward -> advantage). True when queued.
 
         ``raw_rewards``/``rewards`` are per sample (before/after group
         normalization); the other tensors are flat over response tokens.
+        ``expected``: other expected values by stage (JSON-able), merged into expected.json.
         """
         if not self.wants_rollout(rollout_id):
             if self.enabled:
@@ -411,6 +426,11 @@ class CaptureManager:
             rec = CapturedRecord(
                 "rollout", int(rollout_id), None, snaps, payloads, [], [], recompute, extra
             )
+            if expected:
+                rec.expected_extra = {
+                    str(stage): json.loads(json.dumps(json_safe(dict(values)), allow_nan=False))
+                    for stage, values in expected.items()
+                }
         except Exception:  # noqa: BLE001 - capture never raises into training
             self.stats.count_error("snapshotting a rollout")
             return False

@@ -1,0 +1,428 @@
+"""Capture for Hugging Face TRL: a drop-in ``GRPOTrainer`` that records what its loss consumed.
+
+Why a subclass and not a ``TrainerCallback``: a callback never sees the batch,
+the advantages or the log-probs. The subclass wraps five methods of TRL 1.16's
+``GRPOTrainer`` (``_generate``, ``_calculate_rewards``,
+``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``,
+``_compute_loss``), calls TRL's own code unchanged and copies to the CPU what
+it returned; it draws no random number, touches no parameter and builds no
+graph, so training is bit-identical with capture on or off.
+
+Usage (docs/integrations.md)::
+
+    from trajstore.integrations.trl import GRPOTrainer   # instead of: from trl import GRPOTrainer
+    TRAJSTORE_CAPTURE=1 TRAJSTORE_CAPTURE_DIR=capture/ python train.py
+
+Per generation batch one rollout bundle (rewards per function, weights,
+advantages; ``replay-rollout-<g>``), per optimizer step one step bundle
+(``replay-<g>-<step>``: log-probs, entropies, masks, the loss of every
+micro-batch and TRL's logged metrics), TRL's padded [B, L] tensors packed per
+sample. The config that determines the math is written with the loss-family
+keys of replay-math.md, so ``trajstore replay DIR`` recomputes TRL's loss.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trl
+
+from trajstore.capture import CaptureManager
+from trajstore.vocab import Stage
+
+logger = logging.getLogger("trajstore.capture")
+
+#: the key the capture adds to TRL's generation batch: each row's global index
+ROW_KEY = "trajstore_row"
+#: the metrics TRL logs per micro-batch that replay recomputes
+LOGGED_METRICS: tuple[str, ...] = (
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "cispo_clip_ratio",
+    "aux_loss",
+)
+
+__all__ = ["GRPOTrainer", "ROW_KEY", "trl_recompute_config"]
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that no later in-place update can reach, outside any graph."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _pack(padded: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Right-padded [B, L] values as flat per-sample responses (row-major: sample 0, 1, ...)."""
+    return _cpu(padded)[keep]
+
+
+def trl_recompute_config(trainer: trl.GRPOTrainer) -> dict[str, Any]:
+    """TRL's settings that determine the math, as loss-family config keys (replay-math.md)."""
+    args = trainer.args
+    use_is = bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    beta = float(trainer.beta)
+    return {
+        "advantage_estimator": "grpo",
+        "n_samples_per_prompt": int(trainer.num_generations),
+        "reward_scale": str(trainer.scale_rewards),
+        "reward_std_eps": 1e-4,
+        "reward_aggregation": str(trainer.multi_objective_aggregation),
+        "reward_weights": [float(w) for w in trainer.reward_weights.tolist()],
+        "policy_loss": str(trainer.loss_type),
+        "importance_sampling_level": str(trainer.importance_sampling_level),
+        "eps_clip": float(trainer.epsilon_low),
+        "eps_clip_high": float(trainer.epsilon_high),
+        "delta": None if args.delta is None else float(args.delta),
+        "use_kl_loss": beta != 0.0,
+        "kl_loss_coef": beta,
+        "kl_loss_type": "k3",
+        "use_unbiased_kl": bool(args.use_bias_correction_kl),
+        "entropy_coef": float(trainer.entropy_coef) if trainer._entropy_bonus_enabled else 0.0,
+        "top_entropy_quantile": float(trainer.top_entropy_quantile),
+        "mask_truncated_completions": bool(trainer.mask_truncated_completions),
+        "max_response_length": int(trainer.max_completion_length),
+        "gradient_accumulation_steps": int(trainer.current_gradient_accumulation_steps),
+        "sapo_temperature_pos": float(args.sapo_temperature_pos),
+        "sapo_temperature_neg": float(args.sapo_temperature_neg),
+        "off_policy_mask_threshold": None
+        if trainer.off_policy_mask_threshold is None
+        else float(trainer.off_policy_mask_threshold),
+        "is_correction": str(trainer.vllm_importance_sampling_mode) if use_is else None,
+        "is_clip_min": None
+        if not use_is or trainer.vllm_importance_sampling_clip_min is None
+        else float(trainer.vllm_importance_sampling_clip_min),
+        "is_clip_max": None
+        if not use_is or trainer.vllm_importance_sampling_clip_max is None
+        else float(trainer.vllm_importance_sampling_clip_max),
+        "aux_loss_coef": float(trainer.router_aux_loss_coef) if trainer.aux_loss_enabled else None,
+    }
+
+
+@dataclass
+class _Generation:
+    """What one generation batch produced, kept until its rows are consumed."""
+
+    index: int
+    prompt_lengths: list[int]
+    completion_lengths: list[int]
+    group_size: int
+    rewards_per_func: torch.Tensor | None = None
+    raw_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+
+
+@dataclass
+class _PendingStep:
+    """The micro-batches of the optimizer step being captured."""
+
+    rollout_id: int
+    step_id: int
+    recompute: dict[str, Any]
+    micro_batches: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _TrlCapture:
+    """The capture state of one trainer: the manager and what is pending."""
+
+    def __init__(self) -> None:
+        self.manager = CaptureManager.from_env()
+        self.generations: dict[int, _Generation] = {}
+        self.next_generation = 0
+        self.pending_generation: _Generation | None = None
+        self.step: _PendingStep | None = None
+        self.in_loss = False
+        self.forward: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.manager.enabled
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL's ``GRPOTrainer``, same constructor, capturing replay bundles when capture is on.
+
+    Capture is configured like `CaptureManager.from_env` (``TRAJSTORE_CAPTURE=1`` and
+    ``TRAJSTORE_CAPTURE_DIR`` or ``TRAJSTORE_CAPTURE_STORE``); off, every wrapper is a
+    pass-through. ``trajstore_capture.close()`` flushes (it also runs at interpreter exit
+    and at the end of ``train()``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trajstore = _TrlCapture()
+
+    @property
+    def trajstore_capture(self) -> CaptureManager:
+        """The capture manager (``close()`` returns its counters)."""
+        return self._trajstore.manager
+
+    def _capturing(self) -> bool:
+        return self._trajstore.enabled and self.model.training
+
+    # ---- generation -----------------------------------------------------------
+
+    def _generate(self, prompts: list) -> Any:
+        output = super()._generate(prompts)
+        if self._capturing():
+            state = self._trajstore
+            state.pending_generation = _Generation(
+                index=state.next_generation,
+                prompt_lengths=[len(ids) for ids in output[0]],
+                completion_lengths=[len(ids) for ids in output[1]],
+                group_size=int(self.num_generations),
+            )
+            state.next_generation += 1
+        return output
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, ids: Any) -> Any:
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, ids)
+        generation = self._trajstore.pending_generation
+        if self._capturing() and generation is not None:
+            generation.rewards_per_func = _cpu(rewards_per_func)
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        generation = self._trajstore.pending_generation
+        self._trajstore.pending_generation = None
+        if not self._capturing() or generation is None:
+            return output
+        try:
+            self._capture_rollout(generation, output)
+            rows = len(generation.completion_lengths)
+            output[ROW_KEY] = torch.arange(rows, device=output["advantages"].device) + (
+                generation.index * rows
+            )
+        except Exception:  # noqa: BLE001 - capture never raises into training
+            self.trajstore_capture.stats.count_error("capturing a TRL generation batch")
+        return output
+
+    def _capture_rollout(self, generation: _Generation, output: dict[str, Any]) -> None:
+        weights = _cpu(self.reward_weights).to(torch.float32)
+        per_func = generation.rewards_per_func
+        if per_func is None:
+            raise ValueError("no rewards were captured for this generation batch")
+        raw = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+        raw[torch.isnan(per_func).all(dim=1)] = torch.nan
+        generation.raw_rewards = raw
+        generation.advantages = _cpu(output["advantages"])
+        self._trajstore.generations[generation.index] = generation
+        lengths = torch.tensor(generation.completion_lengths)
+        keep = torch.arange(output["completion_ids"].shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        samples = [
+            self._sample_record(generation, row)
+            for row in range(len(generation.completion_lengths))
+        ]
+        payloads: dict[str, Any] = {
+            "advantages": torch.repeat_interleave(generation.advantages, lengths),
+            "loss_mask": _pack(mask, keep),
+        }
+        if output.get("old_per_token_logps") is not None:
+            payloads["old_log_probs"] = _pack(output["old_per_token_logps"], keep)
+        if output.get("ref_per_token_logps") is not None:
+            payloads["ref_log_probs"] = _pack(output["ref_per_token_logps"], keep)
+        self.trajstore_capture.rollout(
+            generation.index,
+            samples,
+            raw_rewards=raw,
+            rewards=generation.advantages,
+            recompute=trl_recompute_config(self),
+            expected={
+                Stage.REWARD_RAW: {
+                    "rewards_per_func": [
+                        [None if value != value else value for value in row]
+                        for row in per_func.tolist()
+                    ]
+                }
+            },
+            **payloads,
+        )
+
+    def _sample_record(self, generation: _Generation, row: int) -> dict[str, Any]:
+        groups_per_batch = len(generation.completion_lengths) // generation.group_size
+        return {
+            "sample_id": f"g{generation.index}-s{row}",
+            "group_index": generation.index * groups_per_batch + row // generation.group_size,
+            "response_length": generation.completion_lengths[row],
+            "total_length": generation.prompt_lengths[row] + generation.completion_lengths[row],
+        }
+
+    # ---- the loss -------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._trajstore.in_loss:
+            logps, entropies, aux_loss = result
+            self._trajstore.forward = (
+                _cpu(logps),
+                None if entropies is None else _cpu(entropies),
+                None if aux_loss is None else _cpu(aux_loss),
+            )
+        return result
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        if not self._capturing() or ROW_KEY not in inputs:
+            return super()._compute_loss(model, inputs)
+        state = self._trajstore
+        metrics = self._metrics["train"]
+        before = {name: len(metrics[name]) for name in LOGGED_METRICS if name in metrics}
+        recompute = trl_recompute_config(self) if state.step is None else None
+        if recompute is not None and self.use_adaptive_entropy:
+            applied = (
+                self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0
+            )
+            recompute["entropy_coef"] = float(applied)
+        state.in_loss, state.forward = True, None
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            state.in_loss = False
+        try:
+            self._capture_micro_batch(inputs, loss, metrics, before, recompute)
+        except Exception:  # noqa: BLE001 - capture never raises into training
+            state.step = None
+            self.trajstore_capture.stats.count_error("capturing a TRL micro-batch")
+        if self.accelerator.sync_gradients and state.step is not None:
+            step, state.step = state.step, None
+            try:
+                self._write_step(step)
+            except Exception:  # noqa: BLE001 - capture never raises into training
+                self.trajstore_capture.stats.count_error("writing a TRL step")
+        return loss
+
+    def _capture_micro_batch(
+        self,
+        inputs: dict[str, Any],
+        loss: torch.Tensor,
+        metrics: dict[str, list],
+        before: dict[str, int],
+        recompute: dict[str, Any] | None,
+    ) -> None:
+        state = self._trajstore
+        if state.forward is None:
+            raise ValueError("the loss's forward pass was not observed")
+        logps, entropies, aux_loss = state.forward
+        rows = _cpu(inputs[ROW_KEY]).tolist()
+        if state.step is None:
+            if recompute is None:
+                raise ValueError("a micro-batch arrived without an open step")
+            first = self._generation_of(rows[0])
+            state.step = _PendingStep(first, int(self.state.global_step), recompute)
+        old = inputs.get("old_per_token_logps")
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        logged = {
+            name: float(metrics[name][-1])
+            for name in LOGGED_METRICS
+            if name in metrics and len(metrics[name]) > before.get(name, 0)
+        }
+        normalizer = None
+        if self.loss_type in ("cispo", "dapo", "vespo"):
+            normalizer = (
+                (inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes)
+                * self.current_gradient_accumulation_steps
+                / self.args.steps_per_generation
+            )
+            normalizer = float(_cpu(normalizer))
+        state.step.micro_batches.append(
+            {
+                "rows": rows,
+                "log_probs": logps,
+                "old_log_probs": logps if old is None else _cpu(old),
+                "entropy": entropies,
+                "ref_log_probs": None
+                if inputs.get("ref_per_token_logps") is None
+                else _cpu(inputs["ref_per_token_logps"]),
+                "rollout_log_probs": None
+                if inputs.get("sampling_per_token_logps") is None
+                else _cpu(inputs["sampling_per_token_logps"]),
+                "mask": _cpu(mask),
+                "loss": float(_cpu(loss)),
+                "aux_loss": None if aux_loss is None else float(aux_loss),
+                "token_normalizer": normalizer,
+                "logged": logged,
+            }
+        )
+
+    def _generation_of(self, row: int) -> int:
+        for index, generation in self._trajstore.generations.items():
+            size = len(generation.completion_lengths)
+            if index * size <= row < (index + 1) * size:
+                return index
+        raise KeyError(f"row {row} belongs to no captured generation batch")
+
+    def _write_step(self, step: _PendingStep) -> None:
+        generations = self._trajstore.generations
+        manager = self.trajstore_capture
+        with manager.step(step.rollout_id, step.step_id, recompute=step.recompute) as capture:
+            if not capture.active:
+                return
+            records: dict[str, dict[str, Any]] = {}
+            for number, mb in enumerate(step.micro_batches):
+                mb_id = f"mb-{number:04d}"
+                samples, lengths = [], []
+                for row in mb["rows"]:
+                    generation = generations[self._generation_of(row)]
+                    local = row - generation.index * len(generation.completion_lengths)
+                    sample = self._sample_record(generation, local)
+                    sample["reward"] = float(generation.advantages[local])
+                    raw = float(generation.raw_rewards[local])
+                    if raw == raw:
+                        sample["raw_reward"] = raw
+                    samples.append(sample)
+                    lengths.append(generation.completion_lengths[local])
+                length = torch.tensor(lengths)
+                keep = torch.arange(mb["log_probs"].shape[1]).unsqueeze(0) < length.unsqueeze(1)
+                advantages = torch.tensor([sample["reward"] for sample in samples])
+                payloads = {
+                    "log_probs": mb["log_probs"][keep],
+                    "old_log_probs": mb["old_log_probs"][keep],
+                    "entropy": mb["entropy"][keep],
+                    "advantages": torch.repeat_interleave(advantages, length),
+                    "loss_mask": mb["mask"][keep],
+                }
+                if mb["ref_log_probs"] is not None:
+                    ref = mb["ref_log_probs"][keep]
+                    payloads["ref_log_probs"] = ref
+                    diff = ref - payloads["log_probs"]
+                    payloads["kl"] = torch.exp(diff) - diff - 1
+                extra = {}
+                if mb["rollout_log_probs"] is not None:
+                    extra["rollout_log_probs"] = mb["rollout_log_probs"][keep]
+                capture.add(mb_id, samples=samples, **payloads, **extra)
+                record = {"loss": mb["loss"], **mb["logged"]}
+                if mb["aux_loss"] is not None:
+                    record["aux_loss"] = mb["aux_loss"]
+                if mb["token_normalizer"] is not None:
+                    record["token_normalizer"] = mb["token_normalizer"]
+                records[mb_id] = record
+            capture.expect(
+                Stage.LOSS_POLICY,
+                {
+                    "loss": sum(record["loss"] for record in records.values()),
+                    "micro_batches": records,
+                },
+            )
+        self._forget_consumed(step)
+
+    def _forget_consumed(self, step: _PendingStep) -> None:
+        """Drop generation batches older than this step's first one (never needed again)."""
+        for index in [index for index in self._trajstore.generations if index < step.rollout_id]:
+            del self._trajstore.generations[index]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``train``; afterwards every captured bundle is flushed to its destination."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._trajstore.enabled:
+                self._trajstore.manager.close()

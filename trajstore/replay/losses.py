@@ -1,0 +1,684 @@
+"""The GRPO loss family: TRL's loss types, GSPO, Dr.GRPO, DAPO, CISPO, ... as stage variants.
+
+Why a variant and not new stages: these estimators recompute the same links of
+the chain (raw reward, group normalization, per-token KL, advantages, policy
+loss) with other formulas, so a divergence is still named by the chain's
+stage. A bundle selects the family by setting any loss-family config key
+(`trajstore.schema.LOSS_FAMILY_FIELDS`, replay-math.md "Loss family"); any
+producer may do so, TRL's capture (`trajstore.integrations.trl`) is one.
+
+The math mirrors TRL 1.16's ``GRPOTrainer`` (``_generate_and_score_completions``
+and ``_compute_loss``) on flat per-sample tensors instead of padded [B, L]
+ones: element-wise operations in float32 as torch does them, reductions
+accumulated in float64 and rounded once. Reductions that depend on the
+micro-batch (TRL reduces each ``compute_loss`` call separately) use the
+samples' ``micro_batch_id``. NumPy only: importing torch costs more than a replay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trajstore.replay import stages as v1
+from trajstore.replay.compare import compare_arrays
+from trajstore.replay.context import (
+    ReplayContext,
+    StageInputError,
+    StageOutcome,
+    is_number,
+    outcome_of,
+)
+from trajstore.replay.registry import CapabilityCheck, StageVariant, register_variant
+from trajstore.replay.source import BundleSource
+from trajstore.schema import LOSS_FAMILY_FIELDS, Config
+from trajstore.vocab import Capability, Payload, Stage, StageStatus
+
+#: the variant's name and version (recorded with every outcome it produces)
+FAMILY = "loss-family"
+FAMILY_VERSION = "family-v1"
+#: policy losses replayed, and the reduction each uses
+POLICY_LOSSES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+#: named but not replayable, with the reason the capability matrix gives
+UNREPLAYABLE_LOSSES: dict[str, str] = {
+    "vespo": "its gamma weights are not replayed (policy_loss 'vespo' is unsupported)",
+}
+IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+IS_CORRECTIONS: tuple[str, ...] = (
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+)
+REWARD_SCALES: tuple[str, ...] = ("group", "batch", "none")
+#: per-micro-batch metrics a producer may record, compared when present
+METRIC_FIELDS: tuple[str, ...] = (
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "cispo_clip_ratio",
+)
+#: TRL's reward-std epsilon (the v1 chain's is 1e-6)
+DEFAULT_REWARD_STD_EPS = 1e-4
+
+
+def uses_family(source: BundleSource) -> bool:
+    """A bundle selects the family by any non-null loss-family config key."""
+    config = source.index.config
+    return any(config.get(key) is not None for key in LOSS_FAMILY_FIELDS)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _f32(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def _row_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per-sample float64 sums of a flat array (empty samples sum to 0)."""
+    out = np.zeros(lengths.size, dtype=np.float64)
+    nonempty = lengths > 0
+    if values.size and nonempty.any():
+        starts = (np.cumsum(lengths) - lengths)[nonempty]
+        out[nonempty] = np.add.reduceat(values.astype(np.float64), starts)
+    return out
+
+
+def _per_token(per_row: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    return np.repeat(per_row, lengths)
+
+
+def _nanstd(values: np.ndarray) -> float:
+    """TRL's ``nanstd``: Bessel-corrected std ignoring NaN; NaN for fewer than 2 values."""
+    kept = values[~np.isnan(values)].astype(np.float64)
+    if kept.size < 2:
+        return math.nan
+    return float(np.sqrt(np.mean((kept - kept.mean()) ** 2) * kept.size / (kept.size - 1)))
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The config of one bundle as the family's loss reads it (replay-math.md "Loss family")."""
+
+    policy_loss: str
+    level: str
+    eps_low: float
+    eps_high: float
+    delta: float | None
+    beta: float
+    use_kl: bool
+    bias_corrected_kl: bool
+    entropy_coef: float
+    top_entropy_quantile: float
+    max_response_length: int | None
+    accumulation: int
+    token_normalizer: float | None
+    sapo_pos: float
+    sapo_neg: float
+    off_policy_threshold: float | None
+    is_correction: str | None
+    is_clip_min: float | None
+    is_clip_max: float | None
+    aux_coef: float
+
+    @classmethod
+    def of(cls, ctx: ReplayContext) -> LossSettings:
+        eps = float(ctx.cfg("eps_clip", 0.2))
+        use_kl = bool(ctx.cfg("use_kl_loss", False))
+        return cls(
+            policy_loss=str(ctx.cfg("policy_loss", "grpo")),
+            level=str(ctx.cfg("importance_sampling_level", "token")),
+            eps_low=eps,
+            eps_high=float(ctx.cfg("eps_clip_high", eps)),
+            delta=ctx.config.get("delta"),
+            beta=float(ctx.cfg("kl_loss_coef", 0.0)) if use_kl else 0.0,
+            use_kl=use_kl,
+            bias_corrected_kl=bool(ctx.cfg("use_unbiased_kl", False)),
+            entropy_coef=float(ctx.cfg("entropy_coef", 0.0)),
+            top_entropy_quantile=float(ctx.cfg("top_entropy_quantile", 1.0)),
+            max_response_length=ctx.config.get("max_response_length"),
+            accumulation=int(ctx.cfg("gradient_accumulation_steps", 1)),
+            token_normalizer=ctx.config.get("loss_token_normalizer"),
+            sapo_pos=float(ctx.cfg("sapo_temperature_pos", 1.0)),
+            sapo_neg=float(ctx.cfg("sapo_temperature_neg", 1.05)),
+            off_policy_threshold=ctx.config.get("off_policy_mask_threshold"),
+            is_correction=ctx.config.get("is_correction"),
+            is_clip_min=ctx.config.get("is_clip_min"),
+            is_clip_max=ctx.config.get("is_clip_max"),
+            aux_coef=float(ctx.cfg("aux_loss_coef", 0.0)),
+        )
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def k3_kl(log_probs: np.ndarray, ref_log_probs: np.ndarray) -> np.ndarray:
+    """TRL's per-token KL: ``exp(ref - lp) - (ref - lp) - 1``, in float32."""
+    diff = _f32(ref_log_probs) - _f32(log_probs)
+    return np.exp(diff) - diff - np.float32(1.0)
+
+
+def is_correction_ratio(
+    old_log_probs: np.ndarray,
+    sampling_log_probs: np.ndarray,
+    mask: np.ndarray,
+    lengths: np.ndarray,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> np.ndarray:
+    """Per-token importance-sampling correction (TRL's vLLM IS ratio) of one set of samples.
+
+    ``(old - sampling) * mask`` with NaN as 0; sequence modes sum it per sample;
+    ``exp``; truncate clamps to [min, max], mask zeroes ratios outside it.
+    """
+    diff = np.nan_to_num((_f32(old_log_probs) - _f32(sampling_log_probs)) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = _per_token(_row_sums(diff, lengths).astype(np.float32), lengths)
+    ratio = np.exp(diff)
+    if mode.endswith("truncate"):
+        low = -np.inf if clip_min is None else clip_min
+        high = np.inf if clip_max is None else clip_max
+        return np.clip(ratio, np.float32(low), np.float32(high)).astype(np.float32)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return np.where((ratio < low) | (ratio > high), np.float32(0.0), ratio).astype(np.float32)
+
+
+@dataclass
+class MicroBatch:
+    """One ``compute_loss`` call's samples, flat per-token arrays, in bundle order."""
+
+    micro_batch_id: str
+    lengths: np.ndarray
+    log_probs: np.ndarray
+    old_log_probs: np.ndarray
+    advantages: np.ndarray
+    entropy: np.ndarray
+    mask: np.ndarray
+    ref_log_probs: np.ndarray | None = None
+    is_ratio: np.ndarray | None = None
+    sampling_log_probs: np.ndarray | None = None
+    aux_loss: float | None = None
+    token_normalizer: float | None = None
+
+
+def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
+    """The loss TRL's ``_compute_loss`` returns for one micro-batch, and its logged metrics."""
+    lengths, mask = mb.lengths, _f32(mb.mask)
+    lp, adv = _f32(mb.log_probs), _f32(mb.advantages)
+    ent = _f32(mb.entropy)
+    counts = np.maximum(_row_sums(mask, lengths), 1.0).astype(np.float32)
+    log_ratio = lp - _f32(mb.old_log_probs)
+    if s.level == "sequence":
+        per_row = (_row_sums(log_ratio * mask, lengths).astype(np.float32)) / counts
+        log_weights = _per_token(per_row.astype(np.float32), lengths)
+    else:
+        log_weights = log_ratio
+    coef_1 = np.exp(log_weights)
+    entropy_mask = None
+    if s.top_entropy_quantile < 1.0:
+        kept = ent[mask.astype(bool)]
+        if kept.size == 0:
+            entropy_mask = np.zeros_like(mask)
+        else:
+            threshold = np.float32(np.quantile(kept, 1.0 - s.top_entropy_quantile))
+            entropy_mask = ((ent * mask >= threshold) & mask.astype(bool)).astype(np.float32)
+    per_token_kl = None
+    if s.beta != 0.0:
+        if mb.ref_log_probs is None:
+            raise StageInputError(
+                f"incomplete bundle: payload '{Payload.REF_LOG_PROBS}' is missing"
+            )
+        per_token_kl = k3_kl(lp, mb.ref_log_probs)
+        if s.bias_corrected_kl:
+            per_token_kl = per_token_kl * coef_1
+    if s.policy_loss == "cispo":
+        per_token_loss = -np.minimum(coef_1, np.float32(s.eps_high)) * adv * lp
+    elif s.policy_loss == "sapo":
+        temperatures = np.where(adv > 0, np.float32(s.sapo_pos), np.float32(s.sapo_neg))
+        soft = 1.0 / (1.0 + np.exp(-(temperatures * (coef_1 - np.float32(1.0)))))
+        per_token_loss = -(soft.astype(np.float32) * np.float32(4.0) / temperatures) * adv
+    else:
+        coef_2 = np.clip(coef_1, np.float32(1 - s.eps_low), np.float32(1 + s.eps_high))
+        if s.delta is not None:
+            coef_1 = np.minimum(coef_1, np.float32(s.delta))
+        per_token_loss = -np.minimum(coef_1 * adv, coef_2 * adv)
+    per_token_loss = per_token_loss.astype(np.float32)
+    if s.off_policy_threshold is not None:
+        sampling = mb.sampling_log_probs if mb.sampling_log_probs is not None else mb.old_log_probs
+        kl_div = np.nan_to_num(_f32(sampling) - lp, nan=0.0)
+        seq_kl = (_row_sums(kl_div * mask, lengths).astype(np.float32)) / counts
+        keep = (adv >= 0) | (_per_token(seq_kl, lengths) <= np.float32(s.off_policy_threshold))
+        per_token_loss = per_token_loss * keep.astype(np.float32)
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if s.is_correction is not None:
+        if mb.is_ratio is None:
+            raise StageInputError(
+                f"incomplete bundle: is_correction needs payload '{Payload.ROLLOUT_LOG_PROBS}'"
+            )
+        per_token_loss = per_token_loss * mb.is_ratio
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + np.float32(s.beta) * per_token_kl
+    accumulation = np.float32(s.accumulation)
+    masked = per_token_loss * mask
+    rows = lengths.size
+    if s.policy_loss in ("grpo", "sapo"):
+        loss = np.float32(np.mean(_row_sums(masked, lengths).astype(np.float32) / counts))
+        loss = loss / accumulation
+    elif s.policy_loss == "bnpo":
+        loss = np.float32(masked.sum(dtype=np.float64)) / np.float32(max(float(mask.sum()), 1.0))
+        loss = loss / accumulation
+    elif s.policy_loss == "dr_grpo":
+        if s.max_response_length is None:
+            raise StageInputError("config.max_response_length is required by policy_loss dr_grpo")
+        loss = np.float32(masked.sum(dtype=np.float64)) / np.float32(rows * s.max_response_length)
+        loss = loss / accumulation
+    elif s.policy_loss == "luspo":
+        loss = np.float32(np.mean(_row_sums(masked, lengths).astype(np.float32))) / accumulation
+    else:  # dapo, cispo: one token normalizer for the step
+        normalizer = mb.token_normalizer
+        if normalizer is None:
+            raise StageInputError(f"policy_loss {s.policy_loss} needs a token normalizer")
+        loss = np.float32(masked.sum(dtype=np.float64)) / np.float32(normalizer)
+    if s.entropy_coef != 0.0:
+        effective = mask if entropy_mask is None else mask * entropy_mask
+        entropy_loss = np.float32((ent * effective).sum(dtype=np.float64)) / np.float32(
+            max(float(effective.sum()), 1.0)
+        )
+        loss = loss - np.float32(s.entropy_coef) * (entropy_loss / accumulation)
+    if s.aux_coef != 0.0:
+        if mb.aux_loss is None:
+            raise StageInputError(f"micro-batch {mb.micro_batch_id} has no recorded aux_loss")
+        loss = loss + np.float32(s.aux_coef) * np.float32(mb.aux_loss) / accumulation
+    token_count = max(float(mask.sum()), 1.0)
+
+    def token_mean(x: np.ndarray) -> float:
+        if s.level == "sequence" and x is not per_token_kl:
+            first = np.cumsum(lengths) - lengths
+            return float(x[first[lengths > 0]].astype(np.float64).sum() / max(rows, 1))
+        return float((x * mask).sum(dtype=np.float64) / token_count)
+
+    out = {"loss": float(loss), "entropy": float((ent * mask).sum(dtype=np.float64) / token_count)}
+    if per_token_kl is not None:
+        out["kl"] = token_mean(per_token_kl)
+    if s.policy_loss in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        low = ((coef_1 < 1 - s.eps_low) & (adv < 0)).astype(np.float32)
+        high = ((coef_1 > 1 + s.eps_high) & (adv > 0)).astype(np.float32)
+        out["clip_ratio/low_mean"] = token_mean(low)
+        out["clip_ratio/high_mean"] = token_mean(high)
+        out["clip_ratio/region_mean"] = token_mean(np.maximum(low, high))
+    elif s.policy_loss == "cispo":
+        out["cispo_clip_ratio"] = token_mean(((coef_1 > s.eps_high) & (adv > 0)).astype(np.float32))
+    return out
+
+
+def reward_advantages(
+    raw_rewards: np.ndarray,
+    group_index: list[Any],
+    group_size: int,
+    scale: str,
+    eps: float,
+    sample_ids: list[str],
+) -> np.ndarray:
+    """TRL's ``sum_then_normalize`` advantages: ``r - group mean``, divided by the group's
+    (``group``) or the whole batch's (``batch``) Bessel std plus ``eps`` unless ``none``."""
+    rewards = _f32(raw_rewards)
+    groups: dict[int, list[int]] = {}
+    for pos, group in enumerate(group_index):
+        if group is None or isinstance(group, bool) or not isinstance(group, int):
+            raise StageInputError(f"sample {sample_ids[pos]!r} has no integer group_index")
+        groups.setdefault(group, []).append(pos)
+    for group, members in groups.items():
+        if len(members) != group_size:
+            raise StageInputError(
+                f"group g-{group} has {len(members)} sample(s), "
+                f"expected n_samples_per_prompt={group_size}"
+            )
+    means = np.zeros_like(rewards)
+    stds = np.zeros_like(rewards)
+    batch_std = np.float32(_nanstd(rewards)) if rewards.size > 1 else np.float32(0.0)
+    for members in groups.values():
+        values = rewards[members]
+        kept = values[~np.isnan(values)]
+        means[members] = np.float32(kept.astype(np.float64).mean()) if kept.size else np.nan
+        if scale == "batch":
+            stds[members] = batch_std
+        else:
+            stds[members] = np.float32(_nanstd(values)) if group_size > 1 else np.float32(0.0)
+    advantages = rewards - means
+    if scale != "none":
+        advantages = advantages / (stds + np.float32(eps))
+    return np.nan_to_num(advantages.astype(np.float32), nan=0.0)
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def stage_reward_raw(ctx: ReplayContext) -> StageOutcome:
+    """Weighted sum of the per-function rewards (``config.reward_weights``), else v1."""
+    weights = ctx.config.get("reward_weights")
+    if weights is None:
+        return v1.stage_reward_raw(ctx)
+    record = ctx.source.expected.get(Stage.REWARD_RAW, {})
+    per_function = record.get("rewards_per_func") if isinstance(record, dict) else None
+    if not isinstance(per_function, list) or len(per_function) != len(ctx.source.index.samples):
+        raise StageInputError(
+            "incomplete bundle: expected.json reward.raw.rewards_per_func must list one row "
+            "per sample"
+        )
+    rows = [per_function[int(pos)] for pos in ctx.positions]
+    if any(not isinstance(row, list) or len(row) != len(weights) for row in rows):
+        raise StageInputError(
+            f"reward.raw.rewards_per_func rows must have {len(weights)} values (reward_weights)"
+        )
+    table = np.array(
+        [[math.nan if value is None else value for value in row] for row in rows],
+        dtype=np.float32,
+    ).reshape(len(rows), len(weights))
+    weighted = table * _f32(weights)[None, :]
+    actual = np.where(
+        np.isnan(table).all(axis=1),
+        np.float32(np.nan),
+        np.nansum(weighted.astype(np.float64), axis=1).astype(np.float32),
+    )
+    ctx.recomputed["raw_rewards"] = actual
+    comparisons = []
+    expected = ctx.expected_per_sample(Stage.REWARD_RAW, "raw_rewards")
+    if expected is not None:
+        comparisons.append(
+            ctx.compare(Stage.REWARD_RAW, "raw_reward", expected, actual, per_token=False)
+        )
+    if all(sample.raw_reward is not None for sample in ctx.samples):
+        recorded = np.array([sample.raw_reward for sample in ctx.samples], dtype=np.float64)
+        comparisons.append(
+            ctx.compare(Stage.REWARD_RAW, "raw_reward", recorded, actual, per_token=False)
+        )
+    if not comparisons:
+        raise StageInputError("incomplete bundle: no recorded raw rewards to compare with")
+    return outcome_of(Stage.REWARD_RAW, comparisons, "raw reward mismatch in {n} sample(s)")
+
+
+def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
+    """Group / batch / no reward scaling (``config.reward_scale``), else v1."""
+    scale = ctx.config.get("reward_scale")
+    if scale is None:
+        return v1.stage_reward_post_process(ctx)
+    stage = Stage.REWARD_POST_PROCESS
+    if scale == "batch" and ctx.partial:
+        return StageOutcome(
+            stage=stage,
+            status=StageStatus.SKIPPED,
+            reason="reward_scale batch normalizes over the whole bundle; not under a selection",
+        )
+    raw = ctx.recomputed.get("raw_rewards")
+    if raw is None:
+        raw = v1._recorded_raw_rewards(ctx)
+    group_size = ctx.config.get("n_samples_per_prompt")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise StageInputError(
+            "config.n_samples_per_prompt is missing; semantic group size unknown, refusing to guess"
+        )
+    actual = reward_advantages(
+        np.asarray(raw, dtype=np.float32),
+        [sample.group_index for sample in ctx.samples],
+        group_size,
+        scale,
+        float(ctx.cfg("reward_std_eps", DEFAULT_REWARD_STD_EPS)),
+        ctx.sample_ids,
+    )
+    ctx.recomputed["rewards"] = actual
+    comparisons = []
+    expected = ctx.expected_per_sample(stage, "rewards")
+    if expected is not None:
+        comparisons.append(ctx.compare(stage, "reward", expected, actual, per_token=False))
+    if all(is_number(sample.reward) for sample in ctx.samples):
+        recorded = np.array([sample.reward for sample in ctx.samples], dtype=np.float64)
+        comparisons.append(ctx.compare(stage, "reward", recorded, actual, per_token=False))
+    if not comparisons:
+        raise StageInputError("incomplete bundle: no recorded post-processed rewards")
+    return outcome_of(stage, comparisons, "normalized reward mismatch in {n} sample(s)")
+
+
+def stage_loss_kl(ctx: ReplayContext) -> StageOutcome:
+    """Loss-side per-token KL of log_probs against ref_log_probs, checked against payload kl."""
+    stage = Stage.ADVANTAGE_KL
+    expected = ctx.payload(Payload.KL)
+    actual = k3_kl(ctx.payload(Payload.LOG_PROBS), ctx.payload(Payload.REF_LOG_PROBS))
+    ctx.recomputed["kl"] = actual
+    comparison = ctx.compare(stage, Payload.KL, expected, actual, per_token=True)
+    return outcome_of(
+        stage, [comparison], "{n} kl token(s) diverged (max_abs_error={err:.3e}, mismatches={n})"
+    )
+
+
+def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
+    """The selected samples split by micro_batch_id, in order of first appearance."""
+    order: dict[str, list[int]] = {}
+    for pos, sample in enumerate(ctx.samples):
+        order.setdefault(sample.micro_batch_id or "mb-0000", []).append(pos)
+    advantages = ctx.recomputed.get("advantages")
+    if advantages is None:
+        advantages = ctx.payload(Payload.ADVANTAGES)
+    needs_ref = s.beta != 0.0
+    needs_sampling = s.is_correction is not None or (
+        s.off_policy_threshold is not None and ctx.has_payload(Payload.ROLLOUT_LOG_PROBS)
+    )
+    columns = {
+        "log_probs": ctx.payload(Payload.LOG_PROBS),
+        "old_log_probs": ctx.payload(Payload.OLD_LOG_PROBS),
+        "advantages": advantages,
+        "entropy": ctx.payload(Payload.ENTROPY),
+        "mask": ctx.mask(),
+    }
+    if needs_ref:
+        columns["ref_log_probs"] = ctx.payload(Payload.REF_LOG_PROBS)
+    if needs_sampling:
+        columns["sampling_log_probs"] = ctx.payload(Payload.ROLLOUT_LOG_PROBS)
+    recorded = _recorded_micro_batches(ctx)
+    out = []
+    for mb_id, positions in order.items():
+        index = np.concatenate(
+            [np.arange(ctx.offsets[p], ctx.offsets[p + 1]) for p in positions]
+        ).astype(np.int64)
+        parts = {name: values[index] for name, values in columns.items()}
+        lengths = ctx.lengths[positions]
+        record = recorded.get(mb_id, {})
+        normalizer = record.get("token_normalizer", s.token_normalizer)
+        if normalizer is None and s.policy_loss in ("dapo", "cispo"):
+            normalizer = max(float(columns["mask"].sum()), 1.0)
+        is_ratio = None
+        if s.is_correction is not None:
+            is_ratio = is_correction_ratio(
+                parts["old_log_probs"],
+                parts["sampling_log_probs"],
+                _f32(parts["mask"]),
+                lengths,
+                s.is_correction,
+                s.is_clip_min,
+                s.is_clip_max,
+            )
+        out.append(
+            MicroBatch(
+                micro_batch_id=mb_id,
+                lengths=lengths,
+                is_ratio=is_ratio,
+                aux_loss=record.get("aux_loss"),
+                token_normalizer=normalizer,
+                **parts,
+            )
+        )
+    return out
+
+
+def _recorded_micro_batches(ctx: ReplayContext) -> Mapping[str, Mapping[str, Any]]:
+    record = ctx.source.expected.get(Stage.LOSS_POLICY, {})
+    batches = record.get("micro_batches", {}) if isinstance(record, dict) else {}
+    if not isinstance(batches, dict):
+        raise StageInputError("expected.json loss.policy.micro_batches must be an object")
+    return batches
+
+
+def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
+    """The step's loss (sum over micro-batches) and each micro-batch's loss and metrics."""
+    stage = Stage.LOSS_POLICY
+    recorded = ctx.source.expected.get(stage)
+    if not isinstance(recorded, dict) or not is_number(recorded.get("loss")):
+        raise StageInputError(f"incomplete bundle: expected.json {stage}.loss is missing")
+    settings = LossSettings.of(ctx)
+    results = {
+        mb.micro_batch_id: micro_batch_loss(mb, settings) for mb in _micro_batches(ctx, settings)
+    }
+    atol, rtol = ctx.tolerance(stage)
+    exact = ctx.source.manifest.exact_fields
+
+    def compare(name: str, expected: float, actual: float) -> Any:
+        return compare_arrays(
+            stage,
+            name,
+            np.array([expected], dtype=np.float64),
+            np.array([actual], dtype=np.float64),
+            atol=atol,
+            rtol=rtol,
+            exact=name in exact,
+        )
+
+    total = math.fsum(result["loss"] for result in results.values())
+    comparisons = [compare("loss", float(recorded["loss"]), total)]
+    for mb_id, fields in _recorded_micro_batches(ctx).items():
+        if mb_id not in results:
+            raise StageInputError(f"expected.json {stage}.micro_batches names unknown {mb_id}")
+        for name in ("loss", *METRIC_FIELDS):
+            value = fields.get(name)
+            if is_number(value) and name in results[mb_id]:
+                comparisons.append(compare(f"{mb_id}.{name}", float(value), results[mb_id][name]))
+    mismatched = [c.divergences[0].field for c in comparisons if not c.ok]
+    return outcome_of(stage, comparisons, f"{stage} mismatch in " + ", ".join(mismatched[:5]))
+
+
+# --------------------------------------------------------------------------- capability
+
+
+def family_capability(stage: Stage) -> CapabilityCheck:
+    """The producer's contract, then the family's config: unreplayable settings by name."""
+
+    def check(source: BundleSource) -> tuple[Capability, str]:
+        contract = source.manifest.stage_contracts.get(stage)
+        if contract is None:
+            return Capability.SKIPPED, "not in this bundle's stage contracts"
+        if contract.capability == Capability.UNSUPPORTED:
+            return Capability.UNSUPPORTED, "the producer declares this stage unsupported"
+        if contract.capability != Capability.RECOMPUTE:
+            return Capability.SKIPPED, f"declared {contract.capability} by the producer"
+        config = source.index.config
+        unknown = sorted(set(config) - set(Config.FIELDS))
+        if unknown:
+            return (
+                Capability.UNSUPPORTED,
+                f"config key(s) {', '.join(unknown)} not understood by this engine",
+            )
+        if source.index.identity.cp != 1:
+            return Capability.UNSUPPORTED, "context parallelism cp != 1 is not supported"
+        reason = _unreplayable(stage, config)
+        if reason:
+            return Capability.UNSUPPORTED, reason
+        return Capability.RECOMPUTE, ""
+
+    return check
+
+
+def _unreplayable(stage: Stage, config: Mapping[str, Any]) -> str | None:
+    """Why this stage cannot replay this config (None: it can)."""
+    estimator = config.get("advantage_estimator") or "grpo"
+    if stage in (Stage.REWARD_POST_PROCESS, Stage.ADVANTAGE_ESTIMATE) and estimator != "grpo":
+        return f"advantage_estimator {estimator!r} is not recomputed (grpo only)"
+    if stage == Stage.REWARD_POST_PROCESS:
+        aggregation = config.get("reward_aggregation") or "sum_then_normalize"
+        if aggregation != "sum_then_normalize":
+            return f"reward_aggregation {aggregation!r} is not replayed (sum_then_normalize only)"
+        scale = config.get("reward_scale")
+        if scale is not None and scale not in REWARD_SCALES:
+            return f"reward_scale {scale!r} is not one of {', '.join(REWARD_SCALES)}"
+    if stage == Stage.ADVANTAGE_KL and not config.get("use_kl_loss"):
+        return "use_kl_loss is off: no loss-side KL to check"
+    if stage != Stage.LOSS_POLICY:
+        return None
+    policy = config.get("policy_loss")
+    if policy is None:
+        return "loss-family config without policy_loss: the loss is not determined"
+    if policy in UNREPLAYABLE_LOSSES:
+        return UNREPLAYABLE_LOSSES[policy]
+    if policy not in POLICY_LOSSES:
+        return f"policy_loss {policy!r} is not one of {', '.join(POLICY_LOSSES)}"
+    level = config.get("importance_sampling_level") or "token"
+    if level not in IS_LEVELS:
+        return f"importance_sampling_level {level!r} is not token or sequence"
+    correction = config.get("is_correction")
+    if correction is not None and correction not in IS_CORRECTIONS:
+        return f"is_correction {correction!r} is not one of {', '.join(IS_CORRECTIONS)}"
+    if config.get("kl_loss_type") not in (None, "k3", "low_var_kl") and config.get("use_kl_loss"):
+        return f"kl_loss_type {config.get('kl_loss_type')!r}: the family's KL is k3"
+    if config.get("eps_clip_c") is not None:
+        return "eps_clip_c (dual clip) is not part of the loss family"
+    return None
+
+
+# --------------------------------------------------------------------------- registration
+
+for _stage, _run, _inputs in (
+    (
+        Stage.REWARD_RAW,
+        stage_reward_raw,
+        ("expected.reward.raw.rewards_per_func", "config.reward_weights"),
+    ),
+    (
+        Stage.REWARD_POST_PROCESS,
+        stage_reward_post_process,
+        (
+            "raw_rewards",
+            "index.samples.group_index",
+            "config.reward_scale",
+            "config.reward_std_eps",
+        ),
+    ),
+    (Stage.ADVANTAGE_KL, stage_loss_kl, (Payload.LOG_PROBS, Payload.REF_LOG_PROBS)),
+    (
+        Stage.ADVANTAGE_ESTIMATE,
+        v1.stage_advantage_estimate,
+        ("rewards", "index.samples.response_length"),
+    ),
+    (
+        Stage.LOSS_POLICY,
+        stage_loss_policy,
+        (
+            Payload.OLD_LOG_PROBS,
+            Payload.LOG_PROBS,
+            Payload.ADVANTAGES,
+            Payload.ENTROPY,
+            Payload.REF_LOG_PROBS,
+            Payload.ROLLOUT_LOG_PROBS,
+            "index.samples.loss_mask",
+            "index.samples.micro_batch_id",
+            "expected.loss.policy.micro_batches",
+        ),
+    ),
+):
+    register_variant(
+        StageVariant(
+            stage=_stage,
+            name=FAMILY,
+            applies=uses_family,
+            run=_run,
+            capability=family_capability(_stage),
+            version=FAMILY_VERSION,
+            inputs=_inputs,
+        )
+    )
