@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from trajstore import __version__
 
+from . import web
 from .errors import ERRORS, error_response, install_error_handlers
 from .routes import ROUTERS
 from .state import AppState
@@ -32,14 +33,18 @@ TOKEN_ENV = "TRAJSTORE_API_TOKEN"
 
 
 class BearerAuth:
-    """Pure ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`."""
+    """Pure ASGI middleware: every HTTP request needs `Authorization: Bearer <token>`,
+    except the web view's pages and assets (package files holding no store data;
+    the pages ask for the token and send it with each /v1 request: docs/web.md)."""
 
     def __init__(self, app: Any, token: str) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and not (
+            scope.get("method") in ("GET", "HEAD") and web.is_public(scope.get("path", ""))
+        ):
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 response = error_response(
@@ -86,4 +91,5 @@ def create_app(store_dir: Path, *, token: str | None = None, poll_s: float = 0.2
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router, prefix="/v1")
+    app.include_router(web.router)
     return app

@@ -172,12 +172,18 @@ class ExpertInputs:
 
     def __init__(self, model: torch.nn.Module):
         self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.layers: list[int] = []  # the MoE layer of each entry of seen
         self.handles = [
-            layer.mlp.experts.register_forward_pre_hook(self._hook) for layer in model.model.layers
+            layer.mlp.experts.register_forward_pre_hook(self._hook(i))
+            for i, layer in enumerate(model.model.layers)
         ]
 
-    def _hook(self, module, args):
-        self.seen.append((args[1].detach().clone(), args[2].detach().clone()))
+    def _hook(self, layer: int):
+        def hook(module, args):
+            self.layers.append(layer)
+            self.seen.append((args[1].detach().clone(), args[2].detach().clone()))
+
+        return hook
 
     def close(self) -> None:
         for h in self.handles:
@@ -329,3 +335,27 @@ def test_captured_hf_moe_steps_replay_with_exit_0(hf_runs, run):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["total"] == 2 * STEPS and summary["refused"] == 0
+
+
+def test_replay_holds_through_activation_checkpointing_recompute():
+    """Backward recomputes each layer: the recomputed routers execute the replayed ids too."""
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(12))
+    forced = _forced_routes(torch.zeros(2, 7, LAYERS, TOP_K), seed=13)
+    grads = []
+    for checkpointing in (False, True):
+        model = _model().train()
+        if checkpointing:
+            model.config.use_cache = False
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        experts = ExpertInputs(model)
+        with replay_routes(model, forced) as rec:
+            model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+        experts.close()
+        assert rec.calls == [(2, 7)]
+        assert all(
+            torch.equal(i.view(2, 7, TOP_K), forced[:, :, layer])
+            for layer, (i, _) in zip(experts.layers, experts.seen, strict=True)
+        )
+        grads.append(torch.cat([g.weight.grad.flatten() for g in _gates(model)]))
+    assert len(experts.seen) == 2 * LAYERS  # forward and recompute of each layer
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
