@@ -186,3 +186,56 @@ class ReplayResponse(BaseModel):
 class Page(BaseModel):
     items: list[Open]
     next_cursor: str | None
+
+
+class RunSummary(BaseModel):
+    """A run at a glance: its steps by latest verdict, where they diverged first, bytes."""
+
+    run: str
+    steps: int = Field(description="actor steps (latest attempt)")
+    by_status: dict[str, int] = Field(
+        description="pass, diverged, unsupported, refused, unreplayed"
+    )
+    first_divergent_stage_histogram: dict[str, int]
+    bundles: int
+    logical_bytes: int
+    physical_bytes: int = Field(description="bytes the run's bundles added to the store")
+    dedup_ratio: float | None
+
+
+class StripBin(Open):
+    rollout_from: int
+    rollout_to: int
+    steps: int
+    worst: str = Field(description="the bin's worst status (refused > diverged > ... > pass)")
+
+
+class Strip(BaseModel):
+    run: str
+    rollout_from: int | None
+    rollout_to: int | None
+    bin_width: int | None
+    first_bad_rollout: int | None = Field(description="lowest rollout with a diverged step")
+    bins: list[StripBin] = Field(description="only bins holding steps")
+
+
+class StepResult(BaseModel):
+    """The step's latest recorded result in full: stages with reasons, divergences."""
+
+    result: Open
+    stages: list[Open]
+    divergences: list[Open]
+    divergences_truncated: bool
+
+
+class RouterComparison(Open):
+    """`trajstore router compare --format json` over a window of steps, plus a cursor."""
+
+    runs: list[str]
+    steps: list[dict[str, Any]]
+    next_cursor: str | None
+
+
+class DiffResponse(BaseModel):
+    same: bool
+    reports: list[dict[str, Any]] = Field(description="`trajstore diff --json`, one per rank")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Path, Query
 
 from trajstore.catalog import MAX_PAGE_SIZE
+from trajstore.catalog.queries import STEP_SORTS
 
 MAX_ID = 2**63 - 1
 
@@ -17,3 +18,7 @@ Attempt = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="default: 
 Limit = Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE, description="page size")]
 Cursor = Annotated[str | None, Query(max_length=2000, description="next_cursor of the last page")]
 Text = Annotated[str | None, Query(max_length=200)]
+Sort = Annotated[
+    Literal[STEP_SORTS],  # type: ignore[valid-type]
+    Query(description="step (default), status, stage or tokens; a leading '-' reverses"),
+]

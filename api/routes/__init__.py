@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import bundles, health, queries, replay, runs, steps
+from . import bundles, diff, health, queries, replay, runs, steps
 
 ROUTERS: tuple[APIRouter, ...] = (
     health.router,
@@ -17,4 +17,5 @@ ROUTERS: tuple[APIRouter, ...] = (
     bundles.router,
     replay.router,
     queries.router,
+    diff.router,
 )

@@ -1,4 +1,4 @@
-"""Catalog-wide queries: divergences, router metrics and store statistics."""
+"""Catalog-wide queries: divergences, router metrics and comparison, store statistics."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 
 from trajstore.catalog import query_divergences, query_router_metrics, stats
+from trajstore.catalog.queries import DEFAULT_PAGE_SIZE
 from trajstore.jsonio import json_safe
 
 from .. import models
-from ..detail import check_range
+from ..detail import check_range, check_run
+from ..errors import ApiError
 from ..params import Cursor, Limit, OptId, Text
-from ..state import StateDep
+from ..state import AppState, StateDep
 
 router = APIRouter()
 
@@ -73,3 +75,60 @@ def router_metrics(
 def store_stats(state: StateDep, run: Text = None) -> models.Open:
     """Counts and sizes over the catalog (or one run)."""
     return models.Open(**json_safe(stats(state.snap.catalog, run=run)))
+
+
+def _step_window(
+    state: AppState,
+    runs: list[str],
+    rollout_from: int | None,
+    rollout_to: int | None,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[tuple[int, int]], str | None]:
+    """The union of the runs' actor steps in range, after the cursor: one page of ids."""
+    after: tuple[int, int] | None = None
+    if cursor is not None:
+        try:
+            rollout_text, step_text = cursor.split(":")
+            after = (int(rollout_text), int(step_text))
+        except ValueError:
+            raise ApiError(400, "bad_filter", "invalid cursor; pass next_cursor back") from None
+    wanted = set(runs)
+    ids = sorted(
+        {
+            (rollout_id, step_id)
+            for run, kind, rollout_id, step_id in state.view.groups
+            if kind == "step"
+            and run in wanted
+            and (rollout_from is None or rollout_id >= rollout_from)
+            and (rollout_to is None or rollout_id <= rollout_to)
+            and (after is None or (rollout_id, step_id) > after)
+        }
+    )
+    if len(ids) > limit:
+        return ids[:limit], "{}:{}".format(*ids[limit - 1])
+    return ids, None
+
+
+@router.get("/router/compare", response_model=models.RouterComparison)
+def router_compare(
+    state: StateDep,
+    run: Annotated[list[str], Query(min_length=2, max_length=20, description="two or more")],
+    rollout_from: OptId = None,
+    rollout_to: OptId = None,
+    limit: Limit = None,
+    cursor: Cursor = None,
+) -> models.RouterComparison:
+    """`trajstore router compare --format json` over a page of steps (the union of the
+    runs' steps in range, in step order); ratios and stability cover that page."""
+    from trajstore.router.compare import compare_store
+
+    for name in run:
+        check_run(state.view, name)
+    check_range(rollout_from, rollout_to)
+    steps, next_cursor = _step_window(
+        state, run, rollout_from, rollout_to, limit or DEFAULT_PAGE_SIZE, cursor
+    )
+    with state.replay_lock:  # the store's ref index is not thread-safe
+        comparison = compare_store(state.store, run, steps=steps)
+    return models.RouterComparison(**json_safe(comparison.to_dict()), next_cursor=next_cursor)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from trajstore.catalog import query_steps
+from trajstore.catalog.overview import result_detail
 from trajstore.jsonio import json_safe
 
 from .. import models
 from ..detail import check_range, check_run, group_detail
 from ..errors import ApiError
-from ..params import Attempt, Cursor, Id, Limit, OptId, RunName, Text
+from ..params import Attempt, Cursor, Id, Limit, OptId, RunName, Sort, Text
 from ..state import StateDep
 
 router = APIRouter()
@@ -24,10 +25,13 @@ def steps(
     rollout_to: OptId = None,
     first_divergent_stage: Text = None,
     status: Text = None,
+    attempt: Attempt = None,
+    sort: Sort = "step",
     limit: Limit = None,
     cursor: Cursor = None,
 ) -> models.StepPage:
-    """Actor steps (latest attempt) with their latest verdict, in (rollout, step) order."""
+    """Actor steps (latest attempt) with their latest verdict, in (rollout, step) order
+    unless sorted; `attempt` keeps the steps whose latest attempt is that number."""
     check_run(state.view, run)
     check_range(rollout_from, rollout_to)
     page = query_steps(
@@ -39,6 +43,8 @@ def steps(
         status=status,
         limit=limit,
         cursor=cursor,
+        attempt=attempt,
+        sort=sort,
     )
     return models.StepPage(**json_safe(page))
 
@@ -49,6 +55,23 @@ def step(
 ) -> models.StepDetail:
     """One actor step by (rollout_id, step_id): identity, samples, payloads, verdict."""
     return group_detail(state, run, "step", rollout_id, step_id, attempt)
+
+
+@router.get("/runs/{run}/steps/{rollout_id}:{step_id}/result", response_model=models.StepResult)
+def step_result(
+    state: StateDep, run: RunName, rollout_id: Id, step_id: Id, attempt: Attempt = None
+) -> models.StepResult:
+    """The step's latest recorded replay result: per-stage verdicts, reasons, divergences."""
+    detail = group_detail(state, run, "step", rollout_id, step_id, attempt)
+    if detail.latest_verdict is None:
+        raise ApiError(
+            404, "not_found", f"step {rollout_id}:{step_id} of run {run!r} has no recorded result"
+        )
+    result_id = (detail.latest_verdict.model_extra or {}).get("id")
+    found = result_detail(state.snap.catalog, int(result_id)) if result_id is not None else None
+    if found is None:
+        raise ApiError(404, "not_found", f"result of step {rollout_id}:{step_id} not in catalog")
+    return models.StepResult(**json_safe(found))
 
 
 @router.get("/runs/{run}/steps/{step_ref}", include_in_schema=False)

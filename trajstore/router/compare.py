@@ -20,7 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -329,10 +329,14 @@ def compare_sources(
     return RunComparison(list(runs), cells)
 
 
-def compare_store(store: Any, runs: Sequence[str]) -> RunComparison:
+def compare_store(
+    store: Any, runs: Sequence[str], steps: Collection[tuple[int, int]] | None = None
+) -> RunComparison:
     """Compare runs of a `trajstore.store.Store`, step by step (latest attempts).
 
     Streams one step at a time: only one step's payloads are in memory.
+    ``steps`` (actor step ids) limits the comparison to those steps, so a
+    caller showing a window of a long run recomputes only that window.
     """
     from trajstore.errors import NotFoundError
 
@@ -350,6 +354,9 @@ def compare_store(store: Any, runs: Sequence[str]) -> RunComparison:
         ids = sorted(
             {(int(b["rollout_id"]), int(b["step_id"])) for b in store.bundles(run=run, kind="step")}
         )
+        if steps is not None:
+            wanted = set(steps)
+            ids = [step for step in ids if step in wanted]
         for rid, sid in ids:
             cells[(run, (rid, sid))] = step_metrics(store.step(run, rid, sid), run, rid, sid)
     return RunComparison(list(runs), cells)

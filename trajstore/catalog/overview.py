@@ -1,0 +1,166 @@
+"""Run-level aggregates for browsing a run: verdict counts, a binned strip, one result.
+
+Why a module beside `queries`: these answer "what does this run look like at a
+glance" for the web view (docs/web.md) and return a bounded amount of data
+however many steps the run holds (counts per status, at most MAX_STRIP_BINS
+bins, at most MAX_DIVERGENCES divergence rows), so a page over a
+10,000-step run never fetches every step. They reuse the listing's notion of
+a step (latest attempt) and of its verdict (latest recorded result).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from trajstore.catalog import tables
+from trajstore.catalog.db import Catalog
+from trajstore.catalog.queries import (
+    _latest_attempt_steps,
+    _latest_results,
+    _row,
+    stats,
+)
+from trajstore.errors import UsageError
+from trajstore.vocab import STEP_STATUSES, UNREPLAYED, Verdict
+
+MAX_STRIP_BINS = 2000
+MAX_DIVERGENCES = 1000
+#: a bin's colour is its worst status, in this order (worst first)
+STATUS_SEVERITY: tuple[str, ...] = (
+    Verdict.REFUSED.value,
+    Verdict.DIVERGED.value,
+    Verdict.UNSUPPORTED.value,
+    UNREPLAYED,
+    Verdict.PASS.value,
+)
+
+
+def _step_verdicts(run: str, rollout_from: int | None = None, rollout_to: int | None = None):
+    """(rollout_id, status, first_divergent_stage, step count) over the run's steps."""
+    steps = _latest_attempt_steps(run, rollout_from, rollout_to)
+    latest = _latest_results(run)
+    status = sa.func.coalesce(latest.c.status, UNREPLAYED)
+    identity = ("run", "rollout_id", "step_id", "attempt")
+    return (
+        sa.select(
+            steps.c.rollout_id,
+            status.label("status"),
+            latest.c.first_divergent_stage,
+            sa.func.count().label("n"),
+        )
+        .select_from(
+            steps.outerjoin(latest, sa.and_(*(latest.c[c] == steps.c[c] for c in identity)))
+        )
+        .group_by(steps.c.rollout_id, status, latest.c.first_divergent_stage)
+    )
+
+
+def run_summary(catalog: Catalog, run: str) -> dict[str, Any]:
+    """Steps of a run by verdict, the first-divergent-stage histogram, bytes and dedup."""
+    by_status = dict.fromkeys(STEP_STATUSES, 0)
+    histogram: dict[str, int] = {}
+    with catalog.connect() as conn:
+        rows = conn.execute(_step_verdicts(run)).all()
+    for row in rows:
+        by_status[row.status] = by_status.get(row.status, 0) + row.n
+        if row.first_divergent_stage:
+            stage = row.first_divergent_stage
+            histogram[stage] = histogram.get(stage, 0) + row.n
+    sizes = stats(catalog, run=run)
+    logical, physical = sizes["logical_bytes"], sizes["physical_bytes"]
+    return {
+        "run": run,
+        "steps": sum(by_status.values()),
+        "by_status": by_status,
+        "first_divergent_stage_histogram": dict(sorted(histogram.items())),
+        "bundles": sizes["bundles"],
+        "logical_bytes": logical,
+        "physical_bytes": physical,
+        "dedup_ratio": round(logical / physical, 3) if physical else None,
+    }
+
+
+def step_strip(
+    catalog: Catalog,
+    run: str,
+    *,
+    rollout_from: int | None = None,
+    rollout_to: int | None = None,
+    bins: int = 400,
+) -> dict[str, Any]:
+    """The run over rollout id in at most ``bins`` equal-width bins of step counts per status.
+
+    Each bin carries its worst status (STATUS_SEVERITY), so a chart can colour
+    it by one verdict; ``first_bad_rollout`` is the lowest rollout with a
+    diverged or refused step in range (null when none).
+    """
+    if isinstance(bins, bool) or not 1 <= bins <= MAX_STRIP_BINS:
+        raise UsageError(f"bins must be 1..{MAX_STRIP_BINS}, got {bins!r}")
+    with catalog.connect() as conn:
+        rows = conn.execute(_step_verdicts(run, rollout_from, rollout_to)).all()
+    out: dict[str, Any] = {"run": run, "bins": [], "first_bad_rollout": None}
+    if not rows:
+        out.update(rollout_from=rollout_from, rollout_to=rollout_to, bin_width=None)
+        return out
+    lo = min(row.rollout_id for row in rows) if rollout_from is None else rollout_from
+    hi = max(row.rollout_id for row in rows) if rollout_to is None else rollout_to
+    width = -(-(hi - lo + 1) // bins)  # ceil: every rollout in exactly one bin
+    counts: dict[int, dict[str, int]] = {}
+    bad = (Verdict.DIVERGED.value, Verdict.REFUSED.value)
+    for row in rows:
+        index = (row.rollout_id - lo) // width
+        cell = counts.setdefault(index, dict.fromkeys(STEP_STATUSES, 0))
+        cell[row.status] = cell.get(row.status, 0) + row.n
+        if row.status in bad and (
+            out["first_bad_rollout"] is None or row.rollout_id < out["first_bad_rollout"]
+        ):
+            out["first_bad_rollout"] = row.rollout_id
+    for index in sorted(counts):
+        cell = counts[index]
+        start = lo + index * width
+        worst = next(status for status in STATUS_SEVERITY if cell.get(status))
+        out["bins"].append(
+            {
+                "rollout_from": start,
+                "rollout_to": min(start + width - 1, hi),
+                "steps": sum(cell.values()),
+                "worst": worst,
+                **cell,
+            }
+        )
+    out.update(rollout_from=lo, rollout_to=hi, bin_width=width)
+    return out
+
+
+def result_detail(
+    catalog: Catalog, result_id: int, *, max_divergences: int = MAX_DIVERGENCES
+) -> dict[str, Any] | None:
+    """One recorded result: its row, per-stage verdicts with reasons, its divergences."""
+    results, stage_rows, divergences = (
+        tables.replay_results,
+        tables.stage_results,
+        tables.divergences,
+    )
+    with catalog.connect() as conn:
+        row = conn.execute(sa.select(results).where(results.c.id == result_id)).first()
+        if row is None:
+            return None
+        stages = conn.execute(
+            sa.select(stage_rows)
+            .where(stage_rows.c.result_id == result_id)
+            .order_by(stage_rows.c.position)
+        ).all()
+        rows = conn.execute(
+            sa.select(divergences)
+            .where(divergences.c.result_id == result_id)
+            .order_by(divergences.c.position)
+            .limit(max_divergences + 1)
+        ).all()
+    return {
+        "result": _row(row),
+        "stages": [_row(stage) for stage in stages],
+        "divergences": [_row(divergence) for divergence in rows[:max_divergences]],
+        "divergences_truncated": len(rows) > max_divergences,
+    }
