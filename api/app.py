@@ -58,7 +58,7 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(store_dir: Path, *, token: str | None = None, poll_s: float = 0.25) -> FastAPI:
+def create_app(store_dir: Path | str, *, token: str | None = None, poll_s: float = 0.25) -> FastAPI:
     """The API over the store at `store_dir`.
 
     `token` (default: the TRAJSTORE_API_TOKEN environment variable) turns on
@@ -66,7 +66,8 @@ def create_app(store_dir: Path, *, token: str | None = None, poll_s: float = 0.2
     """
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
-    store_dir = Path(store_dir)
+    if not str(store_dir).startswith("s3://"):  # an s3:// URL stays a string
+        store_dir = Path(store_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

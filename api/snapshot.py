@@ -175,7 +175,7 @@ class CatalogSnapshot:
         cat = open_catalog(self.store.root, self.store.catalog_url)
         try:
             try:
-                sync_catalog(cat, self.store.root, self.store.load_document)
+                sync_catalog(cat, self.store.space, self.store.load_document)
             except Exception as exc:
                 self._failed(exc)
             if not cat.is_duckdb or cat.file is None:
@@ -211,7 +211,7 @@ class CatalogSnapshot:
             self._last_sync = now
             before = self._synced_count()
             try:
-                stats = sync_catalog(self.catalog, self.store.root, self.store.load_document)
+                stats = sync_catalog(self.catalog, self.store.space, self.store.load_document)
             except Exception as exc:  # keep serving, retry at the next poll
                 self._failed(exc)
                 # batches before the bad document were committed: show them too

@@ -11,7 +11,6 @@ scratch (`reindex`) answers every query exactly as the incremental catalog.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -23,6 +22,7 @@ import sqlalchemy as sa
 from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
 from trajstore.errors import NotFoundError, StoreError
+from trajstore.refspace import DocRef, LocalRefSpace, RefSpace
 from trajstore.vocab import Stage
 
 LoadDocument = Callable[[str], dict]
@@ -33,12 +33,14 @@ TOMBSTONE_VERSION = 1
 RESULT_VERSION = 1
 BATCH_SIZE = 256  # documents per transaction
 
-# directory in synced_documents -> path under the store
+# directory in synced_documents -> folder of the store's ref space
 DIRECTORIES = {
-    "bundles": Path("refs") / "bundles",
-    "tombstones": Path("refs") / "tombstones",
-    "results": Path("results"),
+    "bundles": "refs/bundles",
+    "tombstones": "refs/tombstones",
+    "results": "results",
 }
+StoreSource = Path | str | RefSpace  # a store directory, or any ref space (an S3 store's)
+Doc = Path | DocRef  # one document: read_bytes() and a readable str()
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,10 @@ def _json(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True)
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_json(path: Doc, what: str) -> dict:
+    """`path`: a Path or a ref-space document (`read_bytes()`, `str()`)."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise StoreError(f"{what} {path} is unreadable ({exc}); run trajstore fsck") from None
     if not isinstance(doc, dict):
@@ -106,7 +109,7 @@ def _read_json(path: Path, what: str) -> dict:
     return doc
 
 
-def _check_version(doc: dict, field: str, supported: int, path: Path) -> None:
+def _check_version(doc: dict, field: str, supported: int, path: Doc) -> None:
     version = doc.get(field)
     if not isinstance(version, int) or isinstance(version, bool):
         raise StoreError(f"{path} has no integer {field}; run trajstore fsck")
@@ -117,18 +120,13 @@ def _check_version(doc: dict, field: str, supported: int, path: Path) -> None:
         )
 
 
-def _list_names(store_dir: Path, directory: str) -> list[str]:
+def _space(store: StoreSource) -> RefSpace:
+    return store if isinstance(store, RefSpace) else LocalRefSpace(Path(store))
+
+
+def _list_names(space: RefSpace, directory: str) -> list[str]:
     """Published document names (finished atomic creates only), sorted."""
-    try:
-        entries = os.scandir(store_dir / DIRECTORIES[directory])
-    except FileNotFoundError:
-        return []
-    with entries:
-        return sorted(
-            e.name
-            for e in entries
-            if e.name.endswith(".json") and not e.name.startswith(".") and e.is_file()
-        )
+    return [d.name for d in space.list(DIRECTORIES[directory]) if d.name.endswith(".json")]
 
 
 def _group_clause(table: sa.Table, group: Group):
@@ -203,7 +201,7 @@ _PROVENANCE_FIELDS = (
 )
 
 
-def _parse_ref(name: str, path: Path) -> tuple[str, dict]:
+def _parse_ref(name: str, path: Doc) -> tuple[str, dict]:
     doc = _read_json(path, "bundle ref")
     _check_version(doc, "ref_version", REF_VERSION, path)
     try:
@@ -460,7 +458,7 @@ def _tolerant(load_document: LoadDocument) -> LoadDocument:
     return load
 
 
-def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document) -> None:
+def apply_refs(conn: sa.Connection, items: list[tuple[str, Doc]], load_document) -> None:
     """Index a batch of bundle refs (file name, path). Idempotent; for a key
     published twice the later ref (by name) wins whatever the apply order."""
     parsed: dict[str, tuple[str, dict]] = {}
@@ -527,7 +525,7 @@ def apply_refs(conn: sa.Connection, items: list[tuple[str, Path]], load_document
             )
 
 
-def apply_tombstone(conn: sa.Connection, name: str, path: Path):
+def apply_tombstone(conn: sa.Connection, name: str, path: Doc):
     """Record a tombstone; hides the bundle if its ref predates the tombstone."""
     doc = _read_json(path, "tombstone")
     _check_version(doc, "tombstone_version", TOMBSTONE_VERSION, path)
@@ -560,7 +558,7 @@ def apply_tombstone(conn: sa.Connection, name: str, path: Path):
     return tuple(row[:5])
 
 
-def apply_results(conn: sa.Connection, items: list[tuple[str, Path]]) -> None:
+def apply_results(conn: sa.Connection, items: list[tuple[str, Doc]]) -> None:
     """Index a batch of replay-result documents (replacing earlier applies of them)."""
     docs = []
     for name, path in items:
@@ -688,18 +686,20 @@ def _synced_names(conn: sa.Connection, directory: str) -> set[str]:
 
 def sync_catalog(
     catalog: Catalog,
-    store_dir: Path | str | None = None,
+    store_dir: StoreSource | None = None,
     load_document: LoadDocument | None = None,
     *,
     batch_size: int = BATCH_SIZE,
 ) -> SyncStats:
     """Apply refs, tombstones and results not yet in the catalog.
 
-    Works the same on the file catalog and on an in-memory snapshot.
+    Works the same on the file catalog and on an in-memory snapshot, for a
+    store directory or any ref space (an S3 store's).
     """
-    store = Path(store_dir) if store_dir is not None else catalog.store_dir
-    if store is None:
+    source = store_dir if store_dir is not None else catalog.store_dir
+    if source is None:
         raise StoreError("sync needs the store directory (--store)")
+    store = _space(source)
     counts = {}
     # tombstones first: a ref removed (and perhaps collected) is then indexed as removed
     for directory in ("tombstones", "bundles", "results"):
@@ -707,11 +707,11 @@ def sync_catalog(
         with catalog.connect() as conn:
             done = _synced_names(conn, directory)
         new = [n for n in names if n not in done]
-        base = store / DIRECTORIES[directory]
+        folder = DIRECTORIES[directory]
         for start in range(0, len(new), batch_size):
             batch = new[start : start + batch_size]
             with catalog.begin() as conn:
-                items = [(name, base / name) for name in batch]
+                items = [(name, store.doc(f"{folder}/{name}")) for name in batch]
                 if directory == "bundles":
                     if load_document is None:
                         raise StoreError("sync of bundle refs needs a document loader")
@@ -736,7 +736,7 @@ def sync_catalog(
 
 def reindex(
     catalog_path_or_url: Path | str,
-    store_dir: Path | str,
+    store_dir: StoreSource,
     load_document: LoadDocument,
     *,
     lock_timeout: float | None = None,
@@ -750,8 +750,9 @@ def reindex(
     target = str(catalog_path_or_url)
     url = target if "://" in target else f"duckdb:///{Path(target).resolve()}"
     kwargs = {} if lock_timeout is None else {"lock_timeout": lock_timeout}
+    home = None if isinstance(store_dir, RefSpace) else store_dir
     try:
-        catalog = open_catalog(store_dir, url, **kwargs)
+        catalog = open_catalog(home, url, **kwargs)
     except StoreError:
         raise
     except Exception as exc:
@@ -760,7 +761,7 @@ def reindex(
             raise StoreError(f"cannot open catalog {url} for reindex: {exc}") from None
         for stale in (Path(path), Path(path + ".wal")):
             stale.unlink(missing_ok=True)
-        catalog = open_catalog(store_dir, url, **kwargs)
+        catalog = open_catalog(home, url, **kwargs)
     with catalog:
         with catalog.begin() as conn:
             for table in tables.INDEX_TABLES:

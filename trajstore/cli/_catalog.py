@@ -36,6 +36,12 @@ def store_root(path: str | Path) -> Path:
 @contextlib.contextmanager
 def synced_catalog(path: str | Path) -> Iterator[Any]:
     """The store's catalog, synced from the refs first; held only for the `with` block."""
+    if str(path).startswith("s3://"):  # a remote store: its catalog needs the object layer
+        from trajstore.store import Store
+
+        with Store.open(str(path), create=False) as remote, remote.catalog() as cat:
+            yield cat
+        return
     root = store_root(path)
     from trajstore.catalog.db import open_catalog
     from trajstore.catalog.sync import sync_catalog

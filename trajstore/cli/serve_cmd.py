@@ -29,8 +29,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from trajstore.errors import UsageError
     from trajstore.store import Store
 
@@ -43,6 +41,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from trajstore.api.app import create_app
 
-    app = create_app(Path(args.store), token=os.environ.get("TRAJSTORE_API_TOKEN") or None)
+    app = create_app(args.store, token=os.environ.get("TRAJSTORE_API_TOKEN") or None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

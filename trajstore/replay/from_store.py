@@ -69,7 +69,7 @@ def resolve_run(store: Any, run: str | None) -> str:
     if len(runs) == 1:
         return runs[0]
     if not runs:
-        raise NotFoundError(f"{store.root}: the store holds no bundles")
+        raise NotFoundError(f"{store.url}: the store holds no bundles")
     raise UsageError(f"the store holds runs {', '.join(runs)}; pick one with --run")
 
 
@@ -426,13 +426,12 @@ def _result_header(
 
 def write_result(store: Any, doc: dict[str, Any]) -> str:
     """Publish one immutable result document (no catalog lock); returns its name."""
-    from trajstore.store.layout import atomic_create, new_doc_name
+    from trajstore.store.layout import RESULTS_KEY, new_doc_name
 
     name = new_doc_name()
-    atomic_create(
-        store.layout.results / f"{name}.json",
+    store.space.create_if_absent(
+        f"{RESULTS_KEY}/{name}.json",
         json.dumps(json_safe(doc, finite_only=False), sort_keys=True).encode(),
-        durable=store.durable,
     )
     return name
 

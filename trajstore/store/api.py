@@ -10,36 +10,82 @@
 
 Lookups go through the refs directly (no catalog lock needed); listings go
 through the catalog, which is synced from the refs whenever it is opened.
+
+A store is a directory (the default) or `s3://BUCKET/PREFIX`: the URL picks
+the object space and the ref space; everything above them is the same code.
+An S3 store without a catalog URL keeps a DuckDB catalog rebuilt from its refs
+in a local cache directory (`store_cache_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from trajstore.cas import LocalObjectStore
+from trajstore.cas import LocalObjectStore, ObjectStore
 from trajstore.errors import NotFoundError, StoreError, UsageError
+from trajstore.refspace import LocalRefSpace, RefSpace
 from trajstore.store.ingest import Ingestor, IngestOutcome, check_run_name, ingest_paths
-from trajstore.store.layout import RefEntry, RefIndex, StoreLayout, atomic_create, new_doc_name
+from trajstore.store.layout import (
+    MARKER,
+    MARKER_TEXT,
+    TOMBSTONES_KEY,
+    RefEntry,
+    RefIndex,
+    StoreLayout,
+    new_doc_name,
+)
 from trajstore.store.stored_bundle import StoredBundle, get_json_blob
 
 DEFAULT_RUN = "default"
 
 
-class Store:
-    """A store directory: object space + refs + catalog."""
+def is_remote(location: str | os.PathLike[str]) -> bool:
+    """Whether a store location is an object-store URL (`s3://...`) rather than a directory."""
+    return isinstance(location, str) and location.startswith("s3://")
 
-    def __init__(self, root: Path, *, durable: bool = True, catalog_url: str | None = None) -> None:
-        self.layout = StoreLayout(root)
-        self.root = root
+
+def store_cache_dir(url: str) -> Path:
+    """Local cache of a remote store (its DuckDB catalog): `$TRAJSTORE_CACHE_DIR` or
+    `~/.cache/trajstore`, then the first 16 hex digits of the URL's sha256."""
+    base = os.environ.get("TRAJSTORE_CACHE_DIR") or Path.home() / ".cache" / "trajstore"
+    return Path(base) / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+class Store:
+    """A store: object space + ref space + catalog.
+
+    `root` is the store directory; for an S3 store it is the local cache
+    directory (where its default DuckDB catalog lives) and `url` is the bucket.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        durable: bool = True,
+        catalog_url: str | None = None,
+        objs: ObjectStore | None = None,
+        space: RefSpace | None = None,
+        url: str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.layout = StoreLayout(self.root)
         self.durable = durable
         self.catalog_url = catalog_url
-        self.objs = LocalObjectStore(root, durable=durable)
-        self.refs = RefIndex(self.layout)
+        self.url = url or str(root)
+        self.objs: ObjectStore = objs or LocalObjectStore(root, durable=durable)
+        self.space: RefSpace = space or LocalRefSpace(root, durable=durable)
+        self.refs = RefIndex(self.space)
+
+    @property
+    def is_remote(self) -> bool:
+        return is_remote(self.url)
 
     @classmethod
     def open(
@@ -50,7 +96,9 @@ class Store:
         durable: bool = True,
         catalog_url: str | None = None,
     ) -> Store:
-        """Open (or with `create`, initialise) the store at `path`."""
+        """Open (or with `create`, initialise) the store at `path` (a directory or s3:// URL)."""
+        if is_remote(path):
+            return cls._open_s3(str(path), create=create, catalog_url=catalog_url)
         root = Path(path)
         layout = StoreLayout(root)
         if not layout.is_store():
@@ -62,6 +110,25 @@ class Store:
                 raise StoreError(f"{root}: not empty and not a trajstore store; refusing to use it")
             layout.ensure()
         return cls(root, durable=durable, catalog_url=catalog_url)
+
+    @classmethod
+    def _open_s3(cls, url: str, *, create: bool, catalog_url: str | None) -> Store:
+        from trajstore.cas.s3 import S3ObjectStore, S3RefSpace, parse_s3_url, s3_client
+
+        loc = parse_s3_url(url)
+        client = s3_client(loc.bucket)
+        space = S3RefSpace(client, loc)
+        if not space.exists(MARKER):
+            if not create:
+                raise StoreError(f"{loc.url}: not a trajstore store (no {MARKER})")
+            space.create_if_absent(MARKER, MARKER_TEXT)
+        return cls(
+            store_cache_dir(loc.url),
+            catalog_url=catalog_url,
+            objs=S3ObjectStore(client, loc),
+            space=space,
+            url=loc.url,
+        )
 
     def close(self) -> None:
         self.objs.close()
@@ -89,7 +156,7 @@ class Store:
         """
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
-        ing = Ingestor(self.layout, self.objs, self.refs, durable=self.durable)
+        ing = Ingestor(self.space, self.objs, self.refs)
         return ingest_paths(
             ing, [Path(p) for p in paths], run, progress=progress, on_outcome=on_outcome
         )
@@ -111,10 +178,8 @@ class Store:
 
         for k in dict.fromkeys(targets):
             doc = {"tombstone_version": 1, "key": k, "removed_at": _now()}
-            atomic_create(
-                self.layout.tombstones / f"{new_doc_name()}.json",
-                json.dumps(doc, sort_keys=True).encode(),
-                durable=self.durable,
+            self.space.create_if_absent(
+                f"{TOMBSTONES_KEY}/{new_doc_name()}.json", json.dumps(doc, sort_keys=True).encode()
             )
         return list(dict.fromkeys(targets))
 
@@ -188,7 +253,7 @@ class Store:
 
         cat = open_catalog(self.root, self.catalog_url)
         try:
-            sync_catalog(cat, self.root, self.load_document)
+            sync_catalog(cat, self.space, self.load_document)
             yield cat
         finally:
             cat.close()
@@ -235,7 +300,7 @@ class Store:
         from trajstore.catalog import CATALOG_FILE, reindex
 
         target = self.catalog_url or str(self.root / CATALOG_FILE)
-        s = reindex(target, self.root, self.load_document)
+        s = reindex(target, self.space, self.load_document)
         return {
             "new_refs": s.new_refs,
             "new_tombstones": s.new_tombstones,

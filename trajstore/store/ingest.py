@@ -17,6 +17,13 @@ cohort share one attempt, a single-producer re-capture of a step captured as
 a cohort (or the reverse) is a new attempt rather than a mix, and two
 concurrent ingests never publish two different contents under one key. Same
 content -> same attempt -> a no-op when its ref is already live.
+
+One ref per key: before creating a ref, a writer fixes its name with
+create-if-absent on `refs/claims/<key digest>.ref<G>` (G counts publications
+of that key, a new one only after the previous was removed by `rm`); the ref
+is then created under that name with create-if-absent. Two writers racing on
+one key agree on the name, so exactly one ref object exists, and a writer
+that died between the two steps is completed by the next ingest.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from trajstore.bundle.reader import Bundle, open_target
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.errors import StoreError, TrajstoreError
 from trajstore.jsonio import read_bytes
-from trajstore.store.layout import RefIndex, StoreLayout, atomic_create, new_doc_name
+from trajstore.refspace import RefSpace
+from trajstore.store.layout import BUNDLE_REFS_KEY, CLAIMS_KEY, RefIndex, new_doc_name
 from trajstore.store.stored_bundle import put_blob
 
 REF_VERSION = 1
@@ -245,13 +253,10 @@ def content_digest(documents: dict[str, str], cohort_sentinels: dict[str, str]) 
 class Ingestor:
     """Publishes bundles into one store; keeps a cache of which keys are live."""
 
-    def __init__(
-        self, layout: StoreLayout, objs: ObjectStore, refs: RefIndex, *, durable: bool = True
-    ) -> None:
-        self.layout = layout
+    def __init__(self, space: RefSpace, objs: ObjectStore, refs: RefIndex) -> None:
+        self.space = space
         self.objs = objs
         self.refs = refs
-        self.durable = durable
 
     # -- what is already published --
 
@@ -321,29 +326,46 @@ class Ingestor:
                 continue
             p.doc.update(key=key, attempt=attempt, published_at=_now())
             data = json.dumps(p.doc, sort_keys=True, indent=1).encode()
-            while not atomic_create(
-                self.layout.bundle_refs / f"{new_doc_name()}.json", data, durable=self.durable
-            ):
-                pass  # a name collision is practically impossible; never overwrite
-            published = True
+            published |= self._publish(key, data)
         return IngestOutcome(
             str(path), "published" if published else "unchanged", keys, None, logical
         )
+
+    def _held(self, claim: str) -> str:
+        try:
+            return self.space.read(claim).decode().strip()
+        except (StoreError, UnicodeDecodeError) as e:
+            raise StoreError(f"cannot read claim {self.space.where(claim)}: {e}") from None
 
     def _claim_attempt(self, identity: tuple, digest: str) -> int:
         idh = blake3(json.dumps(list(identity)).encode()).hexdigest()[:40]
         n = 1
         while True:
-            claim = self.layout.claims / f"{idh}.a{n}"
-            if atomic_create(claim, digest.encode(), durable=self.durable):
+            claim = f"{CLAIMS_KEY}/{idh}.a{n}"
+            if self.space.create_if_absent(claim, digest.encode()):
                 return n
-            try:
-                held = claim.read_text().strip()
-            except OSError as e:
-                raise StoreError(f"cannot read attempt claim {claim}: {e}") from None
-            if held == digest:
+            if self._held(claim) == digest:
                 return n
             n += 1
+
+    def _publish(self, key: str, data: bytes) -> bool:
+        """Create the one ref of `key` (unless live already); True if this call created it."""
+        kh = blake3(key.encode()).hexdigest()[:40]
+        g = 1
+        while True:
+            guard = f"{CLAIMS_KEY}/{kh}.ref{g}"
+            mine = new_doc_name()
+            # whoever creates the guard fixes the ref's name for every writer of this key
+            name = mine if self.space.create_if_absent(guard, mine.encode()) else self._held(guard)
+            if self.space.create_if_absent(f"{BUNDLE_REFS_KEY}/{name}.json", data):
+                return True
+            live = self.refs.live().get(key)
+            if live is not None and live.name >= name:
+                return False  # published by the other writer (or later): one ref per key
+            if live is None and name not in {e.name for e in self.refs.all()}:
+                # listed after its creation (a listing can lag): trust the existing object
+                return False
+            g += 1  # that publication was removed (rm); the next one is new
 
 
 def _now() -> str:

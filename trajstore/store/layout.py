@@ -1,4 +1,4 @@
-"""Where things live in a store directory, and the one atomic primitive: create-if-absent.
+"""Where things live in a store, and the index of its refs.
 
     <store>/packs/, objects/, tmp/      the object space (trajstore.cas.LocalObjectStore)
     <store>/refs/bundles/<name>.json    one immutable ref per published bundle (commit point)
@@ -9,6 +9,8 @@
 
 `<name>` = `<time_ns:020d>-<pid>-<random hex>`: unique without a lock and
 sorting by age, which the catalog relies on (a newer ref of a key wins).
+The same relative keys name the documents of an S3 store (`s3://BUCKET/PREFIX/refs/...`);
+every document goes through a `RefSpace`, whose one atomic primitive is create-if-absent.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trajstore.errors import StoreError
+from trajstore.errors import NotFoundError, StoreError
+from trajstore.refspace import RefSpace, atomic_create
+
+__all__ = ["RefEntry", "RefIndex", "StoreLayout", "atomic_create", "new_doc_name"]
 
 REFS = Path("refs")
 BUNDLE_REFS = REFS / "bundles"
@@ -29,6 +34,13 @@ TOMBSTONES = REFS / "tombstones"
 CLAIMS = REFS / "claims"
 RESULTS = Path("results")
 MARKER = "TRAJSTORE_STORE"
+MARKER_TEXT = b"trajstore store, layout 1\n"
+
+#: the same places as keys of a RefSpace (`/`-separated, relative to the store)
+BUNDLE_REFS_KEY = BUNDLE_REFS.as_posix()
+TOMBSTONES_KEY = TOMBSTONES.as_posix()
+CLAIMS_KEY = CLAIMS.as_posix()
+RESULTS_KEY = RESULTS.as_posix()
 
 
 def new_doc_name() -> str:
@@ -68,7 +80,7 @@ class StoreLayout:
             for d in (self.bundle_refs, self.tombstones, self.claims, self.results):
                 d.mkdir(parents=True, exist_ok=True)
             if not self.marker.exists():
-                atomic_create(self.marker, b"trajstore store, layout 1\n", durable=False)
+                atomic_create(self.marker, MARKER_TEXT, durable=False)
         except OSError as e:
             raise StoreError(f"cannot use {self.root} as a store: {e}") from None
 
@@ -76,48 +88,9 @@ class StoreLayout:
         return self.marker.is_file() and self.bundle_refs.is_dir()
 
 
-def list_docs(directory: Path) -> list[str]:
-    """Names (without `.json`) of published documents, oldest first."""
-    try:
-        with os.scandir(directory) as it:
-            names = [
-                e.name[:-5] for e in it if e.name.endswith(".json") and not e.name.startswith(".")
-            ]
-    except FileNotFoundError:
-        return []
-    return sorted(names)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_create(path: Path, data: bytes, *, durable: bool = True) -> bool:
-    """Create `path` holding `data` unless it exists; False if it did.
-
-    temp + fsync + link: the final name never holds a partial file and an
-    existing file is never replaced, so this is a commit point.
-    """
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        if durable:
-            _fsync_dir(path.parent)
-        return True
-    finally:
-        tmp.unlink(missing_ok=True)
+def list_docs(space: RefSpace, folder: str) -> list[str]:
+    """Names (without `.json`) of published documents in `folder`, oldest first."""
+    return [d.name[:-5] for d in space.list(folder) if d.name.endswith(".json")]
 
 
 @dataclass(frozen=True)
@@ -144,42 +117,26 @@ class RefIndex:
     tombstone newer than that ref names the key.
     """
 
-    #: a directory modified this recently is listed again even if its mtime did not
-    #: change (coarse file-system timestamps can hide a second entry made in the same tick)
-    RACY_NS = 2_000_000_000
-
-    def __init__(self, layout: StoreLayout) -> None:
-        self.layout = layout
+    def __init__(self, space: RefSpace) -> None:
+        self.space = space
         self._refs: dict[str, RefEntry] = {}
         self._bad: dict[str, str] = {}
         self._tombs: dict[str, str] = {}  # tombstone name -> key
-        self._stamps: dict[Path, int] = {}
+        self._stamps: dict[str, int] = {}
         self._live: dict[str, RefEntry] | None = None
         self._anchors: dict[tuple, list[RefEntry]] | None = None
 
-    def _changed(self, directory: Path) -> bool:
-        """Whether `directory` may hold entries not listed yet (cheap: one stat)."""
-        try:
-            stamp = directory.stat().st_mtime_ns
-        except FileNotFoundError:
-            return True
-        if self._stamps.get(directory) == stamp:
-            return False
-        if time.time_ns() - stamp > self.RACY_NS:
-            self._stamps[directory] = stamp
-        return True
-
     def refresh(self) -> None:
         before = (len(self._refs), len(self._bad), len(self._tombs))
-        if self._changed(self.layout.bundle_refs):
+        if self.space.changed(BUNDLE_REFS_KEY, self._stamps):
             self._refresh_refs()
-        if self._changed(self.layout.tombstones):
+        if self.space.changed(TOMBSTONES_KEY, self._stamps):
             self._refresh_tombstones()
         if (len(self._refs), len(self._bad), len(self._tombs)) != before:
             self._live = self._anchors = None
 
     def _refresh_refs(self) -> None:
-        for name in list_docs(self.layout.bundle_refs):
+        for name in list_docs(self.space, BUNDLE_REFS_KEY):
             if name in self._refs or name in self._bad:
                 continue
             try:
@@ -201,20 +158,23 @@ class RefIndex:
                 self._bad[name] = f"ref {name}: unreadable ({e})"
 
     def _refresh_tombstones(self) -> None:
-        for name in list_docs(self.layout.tombstones):
+        for name in list_docs(self.space, TOMBSTONES_KEY):
             if name not in self._tombs:
                 try:
-                    d = json.loads((self.layout.tombstones / f"{name}.json").read_bytes())
+                    d = json.loads(self.space.read(f"{TOMBSTONES_KEY}/{name}.json"))
                     self._tombs[name] = str(d["key"])
-                except (OSError, ValueError, KeyError, TypeError) as e:
+                except (StoreError, ValueError, KeyError, TypeError) as e:
                     self._bad[name] = f"tombstone {name}: unreadable ({e})"
 
     def read(self, name: str) -> dict[str, Any]:
         """The full ref document `name`."""
-        path = self.layout.bundle_refs / f"{name}.json"
+        key = f"{BUNDLE_REFS_KEY}/{name}.json"
+        path = self.space.where(key)
         try:
-            doc = json.loads(path.read_bytes())
-        except (OSError, ValueError) as e:
+            doc = json.loads(self.space.read(key))
+        except NotFoundError:
+            raise StoreError(f"ref {path} is unreadable: it does not exist") from None
+        except (StoreError, ValueError) as e:
             raise StoreError(f"ref {path} is unreadable: {e}") from None
         if not isinstance(doc, dict) or doc.get("ref_version") != 1:
             raise StoreError(f"ref {path} is not a version-1 ref document")

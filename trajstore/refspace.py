@@ -1,0 +1,190 @@
+"""The ref space: small named documents whose creation is a commit point.
+
+Objects are named by their content, so any writer may write them any number
+of times. Refs, attempt claims, tombstones and replay results are not: each
+is created once under a name, and creating it must fail when the name is
+taken, so two writers can never both publish one identity. That is the whole
+interface (`create_if_absent`, `read`, `list`, `delete`); `LocalRefSpace`
+implements it with files (temp + fsync + link), `trajstore.cas.s3.S3RefSpace`
+with conditional PUTs (`If-None-Match: *`).
+
+Keys are `/`-separated relative names such as `refs/bundles/<name>.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from trajstore.errors import NotFoundError, StoreError
+
+__all__ = ["DocInfo", "DocRef", "LocalRefSpace", "RefSpace", "atomic_create"]
+
+
+@dataclass(frozen=True)
+class DocInfo:
+    """One listed document: its name inside the listed folder and its modification time."""
+
+    name: str
+    mtime: float
+
+
+class RefSpace(ABC):
+    """Create-once documents under `/`-separated keys."""
+
+    #: where the space lives, for messages (a directory or an s3:// URL)
+    location: str
+
+    @abstractmethod
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        """Create `key` holding `data`; False (and nothing changed) if it already exists."""
+
+    @abstractmethod
+    def read(self, key: str) -> bytes:
+        """The bytes of `key`; NotFoundError if absent, StoreError if unreadable."""
+
+    @abstractmethod
+    def list(self, folder: str) -> list[DocInfo]:
+        """Documents directly inside `folder` (finished creates only), sorted by name."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove `key` if present."""
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.read(key)
+        except NotFoundError:
+            return False
+        return True
+
+    def where(self, key: str) -> str:
+        """A readable name of `key` for messages."""
+        return f"{self.location.rstrip('/')}/{key}"
+
+    def doc(self, key: str) -> DocRef:
+        return DocRef(self, key)
+
+    def changed(self, folder: str, stamps: dict[str, int]) -> bool:
+        """Whether `folder` may hold documents not listed since `stamps` (the caller's
+        memory) was last updated; True when the backend cannot tell cheaply."""
+        return True
+
+
+@dataclass(frozen=True)
+class DocRef:
+    """A document of a ref space, readable like a path (`read_bytes`, `str`)."""
+
+    space: RefSpace
+    key: str
+
+    def read_bytes(self) -> bytes:
+        try:
+            return self.space.read(self.key)
+        except (NotFoundError, StoreError) as e:
+            raise OSError(str(e)) from None
+
+    def __str__(self) -> str:
+        return self.space.where(self.key)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_create(path: Path, data: bytes, *, durable: bool = True) -> bool:
+    """Create `path` holding `data` unless it exists; False if it did.
+
+    temp + fsync + link: the final name never holds a partial file and an
+    existing file is never replaced, so this is a commit point.
+    """
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        if durable:
+            _fsync_dir(path.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class LocalRefSpace(RefSpace):
+    """Documents as files under `root` (today's store directory layout)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.root = Path(root)
+        self.location = str(self.root)
+        self.durable = durable
+
+    def where(self, key: str) -> str:
+        return str(self.root / key)
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        path = self.root / key
+        try:
+            return atomic_create(path, data, durable=self.durable)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return atomic_create(path, data, durable=self.durable)
+
+    def read(self, key: str) -> bytes:
+        path = self.root / key
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise NotFoundError(f"{path} does not exist") from None
+        except OSError as e:
+            raise StoreError(f"{path} is unreadable: {e}") from None
+
+    def exists(self, key: str) -> bool:
+        return (self.root / key).is_file()
+
+    def list(self, folder: str) -> list[DocInfo]:
+        out = []
+        try:
+            with os.scandir(self.root / folder) as it:
+                for e in it:
+                    if e.name.startswith(".") or not e.is_file():
+                        continue
+                    try:
+                        out.append(DocInfo(e.name, e.stat().st_mtime))
+                    except FileNotFoundError:
+                        continue
+        except FileNotFoundError:
+            return []
+        return sorted(out, key=lambda d: d.name)
+
+    def delete(self, key: str) -> None:
+        (self.root / key).unlink(missing_ok=True)
+
+    #: a directory modified this recently is listed again even if its mtime did not
+    #: change (coarse file-system timestamps can hide a second entry made in the same tick)
+    RACY_NS = 2_000_000_000
+
+    def changed(self, folder: str, stamps: dict[str, int]) -> bool:
+        """One stat: a directory whose mtime is unchanged (and not racy) holds nothing new."""
+        try:
+            stamp = (self.root / folder).stat().st_mtime_ns
+        except FileNotFoundError:
+            return True
+        if stamps.get(folder) == stamp:
+            return False
+        if time.time_ns() - stamp > self.RACY_NS:
+            stamps[folder] = stamp
+        return True
