@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv test demo lint bench clean
+.PHONY: venv test demo lint bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# The web view's browser tests drive Debian's chromium; installed here when missing (as root on CI).
+chromium:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    chromium chromium-driver >/dev/null) || echo "make: could not install chromium"
+
+test: $(STAMP) chromium
 	$(PY) -m pytest
 
 LINT_PATHS := trajstore api migrations examples tests scripts
