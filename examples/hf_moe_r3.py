@@ -24,12 +24,14 @@ torch and transformers are imported inside functions.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trajstore.errors import TrajstoreError
 from trajstore.router.metrics import compute_router_metrics
 
 MODES = ("baseline", "r3")
@@ -362,7 +364,11 @@ def run_into_store(
     """Run each mode from the same seed, captured into the store as run ``<prefix><mode>``."""
     from trajstore.capture import CaptureManager
     from trajstore.capture.config import CaptureConfig
+    from trajstore.errors import StoreError
+    from trajstore.store import Store
 
+    with Store.open(store_dir):  # an unusable store is refused before any training
+        pass
     out: dict[str, list[StepRecord]] = {}
     for mode in modes:
         run = f"{prefix}{mode}"
@@ -374,7 +380,10 @@ def run_into_store(
         finally:
             stats = manager.close()
         if stats.errors or stats.dropped:
-            raise RuntimeError(f"capture of run {run!r}: {stats}")
+            raise StoreError(
+                f"capture of run {run!r} into {store_dir}: {stats.errors} writer error(s), "
+                f"{stats.dropped} dropped"
+            )
     return out
 
 
@@ -392,10 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefix", default=RUN_PREFIX, help="run name prefix (default: hf-)")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
     modes = MODES if args.mode == "both" else (args.mode,)
-    records = run_into_store(
-        args.store, modes, steps=args.steps, seed=args.seed, prefix=args.prefix
-    )
+    try:
+        records = run_into_store(
+            args.store, modes, steps=args.steps, seed=args.seed, prefix=args.prefix
+        )
+    except TrajstoreError as exc:  # one line, the CLI's exit code (docs/cli.md)
+        print(f"hf_moe_r3: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     for mode, recs in records.items():
         mis = [r.metrics["route_mismatch_rate"] for r in recs]
         print(

@@ -359,3 +359,18 @@ def test_replay_holds_through_activation_checkpointing_recompute():
         grads.append(torch.cat([g.weight.grad.flatten() for g in _gates(model)]))
     assert len(experts.seen) == 2 * LAYERS  # forward and recompute of each layer
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_the_example_refuses_an_unusable_store_in_one_line(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    proc = subprocess.run(
+        [sys.executable, "-m", "trajstore.examples.hf_moe_r3", "--store", str(not_a_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"hf_moe_r3: error: {not_a_dir}: exists and is not a directory"
+    ]
