@@ -252,3 +252,30 @@ def catalog_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
 
     with fresh_schema() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One SeaweedFS S3 server on loopback for the whole run (tests/s3server.py)."""
+    from s3server import s3_server as start
+
+    with start(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """The AWS variables (and a private cache dir) that point this test's processes at
+    the session's S3 server; returns the server (`fresh_url()` gives a new store)."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TRAJSTORE_CACHE_DIR", str(tmp_path / "trajstore-cache"))
+    return s3_server
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a store suite's store lives: a fresh directory, or a fresh s3://BUCKET/PREFIX."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_env").fresh_url()
