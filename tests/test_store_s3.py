@@ -1,0 +1,93 @@
+"""What only an S3 store has: the commit point under racing writers on a real S3 server
+(conditional PUTs decide), configuration from the AWS variables only, the CLI on s3://."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from conftest import make_contents
+from test_store import cli
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.store import Store
+
+RACERS = 4
+
+
+def _ref_keys(store: Store) -> list[str]:
+    """The key of every ref object in the bucket (duplicates included)."""
+    return [
+        json.loads(store.space.read(f"refs/bundles/{d.name}"))["key"]
+        for d in store.space.list("refs/bundles")
+    ]
+
+
+def test_racing_ingests_of_one_identity_publish_exactly_one_ref(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    url = s3_env.fresh_url("race")
+    same = write_bundle(tmp_path / "same" / "replay-7-0", make_contents(lengths=40, seed=1))
+    other = write_bundle(tmp_path / "other" / "replay-7-0", make_contents(lengths=40, seed=2))
+    Store.open(url).close()
+    # RACERS processes on one identity: half ingest one content, half another
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trajstore",
+                "ingest",
+                "--store",
+                url,
+                "--json",
+                str(same if i % 2 == 0 else other),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(RACERS)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * RACERS, [e for _, e in outs]
+    with Store.open(url, create=False) as store:
+        keys = _ref_keys(store)
+        # one attempt numbering: the two contents hold a1 and a2, each published once
+        assert sorted(keys) == ["default/step-7-0/a1", "default/step-7-0/a2"]
+        assert store.attempts("default", "step", 7, 0) == [1, 2]
+        digests = {
+            b.attempt: b.ref["content_digest"]
+            for b in (store.step("default", 7, 0, attempt=a)[0] for a in (1, 2))
+        }
+        assert len(set(digests.values())) == 2
+        rows = store.bundles(all_attempts=True)
+    assert [r["key"] for r in rows] == ["default/step-7-0/a1", "default/step-7-0/a2"]
+
+
+def test_a_plain_http_endpoint_needs_aws_allow_http(s3_env: Any) -> None:
+    env = {**os.environ, "AWS_ALLOW_HTTP": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trajstore", "ls", "--store", s3_env.fresh_url()],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "AWS_ALLOW_HTTP=true" in proc.stderr
+
+
+def test_cli_ingest_export_and_fsck_work_on_an_s3_store(s3_env: Any, tmp_path: Path) -> None:
+    url = s3_env.fresh_url("cli")
+    src = write_bundle(tmp_path / "cap" / "replay-7-0", make_contents(lengths=30))
+    assert cli("ingest", "--store", url, tmp_path / "cap").returncode == 0
+    out = tmp_path / "out"
+    proc = cli("export", "--store", url, "--step", "7:0", out)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.rglob("*")) == sorted(p.name for p in src.rglob("*"))
+    assert cli("fsck", "--store", url).returncode == 0
+    assert cli("ls", "--store", url, env={"TRAJSTORE_STORE": ""}).returncode == 0
