@@ -40,12 +40,12 @@ def _verdict(report: dict) -> list[tuple]:
 
 
 @pytest.fixture
-def fixture_store(tmp_path: Path) -> Path:
-    root = tmp_path / "store"
-    with Store.open(root) as store:
+def fixture_store(store_url: str) -> str:
+    """The fixtures ingested into a fresh store on each backend (directory, s3://)."""
+    with Store.open(store_url) as store:
         store.ingest([FIXTURES / "example_capture_dir"], run="r1")
         store.ingest([FIXTURES / "example_bundle_divergent"], run="r2")
-    return root
+    return store_url
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def fixture_store(tmp_path: Path) -> Path:
     ],
 )
 def test_store_replay_gives_the_directory_report(
-    fixture_store: Path, directory: str, selector: list[str], run: str
+    fixture_store: str, directory: str, selector: list[str], run: str
 ) -> None:
     dir_args = [str(FIXTURES / directory)] + (
         selector if directory == "example_capture_dir" else []
@@ -70,7 +70,7 @@ def test_store_replay_gives_the_directory_report(
     assert _verdict(json.loads(from_dir.stdout)) == _verdict(json.loads(from_store.stdout))
 
 
-def test_recorded_results_are_queryable_by_first_divergent_stage(fixture_store: Path) -> None:
+def test_recorded_results_are_queryable_by_first_divergent_stage(fixture_store: str) -> None:
     assert run_cli("replay", "--store", str(fixture_store), "--all", "--record").returncode == 1
     out = run_cli(
         "query",
@@ -86,14 +86,14 @@ def test_recorded_results_are_queryable_by_first_divergent_stage(fixture_store: 
     assert [(r["run"], r["rollout_id"], r["step_id"]) for r in rows] == [("r2", 120, 0)]
 
 
-def test_replay_all_resumes_without_redoing_recorded_work(fixture_store: Path) -> None:
+def test_replay_all_resumes_without_redoing_recorded_work(fixture_store: str) -> None:
     run_cli("replay", "--store", str(fixture_store), "--all", "--record")
     again = run_cli("replay", "--store", str(fixture_store), "--all", "--record", "--json")
     summary = json.loads(again.stdout)
     assert summary["skipped_already_recorded"] == summary["total"] == 3
 
 
-def test_divergences_query_names_sample_and_token(fixture_store: Path) -> None:
+def test_divergences_query_names_sample_and_token(fixture_store: str) -> None:
     run_cli("replay", "--store", str(fixture_store), "--all", "--record")
     out = run_cli(
         "query",
@@ -221,7 +221,7 @@ def test_diff_of_two_stored_bundles_names_the_one_changed_token(tmp_path: Path) 
     )
 
 
-def test_diff_of_a_directory_and_the_stored_divergent_twin(fixture_store: Path) -> None:
+def test_diff_of_a_directory_and_the_stored_divergent_twin(fixture_store: str) -> None:
     # the fixtures differ in one recorded value: sample s-0's reward
     out = run_cli(
         "diff",
@@ -244,7 +244,7 @@ def test_diff_of_two_bundles_written_alike_exits_0(tmp_path: Path) -> None:
     assert json.loads(same.stdout)["differences"] == []
 
 
-def test_sql_refuses_a_write_statement(fixture_store: Path) -> None:
+def test_sql_refuses_a_write_statement(fixture_store: str) -> None:
     out = run_cli("sql", "--store", str(fixture_store), "DELETE FROM bundles")
     assert out.returncode == 2
     assert "read-only" in out.stderr
