@@ -46,11 +46,11 @@ def _capture(
     return out
 
 
-def _ingest_cmd(st: Path, *paths: Path) -> list[str]:
+def _ingest_cmd(st: Path | str, *paths: Path) -> list[str]:
     return [sys.executable, "-m", "trajstore", "ingest", "--store", str(st), *map(str, paths)]
 
 
-def _check_all_or_nothing(st: Path, targets: list[Path], tmp: Path) -> int:
+def _check_all_or_nothing(st: Path | str, targets: list[Path], tmp: Path) -> int:
     """Every bundle is fully visible (and exports byte-identical) or absent;
     returns how many are visible."""
     store = Store.open(st, create=False)
@@ -95,10 +95,10 @@ def test_sigkill_at_random_points_leaves_a_consistent_store(tmp_path: Path) -> N
     assert cli("fsck", "--store", st).returncode == 0
 
 
-def test_two_ingests_and_a_reader_all_succeed(tmp_path: Path) -> None:
+def test_two_ingests_and_a_reader_all_succeed(tmp_path: Path, store_url: str) -> None:
     a = _capture(tmp_path / "a", [0, 1, 2], tokens=2000)
     b = _capture(tmp_path / "b", [3, 4, 5], cohort_step=4, tokens=2000)
-    st = tmp_path / "st"
+    st = store_url  # a directory or an s3:// prefix (conftest.store_url)
     Store.open(st).close()
     reader = (
         "import sys; from trajstore.store import Store\n"
