@@ -15,6 +15,23 @@ def default_store() -> str | None:
     return os.environ.get("TRAJSTORE_STORE") or None
 
 
+def default_catalog() -> str | None:
+    """`TRAJSTORE_CATALOG` may stand for --catalog."""
+    return os.environ.get("TRAJSTORE_CATALOG") or None
+
+
+def add_catalog_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--catalog URL: a server catalog shared by every host (docs/catalog.md)."""
+    p.add_argument(
+        "--catalog",
+        metavar="URL",
+        default=default_catalog(),
+        help="catalog database, e.g. postgresql+psycopg://user@host:5432/db (env "
+        "TRAJSTORE_CATALOG; default: the store's own DuckDB file). Give the password "
+        "through PGPASSWORD or ~/.pgpass, not the URL, which `ps` shows",
+    )
+
+
 def add_target_args(p: argparse.ArgumentParser) -> None:
     """A bundle/cohort/capture directory plus --step/--rollout."""
     p.add_argument("target", help="bundle, cohort or capture directory")

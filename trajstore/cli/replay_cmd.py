@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trajstore.cli._common import default_store, print_json, target_selector
+from trajstore.cli._common import add_catalog_arg, default_store, print_json, target_selector
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=default_store(),
         help="replay from a store (env TRAJSTORE_STORE)",
     )
+    add_catalog_arg(st)
     st.add_argument("--run", help="run name (default: the store's only run)")
     st.add_argument("--attempt", type=int, help="attempt of a re-captured step (default: latest)")
     st.add_argument("--rollout-from", type=int, metavar="R", help="with --all: first rollout id")
@@ -109,11 +110,14 @@ def _replay_store(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise UsageError("--workers must be >= 1")
-    store = Store.open(args.store, create=False)
+    store = Store.open(args.store, create=False, catalog_url=args.catalog)
     if args.all or args.rollout_from is not None or args.rollout_to is not None:
         if args.sample or args.group or args.batch or args.stage != "all":
             raise UsageError("--all replays whole bundles: no --sample/--group/--batch/--stage")
-        return _replay_all(args)
+        code = _replay_all(args)
+        if args.record:
+            store.index_new()
+        return code
     from trajstore.replay.from_store import Target, record_report, replay_stored, stored_sources
 
     target = Target(
@@ -129,6 +133,7 @@ def _replay_store(args: argparse.Namespace) -> int:
     )
     if args.record:
         record_report(store, report, stored_sources(store, target), selection=sel)
+        store.index_new()
     return emit(report, args.json)
 
 

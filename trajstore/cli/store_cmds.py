@@ -9,7 +9,7 @@ from trajstore.cli._common import print_json
 
 
 def _store_arg(p: argparse.ArgumentParser) -> None:
-    from trajstore.cli._common import default_store
+    from trajstore.cli._common import add_catalog_arg, default_store
 
     p.add_argument(
         "--store",
@@ -18,6 +18,7 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
         help="store directory (default: $TRAJSTORE_STORE)",
     )
 
+    add_catalog_arg(p)
 
 def _open(args: argparse.Namespace, *, create: bool = False):  # noqa: ANN202
     from trajstore.errors import UsageError
@@ -25,7 +26,7 @@ def _open(args: argparse.Namespace, *, create: bool = False):  # noqa: ANN202
 
     if not args.store:
         raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
-    return Store.open(args.store, create=create)
+    return Store.open(args.store, create=create, catalog_url=args.catalog)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -166,7 +167,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     if not args.store:
         raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
-    with synced_catalog(args.store) as cat:
+    with synced_catalog(args.store, args.catalog) as cat:
         rows = all_bundles(cat, run=args.run, kind=args.kind, all_attempts=args.all_attempts)
     if args.json:
         print_json(rows)

@@ -157,11 +157,14 @@ class Store:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         ing = Ingestor(self.space, self.objs, self.refs)
-        return ingest_paths(
+        outcomes = ingest_paths(
             ing, [Path(p) for p in paths], run, progress=progress, on_outcome=on_outcome
         )
 
     def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
+        if any(o.status == "published" for o in outcomes):
+            self.index_new()
+        return outcomes
         """Tombstone bundles (by key) or a whole run; nothing is deleted until gc."""
         live = self.refs.live()
         targets = list(keys)
@@ -183,6 +186,7 @@ class Store:
             )
         return list(dict.fromkeys(targets))
 
+        self.index_new()
     # -- reading --
 
     def load_document(self, h: str) -> dict:
@@ -248,15 +252,19 @@ class Store:
 
     @contextlib.contextmanager
     def catalog(self) -> Iterator[Any]:
-        """The catalog, synced from the refs first; held only for the `with` block."""
-        from trajstore.catalog import open_catalog, sync_catalog
+        """The catalog for reading, held only for the `with` block: the DuckDB file is
+        synced from the refs first; a server catalog is read without listing them."""
+        from trajstore.catalog.access import reading
 
-        cat = open_catalog(self.root, self.catalog_url)
-        try:
-            sync_catalog(cat, self.space, self.load_document)
+        with reading(self.root, self.catalog_url, self.space, self.load_document) as cat:
             yield cat
-        finally:
-            cat.close()
+
+    def index_new(self) -> None:
+        """After publishing (ingest, rm, replay --record): apply the new documents to a
+        server catalog now; a DuckDB catalog catches up when it is next read."""
+        from trajstore.catalog.access import record_new
+
+        record_new(self.root, self.catalog_url, self.space, self.load_document)
 
     def runs(self) -> list[dict]:
         from trajstore.catalog import list_runs
