@@ -58,7 +58,13 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(store_dir: Path | str, *, token: str | None = None, poll_s: float = 0.25) -> FastAPI:
+def create_app(
+    store_dir: Path | str,
+    *,
+    token: str | None = None,
+    poll_s: float = 0.25,
+    catalog_url: str | None = None,
+) -> FastAPI:
     """The API over the store at `store_dir`.
 
     `token` (default: the TRAJSTORE_API_TOKEN environment variable) turns on
@@ -71,7 +77,7 @@ def create_app(store_dir: Path | str, *, token: str | None = None, poll_s: float
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = AppState(store_dir, token, poll_s)
+        state = AppState(store_dir, token, poll_s, catalog_url=catalog_url)
         state.snap.start()
         app.state.trajstore = state
         try:

@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from trajstore.catalog import open_catalog, sync_catalog, tables
 from trajstore.catalog.db import Catalog
 from trajstore.catalog.queries import jsonable, samples_of
+from trajstore.catalog.sync import changes
 from trajstore.store import Store
 
 log = logging.getLogger("trajstore.api")
@@ -173,13 +174,17 @@ class CatalogSnapshot:
         background refresh retries until the document is repaired.
         """
         cat = open_catalog(self.store.root, self.store.catalog_url)
+        if not cat.is_duckdb:
+            # a server database (PostgreSQL) is shared, not copied, and never synced from a
+            # listing here: writers keep it current (trajstore.catalog.access)
+            return cat
         try:
             try:
                 sync_catalog(cat, self.store.space, self.store.load_document)
             except Exception as exc:
                 self._failed(exc)
-            if not cat.is_duckdb or cat.file is None:
-                return cat  # a server database (PostgreSQL) is shared, not copied
+            if cat.file is None:
+                return cat
             return cat.snapshot_in_memory()
         finally:
             if cat.is_duckdb and cat.file is not None:
@@ -200,6 +205,11 @@ class CatalogSnapshot:
         anything was applied. At most one sync at a time; a concurrent caller skips."""
         if not self._lock.acquire(blocking=force):
             return False
+        if not self.catalog.is_duckdb:
+            try:
+                return self._follow_server(force)
+            finally:
+                self._lock.release()
         try:
             stamp = self._dir_stamp()
             now = time.monotonic()
@@ -229,6 +239,23 @@ class CatalogSnapshot:
             return bool(changed)
         finally:
             self._lock.release()
+
+    def _follow_server(self, force: bool) -> bool:
+        """A server catalog: rebuild the view when its change counter moved (one query a
+        poll; the store is not listed). True if it moved."""
+        try:
+            count = changes(self.catalog)
+        except Exception as exc:  # the database is unreachable: keep serving the view
+            self._failed(exc)
+            return False
+        if self.last_error is not None:
+            log.info("catalog reachable again")
+        self.last_error = None
+        moved = count != self._stamp
+        if moved or force:
+            self._stamp = count
+            self.view = _build_view(self.catalog, self.view, self.view.generation + 1)
+        return moved
 
     def _failed(self, exc: Exception) -> None:
         """Record a sync failure (logged once per distinct message, not at every poll)."""

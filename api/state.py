@@ -33,8 +33,15 @@ _MAX_CAPABILITY_ENTRIES = 10000
 class AppState:
     """The store, its catalog snapshot, and the caches of bundles and bodies."""
 
-    def __init__(self, store_dir: Path | str, token: str | None, poll_s: float) -> None:
-        self.store = Store.open(store_dir, create=False)
+    def __init__(
+        self,
+        store_dir: Path | str,
+        token: str | None,
+        poll_s: float,
+        *,
+        catalog_url: str | None = None,
+    ) -> None:
+        self.store = Store.open(store_dir, create=False, catalog_url=catalog_url)
         self.token = token
         self.snap = CatalogSnapshot(self.store, poll_s=poll_s)
         self._bundles: OrderedDict[str, StoredBundle] = OrderedDict()

@@ -31,15 +31,24 @@ from trajstore.catalog.queries import (
     samples_of,
     stats,
 )
-from trajstore.catalog.sync import SyncStats, reindex, sync_catalog
+from trajstore.catalog.sync import (
+    IncrementalStats,
+    SyncStats,
+    changes,
+    reindex,
+    sync_catalog,
+    sync_new,
+)
 
 __all__ = [
     "CATALOG_FILE",
     "DEFAULT_LOCK_TIMEOUT",
     "MAX_PAGE_SIZE",
     "Catalog",
+    "IncrementalStats",
     "SyncStats",
     "catalog_url",
+    "changes",
     "get_bundle",
     "list_bundles",
     "list_runs",
@@ -60,4 +69,5 @@ __all__ = [
     "samples_of",
     "stats",
     "sync_catalog",
+    "sync_new",
 ]

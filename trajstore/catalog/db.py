@@ -152,12 +152,11 @@ class Catalog:
             self._keeper = _retry_lock(
                 engine.raw_connection, self.file or self.shown_url, self.lock_timeout
             )
-        except sa.exc.DBAPIError as exc:
+        except Exception as exc:  # the driver's own error (psycopg.OperationalError, ...)
             engine.dispose()
             if not self.is_duckdb:
-                raise StoreError(
-                    f"cannot connect to catalog {self.shown_url}: {_first_line(exc.orig)}"
-                ) from None
+                reason = _first_line(getattr(exc, "orig", None) or exc)
+                raise StoreError(f"cannot connect to catalog {self.shown_url}: {reason}") from None
             raise
         except BaseException:
             engine.dispose()

@@ -11,6 +11,7 @@ scratch (`reindex`) answers every query exactly as the incremental catalog.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -684,6 +685,153 @@ def _synced_names(conn: sa.Connection, directory: str) -> set[str]:
     )
 
 
+#: the PostgreSQL advisory lock every apply transaction takes (pg_advisory_xact_lock):
+#: concurrent writers' applies are serialised, so `is_latest` and `runs` stay exact
+WRITER_LOCK_ID = 0x7472616A  # "traj"
+#: how far before the high-water mark an incremental sync lists: covers clock skew
+#: between hosts and a document named some time before it became visible
+DEFAULT_MARGIN_S = 300.0
+
+
+@dataclass(frozen=True)
+class _Doc:
+    """A document read before the apply transaction (its bytes and where it came from)."""
+
+    data: bytes
+    location: str
+
+    def read_bytes(self) -> bytes:
+        return self.data
+
+    def __str__(self) -> str:
+        return self.location
+
+
+def _fetch(space: RefSpace, folder: str, name: str) -> Doc:
+    """The document's bytes, read now (outside any transaction); unreadable ones stay
+    lazy so that applying them raises the usual one-line error."""
+    ref = space.doc(f"{folder}/{name}")
+    try:
+        return _Doc(ref.read_bytes(), str(ref))
+    except OSError:
+        return ref
+
+
+def _prefetched(items: list[tuple[str, Doc]], load_document: LoadDocument) -> LoadDocument:
+    """A loader holding the manifest/index/expected of these refs, loaded up front, so a
+    server catalog's write lock is never held while objects are fetched."""
+    cache: dict[str, dict] = {}
+    for _, doc in items:
+        try:
+            documents = json.loads(doc.read_bytes()).get("documents") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        for digest in documents.values():
+            if isinstance(digest, str) and digest not in cache:
+                try:
+                    cache[digest] = load_document(digest)
+                except Exception:  # applying loads it again and reports it properly
+                    continue
+
+    def load(digest: str) -> dict:
+        hit = cache.get(digest)
+        return hit if hit is not None else load_document(digest)
+
+    return load
+
+
+def _writer_lock(conn: sa.Connection) -> None:
+    """Serialise apply transactions on a server catalog (DuckDB: one process anyway)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(WRITER_LOCK_ID)))
+
+
+def _synced_among(conn: sa.Connection, directory: str, names: list[str]) -> set[str]:
+    """Which of `names` are already applied (one bounded query, not the whole table)."""
+    synced = tables.synced_documents
+    found: set[str] = set()
+    for start in range(0, len(names), 1000):
+        part = names[start : start + 1000]
+        found.update(
+            conn.execute(
+                sa.select(synced.c.name).where(
+                    synced.c.directory == directory, synced.c.name.in_(part)
+                )
+            ).scalars()
+        )
+    return found
+
+
+def _apply_batch(
+    catalog: Catalog,
+    space: RefSpace,
+    directory: str,
+    names: list[str],
+    load_document: LoadDocument | None,
+) -> int:
+    """Apply one batch of documents in one transaction; returns how many were new.
+
+    On a server catalog the transaction takes the writer lock and skips names another
+    process applied meanwhile, so concurrent syncs never apply a document twice.
+    """
+    if directory == "bundles" and load_document is None:
+        raise StoreError("sync of bundle refs needs a document loader")
+    folder = DIRECTORIES[directory]
+    items = [(name, _fetch(space, folder, name)) for name in names]
+    if directory == "bundles":
+        load_document = _prefetched(items, load_document)
+    with catalog.begin() as conn:
+        _writer_lock(conn)
+        if not catalog.is_duckdb:
+            done = _synced_among(conn, directory, names)
+            items = [(name, doc) for name, doc in items if name not in done]
+        if not items:
+            return 0
+        if directory == "bundles":
+            apply_refs(conn, items, load_document)
+        elif directory == "tombstones":
+            groups = [apply_tombstone(conn, name, doc) for name, doc in items]
+            recompute_latest(conn, (g for g in groups if g is not None))
+        else:
+            apply_results(conn, items)
+        _insert(
+            conn,
+            tables.synced_documents,
+            [{"directory": directory, "name": name} for name, _ in items],
+        )
+        state = tables.sync_state
+        conn.execute(
+            state.update()
+            .where(state.c.directory == directory)
+            .values(applied=state.c.applied + len(items))
+        )
+    return len(items)
+
+
+def _raise_mark(catalog: Catalog, directory: str, listed: list[str]) -> None:
+    """Record the newest listed name as the directory's high-water mark (never lowers it)."""
+    if not listed:
+        return
+    state = tables.sync_state
+    newest = max(listed)
+    with catalog.begin() as conn:
+        conn.execute(
+            state.update()
+            .where(
+                state.c.directory == directory,
+                sa.or_(state.c.high_water.is_(None), state.c.high_water < newest),
+            )
+            .values(high_water=newest)
+        )
+
+
+def _source(catalog: Catalog, store_dir: StoreSource | None) -> RefSpace:
+    source = store_dir if store_dir is not None else catalog.store_dir
+    if source is None:
+        raise StoreError("sync needs the store directory (--store)")
+    return _space(source)
+
+
 def sync_catalog(
     catalog: Catalog,
     store_dir: StoreSource | None = None,
@@ -691,15 +839,14 @@ def sync_catalog(
     *,
     batch_size: int = BATCH_SIZE,
 ) -> SyncStats:
-    """Apply refs, tombstones and results not yet in the catalog.
+    """Apply refs, tombstones and results not yet in the catalog (a full listing).
 
     Works the same on the file catalog and on an in-memory snapshot, for a
-    store directory or any ref space (an S3 store's).
+    store directory or any ref space (an S3 store's). The DuckDB catalog of a
+    local store syncs this way on every open; a server catalog uses it only to
+    rebuild (reindex) and keeps current with `sync_new`.
     """
-    source = store_dir if store_dir is not None else catalog.store_dir
-    if source is None:
-        raise StoreError("sync needs the store directory (--store)")
-    store = _space(source)
+    store = _source(catalog, store_dir)
     counts = {}
     # tombstones first: a ref removed (and perhaps collected) is then indexed as removed
     for directory in ("tombstones", "bundles", "results"):
@@ -707,31 +854,117 @@ def sync_catalog(
         with catalog.connect() as conn:
             done = _synced_names(conn, directory)
         new = [n for n in names if n not in done]
-        folder = DIRECTORIES[directory]
+        counts[directory] = 0
         for start in range(0, len(new), batch_size):
             batch = new[start : start + batch_size]
-            with catalog.begin() as conn:
-                items = [(name, store.doc(f"{folder}/{name}")) for name in batch]
-                if directory == "bundles":
-                    if load_document is None:
-                        raise StoreError("sync of bundle refs needs a document loader")
-                    apply_refs(conn, items, load_document)
-                elif directory == "tombstones":
-                    groups = [apply_tombstone(conn, name, path) for name, path in items]
-                    recompute_latest(conn, (g for g in groups if g is not None))
-                else:
-                    apply_results(conn, items)
-                _insert(
-                    conn,
-                    tables.synced_documents,
-                    [{"directory": directory, "name": n} for n in batch],
-                )
-        counts[directory] = len(new)
+            counts[directory] += _apply_batch(catalog, store, directory, batch, load_document)
+        if not catalog.is_duckdb:
+            _raise_mark(catalog, directory, names)
     return SyncStats(
         new_refs=counts["bundles"],
         new_tombstones=counts["tombstones"],
         new_results=counts["results"],
     )
+
+
+def _lower_bound(mark: str | None, margin_ns: int) -> str | None:
+    """The name an incremental listing starts after: the mark's time minus the margin."""
+    if mark is None or margin_ns <= 0:
+        return mark
+    try:
+        ns = int(mark.split("-", 1)[0])
+    except ValueError:
+        return None
+    return f"{max(0, ns - margin_ns):020d}"
+
+
+def _list_after(space: RefSpace, directory: str, after: str | None) -> list[str]:
+    """Document names after `after` (all when None), sorted.
+
+    A space with `list_after(folder, after)` (an object store: one listing request
+    from `after` on, e.g. S3 ListObjectsV2 StartAfter) is asked for exactly those; a
+    local directory is read by name only (one readdir, no per-file stat or read).
+    """
+    folder = DIRECTORIES[directory]
+    lister = getattr(space, "list_after", None)
+    if lister is not None:
+        names = [d if isinstance(d, str) else d.name for d in lister(folder, after)]
+    elif isinstance(space, LocalRefSpace):
+        try:
+            with os.scandir(space.root / folder) as entries:
+                names = [e.name for e in entries if not e.name.startswith(".")]
+        except FileNotFoundError:
+            names = []
+    else:
+        names = [d.name for d in space.list(folder)]
+    return sorted(n for n in names if n.endswith(".json") and (after is None or n > after))
+
+
+@dataclass(frozen=True)
+class IncrementalStats(SyncStats):
+    """A `sync_new`: what was applied, and how many names the listing returned."""
+
+    listed: int = 0
+    listed_after: dict[str, str | None] | None = None
+
+
+def sync_new(
+    catalog: Catalog,
+    store_dir: StoreSource | None = None,
+    load_document: LoadDocument | None = None,
+    *,
+    margin_s: float = DEFAULT_MARGIN_S,
+    batch_size: int = BATCH_SIZE,
+) -> IncrementalStats:
+    """Apply the documents published since the high-water mark (server catalogs).
+
+    Lists only names after (mark - margin): the cost follows what is new, not the
+    store's size. Names are `<time_ns>-<pid>-<hex>`, so a document named up to
+    `margin_s` before the newest one already seen (clock skew between hosts, a slow
+    upload) is still found; what the listing returns is checked against
+    synced_documents by name (one bounded query), and only the missing ones are
+    read and applied. Then the mark moves to the newest listed name. Correct with
+    any number of concurrent writers: applies are serialised and skip what another
+    process applied first (`_apply_batch`).
+    """
+    store = _source(catalog, store_dir)
+    state = tables.sync_state
+    with catalog.connect() as conn:
+        marks = dict(conn.execute(sa.select(state.c.directory, state.c.high_water)).all())
+    margin_ns = int(margin_s * 1e9)
+    counts: dict[str, int] = {}
+    starts: dict[str, str | None] = {}
+    listed = 0
+    for directory in ("tombstones", "bundles", "results"):
+        after = _lower_bound(marks.get(directory), margin_ns)
+        starts[directory] = after
+        names = _list_after(store, directory, after)
+        listed += len(names)
+        with catalog.connect() as conn:
+            done = _synced_among(conn, directory, names)
+        new = [n for n in names if n not in done]
+        counts[directory] = 0
+        for start in range(0, len(new), batch_size):
+            batch = new[start : start + batch_size]
+            counts[directory] += _apply_batch(catalog, store, directory, batch, load_document)
+        _raise_mark(catalog, directory, names)
+    return IncrementalStats(
+        new_refs=counts["bundles"],
+        new_tombstones=counts["tombstones"],
+        new_results=counts["results"],
+        listed=listed,
+        listed_after=starts,
+    )
+
+
+def changes(catalog: Catalog) -> int:
+    """Documents applied to this catalog so far: a counter that grows with every sync
+    that applied something (a server polls it instead of listing the store)."""
+    state = tables.sync_state
+    with catalog.connect() as conn:
+        return int(
+            conn.execute(sa.select(sa.func.coalesce(sa.func.sum(state.c.applied), 0))).scalar_one()
+        )
 
 
 def reindex(
@@ -766,6 +999,7 @@ def reindex(
         with catalog.begin() as conn:
             for table in tables.INDEX_TABLES:
                 conn.execute(table.delete())
+            conn.execute(tables.sync_state.update().values(high_water=None))
             if conn.dialect.name == "postgresql":
                 # ids restart as in a new catalog, so the rebuilt one answers identically
                 # (DuckDB cannot restart a sequence; its reindex of a readable file keeps

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 # Ordered list of revisions this code knows; the last one is the head.
-KNOWN_REVISIONS: tuple[str, ...] = ("0001", "0002")
+KNOWN_REVISIONS: tuple[str, ...] = ("0001", "0002", "0003")
 HEAD_REVISION = KNOWN_REVISIONS[-1]
 
 metadata = sa.MetaData()
@@ -245,6 +245,21 @@ synced_documents = sa.Table(
     metadata,
     sa.Column("directory", sa.String, primary_key=True),  # bundles | tombstones | results
     sa.Column("name", sa.String, primary_key=True),
+)
+
+# Added in 0003. One row per directory of synced_documents (bundles, tombstones,
+# results), created by the migration. `high_water`: the newest document name a
+# listing sync has seen; the incremental sync (sync_new) lists only names after
+# it minus a clock-skew margin. `applied`: documents applied so far, a change
+# counter that a server polls instead of listing the store.
+SYNC_DIRECTORIES: tuple[str, ...] = ("bundles", "tombstones", "results")
+
+sync_state = sa.Table(
+    "sync_state",
+    metadata,
+    sa.Column("directory", sa.String, primary_key=True),
+    sa.Column("high_water", sa.String),
+    sa.Column("applied", sa.BigInteger, nullable=False),
 )
 
 # Tables whose rows derive from documents; reindex empties exactly these.

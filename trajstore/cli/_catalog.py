@@ -34,17 +34,26 @@ def store_root(path: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def synced_catalog(path: str | Path) -> Iterator[Any]:
-    """The store's catalog, synced from the refs first; held only for the `with` block."""
+def synced_catalog(path: str | Path, url: str | None = None) -> Iterator[Any]:
+    """The store's catalog for reading; held only for the `with` block. The DuckDB file
+    is synced from the refs first; a server catalog (`url`) is read without listing them
+    (trajstore.catalog.access)."""
     if str(path).startswith("s3://"):  # a remote store: its catalog needs the object layer
         from trajstore.store import Store
 
-        with Store.open(str(path), create=False) as remote, remote.catalog() as cat:
+        remote = Store.open(str(path), create=False, catalog_url=url)
+        with remote, remote.catalog() as cat:
             yield cat
         return
     root = store_root(path)
+    from trajstore.catalog.access import is_server_url
     from trajstore.catalog.db import open_catalog
     from trajstore.catalog.sync import sync_catalog
+
+    if is_server_url(url):
+        with open_catalog(root, url) as cat:
+            yield cat
+        return
 
     store = None
 
@@ -57,7 +66,7 @@ def synced_catalog(path: str | Path) -> Iterator[Any]:
         return store.load_document(h)
 
     try:
-        cat = open_catalog(root, None)
+        cat = open_catalog(root, url)
         try:
             sync_catalog(cat, root, load_document)
             yield cat

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trajstore.cli._common import default_store, print_json
+from trajstore.cli._common import add_catalog_arg, default_store, print_json
 from trajstore.vocab import STEP_STATUSES
 
 FORMATS = ("table", "json", "csv")
@@ -24,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=default_store(),
         help="store directory (env TRAJSTORE_STORE)",
     )
+    add_catalog_arg(p)
     p.add_argument("--run", help="only this run")
     p.add_argument("--rollout-from", type=int, metavar="R")
     p.add_argument("--rollout-to", type=int, metavar="R")
@@ -60,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "sql", help="one read-only statement (SELECT, WITH, EXPLAIN, DESCRIBE, SHOW, ...)"
     )
     p.add_argument("--store", metavar="DIR", default=default_store())
+    add_catalog_arg(p)
     p.add_argument("--format", choices=FORMATS, default="table")
     p.set_defaults(func=cmd_sql)
 
@@ -74,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--store", metavar="DIR", default=default_store())
+    add_catalog_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_diff)
 
@@ -84,7 +87,7 @@ def _need_store(args: argparse.Namespace):  # noqa: ANN202
 
     if not args.store:
         raise UsageError("--store DIR is required (or set TRAJSTORE_STORE)")
-    return Store.open(args.store, create=False)
+    return Store.open(args.store, create=False, catalog_url=args.catalog)
 
 
 def _synced_catalog(args: argparse.Namespace):  # noqa: ANN202
@@ -94,7 +97,7 @@ def _synced_catalog(args: argparse.Namespace):  # noqa: ANN202
 
     if not args.store:
         raise UsageError("--store DIR is required (or set TRAJSTORE_STORE)")
-    return synced_catalog(args.store)
+    return synced_catalog(args.store, args.catalog)
 
 
 def emit_rows(rows: list[dict[str, Any]], columns: list[str], fmt: str) -> None:

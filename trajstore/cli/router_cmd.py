@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trajstore.cli._common import print_json, target_selector
+from trajstore.cli._common import add_catalog_arg, print_json, target_selector
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sel.add_argument("--step", metavar="R:S", help="actor step id (capture directory or store)")
     sel.add_argument("--rollout", metavar="R", help="rollout id (capture directory or store)")
     m.add_argument("--store", default=None, help="read from a store instead of a directory")
+    add_catalog_arg(m)
     m.add_argument("--run", default=None, help="run name in the store (with --store)")
     m.add_argument("--json", action="store_true", help="machine-readable output")
     m.set_defaults(func=cmd_metrics)
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compare them; ratios are each run divided by the LAST --run.",
     )
     c.add_argument("--store", default=None, help="store directory (or TRAJSTORE_STORE)")
+    add_catalog_arg(c)
     c.add_argument("--run", action="append", required=True, help="a run; give two or more")
     c.add_argument("--format", choices=("table", "json", "csv"), default="table")
     c.add_argument("--json", action="store_true", help="same as --format json")
@@ -187,7 +189,7 @@ def _store_sources(args: argparse.Namespace) -> list[tuple[str, list[Any]]]:
     sel = target_selector(args)
     if args.run is None or (sel["step"] is None and sel["rollout"] is None):
         raise UsageError("with --store, give --run NAME and --step R:S or --rollout R")
-    store = Store.open(_store_path(args), create=False)
+    store = Store.open(_store_path(args), create=False, catalog_url=args.catalog)
     if sel["step"] is not None:
         rid, sid = sel["step"]
         return [(f"{args.run} step {rid}:{sid}", store.step(args.run, rid, sid))]
@@ -231,7 +233,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from trajstore.router.compare import compare_store
     from trajstore.store import Store
 
-    store = Store.open(_store_path(args), create=False)
+    store = Store.open(_store_path(args), create=False, catalog_url=args.catalog)
     cmp = compare_store(store, args.run)
     fmt = "json" if args.json else args.format
     if fmt == "json":

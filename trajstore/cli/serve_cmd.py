@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from trajstore.cli._common import default_store
+from trajstore.cli._common import add_catalog_arg, default_store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--store", metavar="DIR", default=default_store(), help="store (env TRAJSTORE_STORE)"
     )
+    add_catalog_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
@@ -36,11 +37,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("serve needs --store DIR (or TRAJSTORE_STORE)")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
-    Store.open(args.store, create=False).close()  # fail early, as one line
+    # fail early, as one line: a missing store, or a catalog that cannot be opened
+    with Store.open(args.store, create=False, catalog_url=args.catalog) as store:
+        if args.catalog:
+            from trajstore.catalog import open_catalog
+
+            open_catalog(store.root, args.catalog).close()
     import uvicorn
 
     from trajstore.api.app import create_app
 
-    app = create_app(args.store, token=os.environ.get("TRAJSTORE_API_TOKEN") or None)
+    app = create_app(
+        args.store,
+        token=os.environ.get("TRAJSTORE_API_TOKEN") or None,
+        catalog_url=args.catalog,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
