@@ -1,0 +1,444 @@
+"""Real TRL GRPO training on the CPU, captured and replayed: every loss type, reward scaling,
+sequence-level importance sampling, the IS-correction modes, MoE aux loss; injected faults
+found at the right stage, sample and token; capture on vs off bit-identical.
+
+Each configuration is one real 2-optimizer-step run of a tiny model built here (no hub),
+shared by the tests through a module-scoped cache. The expectations are TRL's own numbers
+(its logged loss and metrics), never this package's kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import edit_json, read_json, resign_bundle
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from trajstore.examples.replay_builders import replay, stage, statuses
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+from trl import GRPOConfig
+
+from trajstore.cli import main as cli
+from trajstore.integrations.trl import GRPOTrainer
+
+VOCAB = 16
+STEPS = 2
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": 4 + i for i in range(VOCAB - 4)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+
+
+def _model(moe: bool, directory: Path) -> torch.nn.Module:
+    """A tiny randomly initialised model, saved so TRL can reload it as the reference."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    if moe:
+        config = Qwen3MoeConfig(
+            num_hidden_layers=2,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            output_router_logits=False,  # TRL asks for router logits in its loss forward
+            router_aux_loss_coef=0.01,
+            **common,
+        )
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=1, intermediate_size=64, **common))
+    model.save_pretrained(directory)
+    return type(model).from_pretrained(directory)
+
+
+def reward_length(completions: list[str], **_: Any) -> list[float]:
+    return [len(completion.split()) / 8.0 for completion in completions]
+
+
+def reward_token(completions: list[str], **_: Any) -> list[float]:
+    return [float(completion.count("w1")) for completion in completions]
+
+
+class FakeEngineTrainer(GRPOTrainer):
+    """Stands in for vLLM: TRL's own sampling, plus per-token sampler log-probs near the tiny
+    model's (about uniform) in a fixed pattern, so TRL's IS correction has ratios inside and
+    outside its clip range to correct."""
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        self.use_vllm = False
+        try:
+            completion_ids, _ = super()._generate_single_turn(*args, **kwargs)
+        finally:
+            self.use_vllm = True
+        logprobs = [
+            [-math.log(VOCAB) + 0.08 * ((token * 7 + pos) % 5 - 2) for pos, token in enumerate(ids)]
+            for ids in completion_ids
+        ]
+        return completion_ids, logprobs
+
+
+#: name -> (GRPOConfig overrides, MoE model?, fake inference engine?)
+RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
+    "grpo": ({"loss_type": "grpo", "beta": 0.04}, False, False),
+    "bnpo": ({"loss_type": "bnpo", "scale_rewards": "batch"}, False, False),
+    "dr_grpo": ({"loss_type": "dr_grpo", "scale_rewards": "none"}, False, False),
+    "dapo": (
+        {
+            "loss_type": "dapo",
+            "epsilon_high": 0.28,
+            "mask_truncated_completions": True,
+            "top_entropy_quantile": 0.5,
+        },
+        False,
+        False,
+    ),
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 3.0}, False, False),
+    "sapo": ({"loss_type": "sapo"}, False, False),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, False, False),
+    "gspo": (
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04},
+        False,
+        False,
+    ),
+    "delta": ({"loss_type": "grpo", "delta": 1.02, "entropy_coef": 0.01}, False, False),
+    "moe": ({"loss_type": "grpo"}, True, False),
+    **{
+        f"is-{mode}": (
+            {
+                "loss_type": "grpo",
+                "vllm_importance_sampling_mode": mode,
+                "vllm_importance_sampling_clip_min": 0.9,
+                "vllm_importance_sampling_clip_max": 1.1,
+            },
+            False,
+            True,
+        )
+        for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    },
+    "vespo": ({"loss_type": "vespo"}, False, False),
+}
+REPLAYABLE = [name for name in RUNS if name != "vespo"]
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def train(root: Path, name: str, *, capture: bool) -> tuple[Path, GRPOTrainer]:
+    """One real TRL run of ``RUNS[name]``: 2 optimizer steps of 2 micro-batches, one rollout."""
+    overrides, moe, fake_engine = RUNS[name]
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer()
+    model = _model(moe, root / "model")
+    prompts = [
+        {"prompt": " ".join(f"w{(7 * i + j) % (VOCAB - 4)}" for j in range(3 + i % 3))}
+        for i in range(8)
+    ]
+    args = GRPOConfig(
+        output_dir=str(root / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        num_iterations=2,
+        max_completion_length=10,
+        max_steps=STEPS,
+        logging_steps=1,
+        learning_rate=0.05,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        use_vllm=False,
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        **overrides,
+    )
+    capture_dir = root / "capture"
+    env = {"TRAJSTORE_CAPTURE": "1" if capture else "0", "TRAJSTORE_CAPTURE_DIR": str(capture_dir)}
+    with _environment(env):
+        trainer = (FakeEngineTrainer if fake_engine else GRPOTrainer)(
+            model=model,
+            reward_funcs=[reward_length, reward_token],
+            args=args,
+            train_dataset=Dataset.from_list(prompts),
+            processing_class=tokenizer,
+        )
+    if fake_engine:
+        trainer.use_vllm = True
+    trainer.train()
+    return capture_dir, trainer
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, GRPOTrainer]]:
+    """Each configuration trained (capture on) once per module, on first use."""
+    done: dict[str, tuple[Path, GRPOTrainer]] = {}
+
+    def get(name: str) -> tuple[Path, GRPOTrainer]:
+        if name not in done:
+            done[name] = train(tmp_path_factory.mktemp(name.replace("_", "-")), name, capture=True)
+        return done[name]
+
+    return get
+
+
+def _bundles(capture_dir: Path) -> list[Path]:
+    return sorted(path for path in capture_dir.iterdir() if path.name.startswith("replay-"))
+
+
+def _copy(bundle: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(bundle, dest)
+    return dest
+
+
+def _edit_payload(bundle: Path, name: str, edit: Callable[[torch.Tensor], None]) -> None:
+    path = bundle / "payloads" / f"{name}.pt"
+    tensor = torch.load(path, weights_only=True)
+    edit(tensor)
+    torch.save(tensor, path)
+    resign_bundle(bundle)
+
+
+# --------------------------------------------------------------------------- capture + replay
+
+
+@pytest.mark.parametrize("name", REPLAYABLE)
+def test_every_captured_bundle_replays_with_exit_0(run, name: str) -> None:
+    capture_dir, _ = run(name)
+    bundles = _bundles(capture_dir)
+    assert [path.name for path in bundles] == ["replay-0-0", "replay-0-1", "replay-rollout-0"]
+    assert [cli(["replay", str(path)]) for path in bundles] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("name", REPLAYABLE)
+def test_the_loss_and_the_rewards_are_recomputed_not_skipped(run, name: str) -> None:
+    capture_dir, _ = run(name)
+    steps = [statuses(replay(capture_dir / f"replay-0-{step}")) for step in range(STEPS)]
+    rollout = statuses(replay(capture_dir / "replay-rollout-0"))
+    assert [step["loss.policy"] for step in steps] == ["pass", "pass"]
+    assert [step["advantage.estimate"] for step in steps] == ["pass", "pass"]
+    assert (rollout["reward.raw"], rollout["reward.post_process"]) == ("pass", "pass")
+
+
+@pytest.mark.parametrize("name", REPLAYABLE)
+def test_the_captured_step_loss_is_trls_logged_loss(run, name: str) -> None:
+    capture_dir, trainer = run(name)
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    captured = [
+        read_json(capture_dir / f"replay-0-{step}" / "expected.json")["loss.policy"]["loss"]
+        for step in range(STEPS)
+    ]
+    assert captured == pytest.approx(logged, rel=1e-6, abs=1e-7)
+
+
+def test_the_step_bundle_records_what_the_loss_used(run) -> None:
+    capture_dir, trainer = run("grpo")
+    index = read_json(capture_dir / "replay-0-1" / "index.json")
+    manifest = read_json(capture_dir / "replay-0-1" / "manifest.json")
+    assert index["config"]["policy_loss"] == "grpo" and index["config"]["kl_loss_coef"] == 0.04
+    assert {"log_probs", "old_log_probs", "ref_log_probs", "entropy", "kl", "advantages"} <= set(
+        manifest["payloads"]
+    )
+    tokens = sum(sample["response_length"] for sample in index["samples"])
+    assert manifest["payloads"]["log_probs"]["shape"] == [tokens]
+    assert sorted({sample["micro_batch_id"] for sample in index["samples"]}) == [
+        "mb-0000",
+        "mb-0001",
+    ]
+    assert len(index["samples"]) == 2 * trainer.args.per_device_train_batch_size
+
+
+def test_the_rollout_bundle_records_rewards_per_function_and_weights(run) -> None:
+    capture_dir, _ = run("grpo")
+    index = read_json(capture_dir / "replay-rollout-0" / "index.json")
+    expected = read_json(capture_dir / "replay-rollout-0" / "expected.json")
+    assert index["config"]["reward_weights"] == [1.0, 1.0]
+    rows = expected["reward.raw"]["rewards_per_func"]
+    assert len(rows) == len(index["samples"]) == 8 and {len(row) for row in rows} == {2}
+
+
+def test_the_cli_replays_a_captured_bundle_in_a_fresh_process(run) -> None:
+    capture_dir, _ = run("gspo")
+    done = subprocess.run(
+        [sys.executable, "-m", "trajstore", "replay", str(capture_dir / "replay-0-1")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "loss.policy" in done.stdout
+
+
+def test_vespo_is_named_unsupported_by_the_capability_matrix(run) -> None:
+    capture_dir, _ = run("vespo")
+    report = replay(capture_dir / "replay-0-1", "loss.policy")
+    outcome = stage(report, "loss.policy")
+    assert (outcome.status, report.exit_code) == ("unsupported", 1)
+    assert "vespo" in outcome.reason
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_a_flipped_advantage_is_found_at_advantage_estimate_sample_and_token(
+    run, tmp_path: Path
+) -> None:
+    capture_dir, _ = run("grpo")
+    bundle = _copy(capture_dir / "replay-0-1", tmp_path / "b")
+    samples = read_json(bundle / "index.json")["samples"]
+    start = samples[0]["response_length"] + 2  # token 2 of the second sample
+
+    def flip(values: torch.Tensor) -> None:
+        values[start] = -values[start] + 1.0
+
+    _edit_payload(bundle, "advantages", flip)
+    first = replay(bundle).first_divergence()
+    assert (first["stage"], first["sample_id"], first["token_offset"]) == (
+        "advantage.estimate",
+        samples[1]["sample_id"],
+        2,
+    )
+
+
+def test_a_flipped_reward_is_found_at_reward_raw_and_its_sample(run, tmp_path: Path) -> None:
+    capture_dir, _ = run("grpo")
+    bundle = _copy(capture_dir / "replay-rollout-0", tmp_path / "b")
+    edit_json(
+        bundle / "expected.json",
+        lambda doc: doc["reward.raw"]["rewards_per_func"][5].__setitem__(1, 7.0),
+    )
+    resign_bundle(bundle)
+    first = replay(bundle).first_divergence()
+    sample_id = read_json(bundle / "index.json")["samples"][5]["sample_id"]
+    assert (first["stage"], first["sample_id"], first["field"]) == (
+        "reward.raw",
+        sample_id,
+        "raw_reward",
+    )
+
+
+def test_a_flipped_reference_log_prob_is_found_at_its_token(run, tmp_path: Path) -> None:
+    capture_dir, _ = run("grpo")
+    bundle = _copy(capture_dir / "replay-0-0", tmp_path / "b")
+    samples = read_json(bundle / "index.json")["samples"]
+    start = samples[0]["response_length"] + samples[1]["response_length"] + 1
+
+    def flip(values: torch.Tensor) -> None:
+        values[start] -= 0.5
+
+    _edit_payload(bundle, "ref_log_probs", flip)
+    report = replay(bundle)
+    first = report.first_divergence()
+    assert (first["stage"], first["sample_id"], first["field"], first["token_offset"]) == (
+        "advantage.kl",
+        samples[2]["sample_id"],
+        "kl",
+        1,
+    )
+    assert statuses(report)["loss.policy"] == "fail"
+
+
+def test_a_changed_clip_is_found_at_loss_policy_with_every_input_passing(
+    run, tmp_path: Path
+) -> None:
+    capture_dir, _ = run("grpo")
+    bundle = _copy(capture_dir / "replay-0-1", tmp_path / "b")
+    edit_json(bundle / "index.json", lambda doc: doc["config"].__setitem__("eps_clip", 1e-4))
+    resign_bundle(bundle)
+    report = replay(bundle)
+    first = report.first_divergence()
+    assert first["stage"] == "loss.policy"
+    assert first["field"] in ("loss", "mb-0000.loss", "mb-0001.loss")
+    assert statuses(report)["advantage.kl"] == statuses(report)["advantage.estimate"] == "pass"
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def test_capture_on_and_off_train_bit_identical_parameters(run, tmp_path: Path) -> None:
+    _, captured = run("grpo")
+    _, plain = train(tmp_path, "grpo", capture=False)
+    assert not any(tmp_path.joinpath("capture").glob("replay-*"))
+    on = dict(captured.model.named_parameters())
+    off = dict(plain.model.named_parameters())
+    assert on.keys() == off.keys()
+    assert [name for name in on if not torch.equal(on[name], off[name])] == []
+
+
+# --------------------------------------------------------------------------- every setting counts
+
+#: (run, bundle, config key, a wrong value): replay must diverge at the stage when it is changed
+SETTINGS = [
+    ("grpo", "replay-0-1", "kl_loss_coef", 0.08, "loss.policy"),
+    ("bnpo", "replay-0-1", "policy_loss", "grpo", "loss.policy"),
+    ("bnpo", "replay-rollout-0", "reward_scale", "group", "reward.post_process"),
+    ("dr_grpo", "replay-0-1", "max_response_length", 12, "loss.policy"),
+    ("dr_grpo", "replay-rollout-0", "reward_scale", "group", "reward.post_process"),
+    ("dapo", "replay-0-1", "top_entropy_quantile", 1.0, "loss.policy"),
+    ("dapo", "replay-0-1", "eps_clip", 0.5, "loss.policy"),
+    ("cispo", "replay-0-1", "policy_loss", "dapo", "loss.policy"),
+    ("sapo", "replay-0-1", "sapo_temperature_neg", 2.0, "loss.policy"),
+    ("luspo", "replay-0-1", "policy_loss", "grpo", "loss.policy"),
+    ("gspo", "replay-0-1", "importance_sampling_level", "token", "loss.policy"),
+    ("delta", "replay-0-1", "delta", None, "loss.policy"),
+    ("delta", "replay-0-1", "entropy_coef", 0.0, "loss.policy"),
+    ("moe", "replay-0-1", "aux_loss_coef", None, "loss.policy"),
+    ("is-token_truncate", "replay-0-1", "is_correction", None, "loss.policy"),
+    ("is-token_mask", "replay-0-1", "is_correction", "token_truncate", "loss.policy"),
+    ("is-sequence_truncate", "replay-0-1", "is_correction", "token_truncate", "loss.policy"),
+    ("is-sequence_mask", "replay-0-1", "is_correction", "sequence_truncate", "loss.policy"),
+]
+
+
+@pytest.mark.parametrize(("name", "bundle", "key", "wrong", "where"), SETTINGS)
+def test_a_wrong_setting_in_the_config_diverges_at_its_stage(
+    run, tmp_path: Path, name: str, bundle: str, key: str, wrong: Any, where: str
+) -> None:
+    capture_dir, _ = run(name)
+    path = _copy(capture_dir / bundle, tmp_path / "b")
+    edit_json(path / "index.json", lambda doc: doc["config"].__setitem__(key, wrong))
+    resign_bundle(path)
+    assert replay(path).first_divergent_stage == where
