@@ -374,3 +374,32 @@ def test_the_example_refuses_an_unusable_store_in_one_line(tmp_path):
     assert proc.stderr.splitlines() == [
         f"hf_moe_r3: error: {not_a_dir}: exists and is not a directory"
     ]
+
+
+def test_rollout_routes_with_eos_padding_replay_exactly_in_a_training_forward():
+    """Rows that stop at EOS: padding masked out, the real tokens replay with 0 mismatch."""
+    engine = _model().to(torch.bfloat16)
+    policy = _model()  # same seed: the float32 weights the bf16 engine was cast from
+    prompts = torch.randint(3, VOCAB, (6, 4), generator=torch.Generator().manual_seed(14))
+    torch.manual_seed(15)
+    gen = generate_with_routes(
+        engine,
+        input_ids=prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=8,
+        do_sample=True,
+        eos_token_id=list(range(1, 9)),  # a quarter of the vocabulary ends a row
+    )
+    lengths = gen.attention_mask.sum(1)
+    assert lengths.min() < gen.sequences.shape[1]  # some row stopped early and was padded
+    for row, n in zip(gen.sequences, lengths.tolist(), strict=True):
+        response = row[4:n].tolist()
+        ends = [i for i, tok in enumerate(response) if 1 <= tok <= 8]
+        # the mask ends at the row's first EOS; a full-length row may hold none
+        assert ends == [len(response) - 1] or (n == row.shape[0] and ends == [])
+    rollout = pack_routes(gen.routes, gen.attention_mask, EXPERTS)
+    assert rollout.shape[0] == int(lengths.sum())
+    replay = unpack_routes(rollout, gen.attention_mask)
+    with torch.no_grad(), replay_routes(policy, replay) as rec:
+        policy(input_ids=gen.sequences, attention_mask=gen.attention_mask)
+    assert (pack_routes(rec.routes(), gen.attention_mask, EXPERTS) == rollout).all()
