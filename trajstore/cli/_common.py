@@ -52,3 +52,19 @@ def target_selector(args: argparse.Namespace) -> dict[str, Any]:
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")
+
+
+def add_executor_args(p: argparse._ActionsContainer, when: str = "") -> None:
+    """--executor local|ray and --ray-address (replay --all, ingest; docs/deployment.md)."""
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help=f"{when}where bundles run: processes on this host (default) or a Ray cluster",
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --executor ray: the cluster, host:port (default $RAY_ADDRESS, else a Ray "
+        "instance started on this machine)",
+    )

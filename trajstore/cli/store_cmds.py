@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from trajstore.cli._common import print_json
 
@@ -37,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _store_arg(p)
     p.add_argument("--run", default="default", help="run name (default: default)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    from trajstore.cli._common import add_executor_args
+
+    add_executor_args(p)
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("export", help="write a stored bundle back as a bundle directory")
@@ -101,6 +105,7 @@ def _human(n: int | None) -> str:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from trajstore.errors import UsageError
     from trajstore.store.ingest import IngestOutcome
 
     done: list[IngestOutcome] = []
@@ -116,13 +121,18 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             print(f"{o.status:9} {o.path}: {', '.join(o.keys)}", flush=True)
 
     try:
-        with _open(args, create=True) as store:
-            store.ingest(
-                args.paths,
-                run=args.run,
-                progress=None if not args.json else False,
-                on_outcome=report,
-            )
+        if args.executor == "ray":
+            _ingest_on_ray(args, report)
+        else:
+            if args.ray_address is not None:
+                raise UsageError("--ray-address needs --executor ray")
+            with _open(args, create=True) as store:
+                store.ingest(
+                    args.paths,
+                    run=args.run,
+                    progress=None if not args.json else False,
+                    on_outcome=report,
+                )
     except KeyboardInterrupt:
         stored = sum(o.status != "refused" for o in done)
         print(
@@ -137,6 +147,24 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         for o in refused:
             print(f"trajstore: refused: {o.path}: {o.reason}", file=sys.stderr)
     return 2 if refused else 0
+
+
+def _ingest_on_ray(args: argparse.Namespace, report: Any) -> None:
+    """Each target is one Ray task that reads its directory and writes straight to the store."""
+    from trajstore.errors import UsageError
+    from trajstore.executors import ExecutorSpec
+    from trajstore.store.ingest_batch import ingest_on_executor
+
+    if not args.store:
+        raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
+    ingest_on_executor(
+        args.store,
+        args.paths,
+        args.run,
+        ExecutorSpec("ray", None, args.ray_address),
+        catalog_url=getattr(args, "catalog", None),
+        on_outcome=report,
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -1,14 +1,17 @@
-"""Replay every matching bundle of a store in worker processes.
+"""Replay every matching bundle of a store on an executor (local processes or Ray).
 
 Workers each open the store themselves and write result documents directly
 (no catalog lock), so an interrupted run keeps what it finished; a rerun
 skips bundles that already have a result from this trajstore version unless
-``force``. Memory is bounded by one target per worker.
+``force``. A result's name is fixed by the run and the bundle key
+(`result_name`) and written create-if-absent, so a job run twice (Ray retries
+a job whose worker died) records each bundle once. Memory is bounded by one
+chunk of targets per worker.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 import sys
 import time
 from collections import Counter
@@ -110,24 +113,70 @@ def _recorded_keys(store: Any) -> set[str]:
         return {row[0] for row in rows}
 
 
-_worker_store = None
-#: per worker: rollout reports reused by the steps of the same rollout
+#: open stores by (process, store, catalog), reused by every job a worker runs (a forked
+#: worker opens its own: the pid differs)
+_stores: dict[tuple[int, str, str | None], Any] = {}
+#: per worker process: rollout reports reused by the steps of the same rollout, for the
+#: (store, run) of the batch the last job came from (keys are unique only within a store)
 _rollout_cache: dict = {}
+_rollout_cache_owner: list[tuple[str, str]] = []
+#: targets per job: a rollout and its steps travel together (linkage reuses the rollout)
+CHUNK = 4
 
 
-def _worker_init(root: str) -> None:
-    global _worker_store
+@dataclass(frozen=True)
+class ReplayJob:
+    """A chunk of targets for one worker; everything it needs travels with it (picklable)."""
+
+    store: str
+    catalog_url: str | None
+    targets: tuple[BatchTarget, ...]
+    record: bool
+    batch_id: str
+
+
+def result_name(batch_id: str, key: str) -> str:
+    """The result document name of `key` in one replay-all run: a retried job reuses it."""
+    from blake3 import blake3
+
+    return f"{batch_id}-{blake3(key.encode()).hexdigest()[:16]}"
+
+
+def _open_store(store: str, catalog_url: str | None) -> Any:
     from trajstore.store import Store
 
-    _worker_store = Store.open(root, create=False)
+    key = (os.getpid(), store, catalog_url)
+    opened = _stores.get(key)
+    if opened is None:
+        opened = _stores[key] = Store.open(store, create=False, catalog_url=catalog_url)
+    return opened
 
 
-def _replay_one(args: tuple[BatchTarget, bool]) -> tuple[str, str, str | None, str | None]:
-    """(target, status, first divergent stage, error) for one target."""
-    target, record = args
-    from trajstore.replay.from_store import Target, record_report, replay_stored
+def _forget_stores() -> None:
+    """Close this process's cached stores (the in-process worker of a one-worker run)."""
+    for key in [k for k in _stores if k[0] == os.getpid()]:
+        _stores.pop(key).close()
+    _rollout_cache.clear()
 
-    store = _worker_store
+
+def replay_job(job: ReplayJob) -> list[tuple[str, str, str | None, str | None]]:
+    """(target, status, first divergent stage, error) for each target of `job`.
+
+    Results are written create-if-absent under `result_name(job.batch_id, key)`,
+    so running a job twice (a Ray retry after its worker died) records once.
+    """
+    store = _open_store(job.store, job.catalog_url)
+    if _rollout_cache_owner != [(job.store, job.batch_id)]:
+        _rollout_cache.clear()
+        _rollout_cache_owner[:] = [(job.store, job.batch_id)]
+    return [_replay_one(store, target, job) for target in job.targets]
+
+
+def _replay_one(
+    store: Any, target: BatchTarget, job: ReplayJob
+) -> tuple[str, str, str | None, str | None]:
+    from trajstore.replay.from_store import Target, replay_stored, result_document, write_result
+
     try:
         stored_target = Target(
             run=target.run,
@@ -135,41 +184,75 @@ def _replay_one(args: tuple[BatchTarget, bool]) -> tuple[str, str, str | None, s
             rollout=target.rollout_id if target.kind == "rollout" else None,
         )
         report = replay_stored(store, stored_target, rollout_cache=_rollout_cache)
-        if record:
-            sources = [store.bundle(k) for k in target.keys]
-            record_report(store, report, sources)
+        if job.record:
+            for key in target.keys:
+                doc = result_document(report, store.bundle(key))
+                write_result(store, doc, name=result_name(job.batch_id, key))
             store.objs.flush()
         return target.describe(), report.status, report.first_divergent_stage, None
     except TrajstoreError as exc:
-        if record:
-            _record_refusal(store, target, str(exc))
+        if job.record:
+            _record_refusal(store, target, str(exc), job.batch_id)
         return target.describe(), Verdict.REFUSED, None, str(exc)
 
 
-def _record_refusal(store: Any, target: BatchTarget, reason: str) -> None:
+def _record_refusal(store: Any, target: BatchTarget, reason: str, batch_id: str) -> None:
     from trajstore.replay.from_store import refusal_document, write_result
 
     for key in target.keys:
-        write_result(
-            store, refusal_document(key, target.run, target.rollout_id, target.step_id, reason)
-        )
+        doc = refusal_document(key, target.run, target.rollout_id, target.step_id, reason)
+        write_result(store, doc, name=result_name(batch_id, key))
+
+
+def _chunks(targets: list[BatchTarget], size: int) -> list[tuple[BatchTarget, ...]]:
+    """Chunks of at most `size` targets; a rollout id's targets stay together when they fit."""
+    groups: list[list[BatchTarget]] = []
+    for target in targets:
+        if groups and (groups[-1][-1].run, groups[-1][-1].rollout_id) == (
+            target.run,
+            target.rollout_id,
+        ):
+            groups[-1].append(target)
+        else:
+            groups.append([target])
+    out: list[list[BatchTarget]] = []
+    for group in groups:
+        for i in range(0, len(group), size):
+            piece = group[i : i + size]
+            if out and len(out[-1]) + len(piece) <= size:
+                out[-1] += piece
+            else:
+                out.append(list(piece))
+    return [tuple(chunk) for chunk in out]
 
 
 def replay_all(
-    root: Path,
+    root: str | Path,
     *,
     run: str | None = None,
     rollout_from: int | None = None,
     rollout_to: int | None = None,
-    workers: int = 1,
+    workers: int | None = None,
     record: bool = False,
     force: bool = False,
     progress: bool | None = None,
+    executor: str = "local",
+    ray_address: str | None = None,
+    catalog_url: str | None = None,
 ) -> BatchSummary:
+    """Replay the latest attempt of every matching bundle on `executor` ("local" or "ray").
+
+    Each worker opens the store itself (a path or URL: `Store.open(root)`), so
+    with Ray the workers read straight from the store, not through this process.
+    """
+    from trajstore.executors import ExecutorSpec, make_executor
     from trajstore.store import Store
+    from trajstore.store.layout import new_doc_name
 
     start = time.perf_counter()
-    store = Store.open(root, create=False)
+    spec = ExecutorSpec(executor, workers, ray_address)
+    where = str(root) if "://" in str(root) else str(Path(root).resolve())
+    store = Store.open(where, create=False, catalog_url=catalog_url)
     targets = list_targets(store, run=run, rollout_from=rollout_from, rollout_to=rollout_to)
     summary = BatchSummary(total=len(targets))
     if record and not force:
@@ -178,38 +261,40 @@ def replay_all(
         summary.skipped = len(targets) - len(todo)
         targets = todo
     show = sys.stderr.isatty() if progress is None else progress
-    jobs = [(target, record) for target in targets]
-    if workers <= 1:
-        _worker_init(str(root))
-        results = map(_replay_one, jobs)
-        pool = None
-    else:
-        ctx = (
-            mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
-        )
-        pool = ctx.Pool(workers, initializer=_worker_init, initargs=(str(root),))
-        results = pool.imap_unordered(_replay_one, jobs, chunksize=4)
+    batch_id = new_doc_name()
+    jobs = [
+        ReplayJob(where, catalog_url, chunk, record, batch_id) for chunk in _chunks(targets, CHUNK)
+    ]
+    i = 0
     try:
-        for i, (what, status, stage, err) in enumerate(results, 1):
-            if status == Verdict.PASS:
-                summary.passed += 1
-            elif status == Verdict.DIVERGED:
-                summary.diverged += 1
-            elif status == Verdict.UNSUPPORTED:
-                summary.unsupported += 1
-            else:
-                summary.refused += 1
-                summary.refusals.append(f"{what}: {err}")
-            if stage:
-                summary.histogram[stage] += 1
-            if show:
-                sys.stderr.write(f"\rreplay: {i}/{len(jobs)} bundles")
-                sys.stderr.flush()
+        with make_executor(spec) as pool:
+            for results in pool.map_unordered(replay_job, jobs):
+                for what, status, stage, err in results:
+                    i += 1
+                    _count(summary, what, status, stage, err)
+                if show:
+                    sys.stderr.write(f"\rreplay: {i}/{len(targets)} bundles")
+                    sys.stderr.flush()
     finally:
-        if pool is not None:
-            pool.terminate() if sys.exc_info()[0] else pool.close()
-            pool.join()
-        if show and jobs:
+        _forget_stores()
+        store.close()
+        if show and targets:
             sys.stderr.write("\n")
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _count(
+    summary: BatchSummary, what: str, status: str, stage: str | None, err: str | None
+) -> None:
+    if status == Verdict.PASS:
+        summary.passed += 1
+    elif status == Verdict.DIVERGED:
+        summary.diverged += 1
+    elif status == Verdict.UNSUPPORTED:
+        summary.unsupported += 1
+    else:
+        summary.refused += 1
+        summary.refusals.append(f"{what}: {err}")
+    if stage:
+        summary.histogram[stage] += 1

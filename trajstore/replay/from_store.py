@@ -424,11 +424,15 @@ def _result_header(
     }
 
 
-def write_result(store: Any, doc: dict[str, Any]) -> str:
-    """Publish one immutable result document (no catalog lock); returns its name."""
+def write_result(store: Any, doc: dict[str, Any], *, name: str | None = None) -> str:
+    """Publish one immutable result document (no catalog lock); returns its name.
+
+    With `name`, an existing document of that name is kept (create-if-absent):
+    replay-all names results by run and bundle so a retried job records once.
+    """
     from trajstore.store.layout import RESULTS_KEY, new_doc_name
 
-    name = new_doc_name()
+    name = name or new_doc_name()
     store.space.create_if_absent(
         f"{RESULTS_KEY}/{name}.json",
         json.dumps(json_safe(doc, finite_only=False), sort_keys=True).encode(),

@@ -1,0 +1,247 @@
+"""replay --all and ingest on a Ray cluster: one result per bundle even when a worker dies.
+
+A real Ray head (`ray start --head --block`, 2 CPUs) is started once for the
+module on this machine. Its workers inherit TRAJSTORE_TASK_GATE: while the
+gate's `hold` file exists, every task writes `pid-<pid>` after its work and
+waits, so a test can SIGKILL a worker that has already written its results
+and before it reported back; Ray runs that task again on another worker and
+the store must still hold each result or ref exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from trajstore.examples.replay_builders import Faults, consistent_contents, write_consistent
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.catalog import tables
+from trajstore.store import Store
+
+ROLLOUTS, STEPS, FAULTY = 4, 2, 2
+RAY_ENV = {
+    "RAY_DISABLE_USAGE_STATS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_head() -> Iterator[tuple[str, Path]]:
+    """(address, gate directory) of a 2-CPU Ray head on this machine, stopped at the end."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    assert ray_bin.is_file(), "the ray extra is part of the dev install: pip install -e '.[dev]'"
+    # short: Ray's unix socket paths under --temp-dir must stay under 108 bytes
+    tmp = Path(tempfile.mkdtemp(prefix="tsray-"))
+    gate = tmp / "gate"
+    gate.mkdir()
+    port = _free_port()
+    env = {**os.environ, **RAY_ENV, "TRAJSTORE_TASK_GATE": str(gate)}
+    log = (tmp / "head.log").open("wb")
+    head = subprocess.Popen(
+        [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--object-store-memory=100000000",
+            f"--temp-dir={tmp / 'r'}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while b"Ray runtime started" not in (tmp / "head.log").read_bytes():
+            assert head.poll() is None, (tmp / "head.log").read_text(errors="replace")[-2000:]
+            assert time.monotonic() < deadline, "ray start --head did not come up in 180 s"
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}", gate
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_capture(cap: Path) -> None:
+    """ROLLOUTS rollouts with STEPS steps each; rollout FAULTY normalised rewards wrongly."""
+    for r in range(ROLLOUTS):
+        faults = Faults(physical_batch_norm=3) if r == FAULTY else None
+        write_consistent(cap / f"replay-rollout-{r}", kind="rollout", rollout_id=r, faults=faults)
+        for s in range(STEPS):
+            step = consistent_contents(
+                kind="step",
+                rollout_id=r,
+                step_id=s,
+                faults=faults,
+                drop_expected=("reward.raw", "reward.post_process"),
+            ).contents
+            for stage in ("reward.raw", "reward.post_process"):
+                step.stage_contracts.pop(stage)
+            write_bundle(cap / f"replay-{r}-{s}", step)
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cap = tmp_path_factory.mktemp("ray-cap") / "capture"
+    _write_capture(cap)
+    return cap
+
+
+@pytest.fixture(scope="module")
+def stored(capture: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ray-store") / "store"
+    with Store.open(root) as store:
+        assert {o.status for o in store.ingest([capture], run="r")} == {"published"}
+    return root
+
+
+def run_cli(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **RAY_ENV},
+        timeout=300,
+    )
+
+
+def _kill_one_held_worker(proc: subprocess.Popen, gate: Path) -> int:
+    """Wait for a task to reach the gate, SIGKILL its worker, open the gate; the pid."""
+    deadline = time.monotonic() + 180
+    while not (held := sorted(gate.glob("pid-*"))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no Ray task reached the gate in 180 s"
+        time.sleep(0.05)
+    pid = int(held[0].read_text())
+    os.kill(pid, signal.SIGKILL)
+    (gate / "hold").unlink()
+    return pid
+
+
+def _run_with_a_killed_worker(gate: Path, *args: str | Path) -> tuple[int, str, str]:
+    for old in gate.glob("pid-*"):
+        old.unlink()
+    (gate / "hold").touch()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trajstore", *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **RAY_ENV},
+        )
+        pid = _kill_one_held_worker(proc, gate)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        (gate / "hold").unlink(missing_ok=True)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the worker really died
+    return proc.returncode, out, err
+
+
+def _recorded(root: Path) -> list[tuple[str, str, str | None]]:
+    """(bundle key, status, first divergent stage) of every recorded result, catalog order."""
+    results = tables.replay_results
+    with Store.open(root, create=False) as store, store.catalog() as cat, cat.connect() as conn:
+        rows = conn.execute(
+            sa.select(results.c.bundle_key, results.c.status, results.c.first_divergent_stage)
+        ).all()
+    return sorted(tuple(row) for row in rows)
+
+
+def test_a_killed_ray_worker_leaves_one_result_per_bundle_equal_to_the_local_run(
+    stored: Path, ray_head: tuple[str, Path], tmp_path: Path
+) -> None:
+    local, on_ray = tmp_path / "local", tmp_path / "ray"
+    shutil.copytree(stored, local)
+    shutil.copytree(stored, on_ray)
+    assert run_cli("replay", "--store", local, "--all", "--record").returncode == 1
+    address, gate = ray_head
+    code, out, err = _run_with_a_killed_worker(
+        gate, "replay", "--store", on_ray, "--all", "--record", "--json",
+        "--executor", "ray", "--ray-address", address,
+    )  # fmt: skip
+    assert code == 1, err
+    summary = json.loads(out)
+    assert (summary["total"], summary["refused"]) == (ROLLOUTS * (STEPS + 1), 0)
+    recorded = _recorded(on_ray)
+    assert Counter(key for key, _, _ in recorded) == Counter(
+        {key: 1 for key, _, _ in recorded}
+    ) and len(recorded) == ROLLOUTS * (STEPS + 1)
+    assert recorded == _recorded(local)
+    assert {stage for _, _, stage in recorded} == {None, "reward.post_process"}
+
+
+def test_a_killed_ray_worker_during_ingest_publishes_each_bundle_once(
+    capture: Path, ray_head: tuple[str, Path], tmp_path: Path
+) -> None:
+    address, gate = ray_head
+    code, out, err = _run_with_a_killed_worker(
+        gate, "ingest", capture, "--store", tmp_path / "ray", "--run", "r", "--json",
+        "--executor", "ray", "--ray-address", address,
+    )  # fmt: skip
+    assert code == 0, err
+    assert len(json.loads(out)) == ROLLOUTS * (STEPS + 1)
+    with Store.open(tmp_path / "ray", create=False) as store:
+        refs = Counter(entry.key for entry in store.refs.all())
+    with Store.open(tmp_path / "local") as store:
+        store.ingest([capture], run="r")
+        local = Counter(entry.key for entry in store.refs.all())
+    assert refs == local == Counter({key: 1 for key in local})
+
+
+def test_ray_address_without_ray_names_the_extra_to_install(stored: Path) -> None:
+    # `ray` made unimportable in this interpreter only, as on an install without the extra
+    probe = "import sys; sys.modules['ray'] = None; from trajstore.cli import main; "
+    probe += "sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe, "replay", "--store", str(stored), "--all",
+         "--executor", "ray", "--ray-address", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("trajstore: error: ") and "pip install 'trajstore[ray]'" in line
+
+
+@pytest.mark.parametrize("args", [["--help"], ["replay", "--help"], ["ingest", "--help"]])
+def test_help_does_not_import_ray(args: list[str]) -> None:
+    probe = "import sys; from trajstore.cli import main\ntry:\n    main(sys.argv[1:])\n"
+    probe += "except SystemExit:\n    pass\nprint('RAY', 'ray' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300
+    )
+    assert out.stdout.splitlines()[-1] == "RAY False", out.stderr

@@ -1,0 +1,211 @@
+"""Where batch work runs: processes on this host (the default) or a Ray cluster.
+
+Replay-all and ingest hand an executor a module-level function and picklable
+jobs; the executor yields each job's result as it finishes, in no particular
+order. The local executor is a fork pool (today's behaviour). The Ray
+executor submits one Ray task per job with retries, so a job whose worker
+process dies is run again elsewhere: the job functions are written to be
+idempotent (their writes are create-if-absent under a deterministic name), so
+a retry can never record twice. `ray` is imported only when a Ray executor is
+entered, so `trajstore --help` and the local path never pay for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from trajstore.errors import StoreError, TrajstoreError, UsageError
+
+J = TypeVar("J")
+R = TypeVar("R")
+
+EXECUTORS = ("local", "ray")
+RAY_EXTRA_HINT = "pip install 'trajstore[ray]'"
+#: tasks kept in flight per worker slot (enough to hide scheduling latency, little memory)
+RAY_WINDOW_PER_WORKER = 2
+#: how often a Ray task is retried after its worker process died
+RAY_MAX_RETRIES = 3
+#: test hook (docs/deployment.md): a directory; while `<dir>/hold` exists, every Ray task
+#: writes `<dir>/pid-<pid>` after its work and waits, so a test can kill a worker that has
+#: already written its results and before it reports back
+TASK_GATE_ENV = "TRAJSTORE_TASK_GATE"
+TASK_GATE_MAX_WAIT_S = 300.0
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """What the user asked for: `--executor`, `--workers`, `--ray-address`."""
+
+    kind: str = "local"
+    workers: int | None = None
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXECUTORS:
+            raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, not {self.kind!r}")
+        if self.workers is not None and self.workers < 1:
+            raise UsageError("--workers must be >= 1")
+        if self.ray_address is not None and self.kind != "ray":
+            raise UsageError("--ray-address needs --executor ray")
+
+
+class LocalExecutor:
+    """A fork pool of `workers` processes; one worker runs the jobs in this process."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or 1
+        self._pool: Any = None
+
+    def __enter__(self) -> LocalExecutor:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if self._pool is not None:
+            self._pool.terminate() if exc_type else self._pool.close()
+            self._pool.join()
+            self._pool = None
+
+    def map_unordered(self, fn: Callable[[J], R], jobs: Iterable[J]) -> Iterator[R]:
+        if self.workers <= 1:
+            return map(fn, jobs)
+        ctx = (
+            mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
+        )
+        self._pool = ctx.Pool(self.workers)
+        return self._pool.imap_unordered(fn, jobs, chunksize=1)
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(
+            f"--executor ray needs Ray, which is not installed: {RAY_EXTRA_HINT}"
+        ) from None
+    return ray
+
+
+class RayExecutor:
+    """Jobs as Ray tasks on a cluster (`address`) or on a Ray instance started for this run.
+
+    Without an address (and without RAY_ADDRESS) a local Ray instance with
+    `workers` CPUs is started and shut down again; a process that already
+    called `ray.init` keeps its connection. `workers` caps the tasks running
+    at once (default: the cluster's CPUs).
+    """
+
+    def __init__(self, address: str | None = None, workers: int | None = None) -> None:
+        self.address = address
+        self.workers = workers
+        self._ray: Any = None
+        self._owns = False
+
+    def __enter__(self) -> RayExecutor:
+        ray = self._ray = _import_ray()
+        if not ray.is_initialized():
+            address = self.address or os.environ.get("RAY_ADDRESS") or "local"
+            options: dict[str, Any] = {
+                "address": address,
+                "log_to_driver": False,
+                "logging_level": logging.WARNING,
+            }
+            if address == "local":
+                options.update(num_cpus=self.workers or os.cpu_count() or 1)
+                options.update(include_dashboard=False)
+                os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            _ray_messages_to_stderr(ray)
+            try:
+                ray.init(**options)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise StoreError(f"cannot start or reach Ray at {address}: {first}") from None
+            self._owns = True
+        if self.workers is None:
+            self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._owns:
+            self._ray.shutdown()
+            self._owns = False
+
+    def map_unordered(self, fn: Callable[[J], R], jobs: Iterable[J]) -> Iterator[R]:
+        ray = self._ray
+        if ray is None:
+            raise UsageError("RayExecutor used outside its `with` block")
+        task = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_task)
+        window = max(1, int(self.workers or 1)) * RAY_WINDOW_PER_WORKER
+        pending: list[Any] = []
+        for job in jobs:
+            pending.append(task.remote(fn, job))
+            while len(pending) >= window:
+                done, pending = ray.wait(pending, num_returns=1)
+                yield self._get(done[0])
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            yield self._get(done[0])
+
+    def _get(self, ref: Any) -> Any:
+        ray = self._ray
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if hasattr(exc, "cause") else None
+            if isinstance(cause, TrajstoreError):
+                raise cause from None
+            raise
+        except ray.exceptions.WorkerCrashedError:
+            raise StoreError(
+                f"a Ray worker died {RAY_MAX_RETRIES + 1} times on one task; what was "
+                "recorded is kept, run the same command again to finish"
+            ) from None
+
+
+def _ray_messages_to_stderr(ray: Any) -> None:
+    """Ray's driver prints raylet messages ("a worker died ...") on stdout, which is the
+    command's output (`--json`): send them to stderr (a no-op if Ray's internals moved)."""
+    module = getattr(getattr(ray, "_private", None), "worker", None)
+    original = getattr(module, "print_to_stdstream", None)
+    if original is None or getattr(original, "trajstore_stderr", False):
+        return
+
+    def to_stderr(data: dict, ignore_prefix: bool) -> None:
+        original({**data, "is_err": True}, ignore_prefix)
+
+    to_stderr.trajstore_stderr = True  # type: ignore[attr-defined]
+    module.print_to_stdstream = to_stderr
+
+
+def _ray_task(fn: Callable[[Any], Any], job: Any) -> Any:
+    """One job on a Ray worker, then the test gate (a no-op unless TRAJSTORE_TASK_GATE is set)."""
+    out = fn(job)
+    task_gate()
+    return out
+
+
+def task_gate() -> None:
+    """Hold here while `$TRAJSTORE_TASK_GATE/hold` exists (see TASK_GATE_ENV)."""
+    gate = os.environ.get(TASK_GATE_ENV)
+    if not gate:
+        return
+    hold = Path(gate) / "hold"
+    if not hold.exists():
+        return
+    (Path(gate) / f"pid-{os.getpid()}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + TASK_GATE_MAX_WAIT_S
+    while hold.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def make_executor(spec: ExecutorSpec) -> LocalExecutor | RayExecutor:
+    if spec.kind == "ray":
+        return RayExecutor(spec.ray_address, spec.workers)
+    return LocalExecutor(spec.workers)
