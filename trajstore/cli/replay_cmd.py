@@ -49,7 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--attempt", type=int, help="attempt of a re-captured step (default: latest)")
     st.add_argument("--rollout-from", type=int, metavar="R", help="with --all: first rollout id")
     st.add_argument("--rollout-to", type=int, metavar="R", help="with --all: last rollout id")
-    st.add_argument("--workers", type=int, default=1, help="with --all: worker processes")
+    st.add_argument(
+        "--workers",
+        type=int,
+        help="with --all: workers at once (default: 1 local, every CPU of the Ray cluster)",
+    )
+    from trajstore.cli._common import add_executor_args
+
+    add_executor_args(st, "with --all: ")
     st.add_argument("--record", action="store_true", help="store the results in the catalog")
     st.add_argument(
         "--force", action="store_true", help="with --all --record: redo recorded bundles"
@@ -108,8 +115,10 @@ def _replay_store(args: argparse.Namespace) -> int:
     from trajstore.replay.runner import StageRequest
     from trajstore.store import Store
 
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         raise UsageError("--workers must be >= 1")
+    if args.ray_address is not None and args.executor != "ray":
+        raise UsageError("--ray-address needs --executor ray")
     store = Store.open(args.store, create=False, catalog_url=args.catalog)
     if args.all or args.rollout_from is not None or args.rollout_to is not None:
         if args.sample or args.group or args.batch or args.stage != "all":
@@ -118,6 +127,8 @@ def _replay_store(args: argparse.Namespace) -> int:
         if args.record:
             store.index_new()
         return code
+    if args.executor != "local":
+        raise UsageError("--executor ray spreads --all over a cluster; one step replays here")
     from trajstore.replay.from_store import Target, record_report, replay_stored, stored_sources
 
     target = Target(
@@ -138,18 +149,19 @@ def _replay_store(args: argparse.Namespace) -> int:
 
 
 def _replay_all(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from trajstore.replay.batch import replay_all
 
     summary = replay_all(
-        Path(args.store),
+        args.store,
+        executor=args.executor,
+        ray_address=args.ray_address,
         run=args.run,
         rollout_from=args.rollout_from,
         rollout_to=args.rollout_to,
         workers=args.workers,
         record=args.record,
         force=args.force,
+        catalog_url=args.catalog,
     )
     if args.json:
         print_json(summary.to_dict())
