@@ -351,7 +351,8 @@ def generate_with_routes(
         seq = out.sequences
         prompt_len = int(input_ids.shape[1])
         prompt_mask = attention_mask.to(seq.device)
-        mask = torch.cat([prompt_mask, _generated_mask(seq[:, prompt_len:], model)], dim=1)
+        eos = _eos_ids(model, generate_kwargs)
+        mask = torch.cat([prompt_mask, _generated_mask(seq[:, prompt_len:], eos)], dim=1)
         # the mask generate itself attends with: prompt padding 0, every generated column 1
         seen = torch.cat([prompt_mask, torch.ones_like(seq[:, prompt_len:])], dim=1)
         position = (seen.cumsum(-1) - 1).clamp(min=0)[:, -1:]
@@ -359,19 +360,34 @@ def generate_with_routes(
             input_ids=seq[:, -1:],
             attention_mask=seen,
             position_ids=position,
-            cache=out["cache"] if "cache" in out else out.past_key_values,
+            cache=_cache_of(out),
             use_cache=True,
         )
     logits = torch.stack([step.float() for step in out.logits], dim=1)
     return Generation(seq, mask, rec.routes(), logits, prompt_len)
 
 
-def _generated_mask(generated: Any, model: Any) -> Any:
+def _cache_of(out: Any) -> Any:
+    """generate's KV cache (``cache`` in transformers 5; ``past_key_values`` is its deprecated
+    name, read only when the new one is absent)."""
+    cache = out.get("cache")
+    return out.past_key_values if cache is None else cache
+
+
+def _eos_ids(model: Any, generate_kwargs: Mapping[str, Any]) -> list[int]:
+    """The EOS ids generate stopped on: its ``eos_token_id`` argument, else the generation
+    config it was given, else the model's."""
+    eos = generate_kwargs.get("eos_token_id")
+    if eos is None:
+        config = generate_kwargs.get("generation_config") or model.generation_config
+        eos = config.eos_token_id
+    return [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _generated_mask(generated: Any, eos_ids: list[int]) -> Any:
     """1 up to and including each row's first EOS, 0 after it (HF pads finished rows)."""
     import torch
 
-    eos = model.generation_config.eos_token_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     if not eos_ids:
         return torch.ones_like(generated)
     is_eos = torch.isin(generated, torch.as_tensor(eos_ids, device=generated.device))
