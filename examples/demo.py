@@ -297,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         f"  trajstore replay --store {store} --run synthetic --step "
         f"{first['rollout_id']}:{first['step_id']}"
     )
+    step_ref = f"{first['rollout_id']}:{first['step_id']}"
+    print("\nWith `trajstore serve` running, open the web view (docs/web.md):")
+    print("  http://127.0.0.1:8000/")
+    print(f"  http://127.0.0.1:8000/runs/synthetic/steps/{step_ref}")
     return 0
 
 
