@@ -157,12 +157,16 @@ def _anchor_of(index: Index) -> tuple[Any, Any]:
     return (ident.get("actor_step_id"), ident.get("rollout_id"))
 
 
-def open_bundle(path: Path | str, *, verify_payloads: bool = False) -> Bundle:
+def open_bundle(
+    path: Path | str, *, verify_payloads: bool = False, before_cohort: bool = False
+) -> Bundle:
     """Open one bundle directory (a plain bundle or one ``rank-<r>/`` of a cohort).
 
     Checks: COMPLETE well-formed, metadata hashes, rank shards against the
     manifest, the cohort sentinel for a multi-rank member. Payload bytes are
     checked lazily on first use, or all at once with ``verify_payloads``.
+    ``before_cohort`` opens a cohort member whose cohort COMPLETE does not exist
+    yet (a rank storing its own shard; the cohort is checked when it is published).
     """
     path = Path(path)
     if not path.is_dir():
@@ -212,7 +216,9 @@ def open_bundle(path: Path | str, *, verify_payloads: bool = False) -> Bundle:
     expected_ranks = complete.expected_ranks
     if m:
         rank = int(m.group(1))
-    if m and len(expected_ranks) > 1:
+    if m and len(expected_ranks) > 1 and before_cohort:
+        pass  # its cohort is checked and published later, from every rank's shard
+    elif m and len(expected_ranks) > 1:
         # A cohort member: only the cohort COMPLETE makes it readable.
         cc = _require_cohort_complete(path.parent, expected_ranks)
         cshard = cc.shards.get(rank)

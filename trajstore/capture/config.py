@@ -126,7 +126,7 @@ class CaptureConfig:
 
     enabled: bool = False
     output_dir: Path | None = None
-    store_dir: Path | None = None
+    store_dir: Path | str | None = None  # a directory, or an s3:// URL (kept as text)
     run: str = DEFAULT_RUN
     steps: frozenset[tuple[int, int]] | None = None
     rollouts: frozenset[int] | None = None
@@ -143,7 +143,7 @@ class CaptureConfig:
         set_ = object.__setattr__
         if self.output_dir is not None:
             set_(self, "output_dir", Path(self.output_dir))
-        if self.store_dir is not None:
+        if self.store_dir is not None and not str(self.store_dir).startswith("s3://"):
             set_(self, "store_dir", Path(self.store_dir))
         if self.steps is not None:
             set_(self, "steps", frozenset((int(r), int(s)) for r, s in self.steps))
@@ -204,7 +204,9 @@ class CaptureConfig:
         for key in ("output_dir", "store_dir"):
             got = _read(env, key)
             if got and got[1].strip():
-                kw[key] = Path(got[1].strip())
+                text = got[1].strip()
+                remote = key == "store_dir" and text.startswith("s3://")
+                kw[key] = text if remote else Path(text)
         got = _read(env, "steps")
         if got:
             kw["steps"] = parse_steps(got[1], got[0])

@@ -4,6 +4,10 @@ Why a thread of its own: the training thread only snapshots and enqueues
 (`trajstore.capture.manager`); everything slow (assembling the bundle, torch
 serialization, fsync, the store's ingest) happens here, at a lower OS
 priority, and every failure is logged and counted instead of raised.
+
+Into an `s3://` store no rank sees another's files: each stages in a private
+local directory, stores its own cohort shard (`trajstore.store.shards`) and
+the last rank to arrive publishes the cohort.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import os
 import queue
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,9 @@ class CaptureWriter:
         self.stats = stats
         self._default_recompute = default_recompute
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._remote = str(config.store_dir or "").startswith("s3://")
+        self._remote_store: Any = None
+        self._private: Path | None = None  # this process's staging for an s3:// store
         self._thread = threading.Thread(
             target=self._run, name="trajstore-capture-writer", daemon=True
         )
@@ -84,8 +92,12 @@ class CaptureWriter:
 
     def _base_dir(self) -> Path:
         cfg = self.config
+        if self._remote:
+            if self._private is None:
+                self._private = Path(tempfile.mkdtemp(prefix="trajstore-capture-"))
+            return self._private / cfg.run
         if cfg.store_dir is not None:
-            return cfg.store_dir / STAGING / cfg.run
+            return Path(cfg.store_dir) / STAGING / cfg.run
         assert cfg.output_dir is not None
         return cfg.output_dir
 
@@ -106,12 +118,15 @@ class CaptureWriter:
             if rec.kind == "rollout"
             else step_dir_name(rec.rollout_id, rec.step_id)
         )
-        if self.config.store_dir is not None:
+        if self.config.store_dir is not None and not self._remote:
             self._open_store().close()  # the store must exist before staging lives inside it
         dest = self._base_dir() / name
         ranks = self._producers(rec.kind)
         if ranks is not None and len(ranks) > 1:
             write_rank(dest, contents, rank=int(self.config.rank), expected_ranks=list(ranks))
+            if self._remote:
+                self._store_shard(dest, int(self.config.rank))
+                return
             complete = (dest / "COMPLETE").exists()
         else:
             write_bundle(dest, contents)
@@ -122,7 +137,24 @@ class CaptureWriter:
     def _open_store(self) -> Any:
         from trajstore.store.api import Store  # lazy: the store is optional for capture
 
+        if self._remote:  # one client for the writer's life (its pack index is costly to list)
+            if self._remote_store is None:
+                self._remote_store = Store.open(str(self.config.store_dir))
+            return contextlib.nullcontext(self._remote_store)
         return Store.open(self.config.store_dir)
+
+    def _store_shard(self, cohort: Path, rank: int) -> None:
+        """Store this rank's member of `cohort` in the s3:// store; publish if it is the last.
+
+        The private staged copy is removed either way once stored; a refusal keeps it.
+        """
+        from trajstore.store.shards import store_rank_shard
+
+        with self._open_store() as store:
+            outcome = store_rank_shard(store, cohort / f"rank-{rank}", self.config.run)
+        if outcome.published:
+            self.stats.ingested += 1
+        shutil.rmtree(cohort, ignore_errors=True)
 
     def _ingest(self, path: Path) -> None:
         """Ingest a completed staged bundle/cohort once (whichever rank claims it).

@@ -1,0 +1,161 @@
+"""Cohorts captured on many hosts: each rank stores its own shard, the last one publishes.
+
+With no shared file system, no rank can see another's `rank-<r>/` directory,
+so the cohort directory of a local capture never exists. Instead every rank
+checks its own member bundle (the same gate as ingest), writes its objects
+into the store and then creates one shard document with create-if-absent:
+
+    capture/<run>/<anchor>/g<G>/rank-<r>.json   (its COMPLETE.<r> and its prepared ref)
+
+and lists the shards of its generation. A rank that finds every expected rank
+there builds the cohort COMPLETE exactly as `bundle.writer.try_finalize` does
+(so an export reproduces a local capture byte for byte) and publishes one ref
+per rank through the ingest's attempt claims and ref-name guards. Shards are
+created before they are listed, so the last rank to arrive always sees them
+all; ranks finishing together may both publish, and the conditional writes
+make that one publication (same cohort bytes -> same attempt -> one ref per
+key). A rank that dies before its shard exists leaves nothing published.
+
+`G` (generation) is the first one whose slot for this rank is free or holds
+these very bytes, so a step re-captured after a published cohort gets a new
+generation. Limitation: a re-capture after a cohort that never completed (a
+rank died) with different content fills that old generation's empty slots
+and is refused when the shards disagree on the anchor or on the expected ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trajstore.bundle.checks import bundle_problems
+from trajstore.bundle.reader import open_bundle
+from trajstore.errors import BundleError, NotFoundError, StoreError
+from trajstore.jsonio import canonical_bytes, read_json
+from trajstore.schema import CohortComplete, RankShard
+from trajstore.store.api import Store
+from trajstore.store.ingest import (
+    REF_VERSION,
+    Ingestor,
+    _now,
+    _write_bundle_objects,
+    bundle_key,
+    check_run_name,
+    content_digest,
+    identity_of,
+)
+from trajstore.store.stored_bundle import put_blob
+
+SHARDS_KEY = "capture"
+SHARD_VERSION = 1
+
+
+@dataclass
+class ShardOutcome:
+    """What storing one rank's shard did: its slot, and the keys if it published the cohort."""
+
+    shard: str
+    published: bool = False
+    keys: list[str] = field(default_factory=list)
+
+
+def _anchor_name(kind: str, rollout_id: int, step_id: int | None) -> str:
+    return f"step-{rollout_id}-{step_id}" if kind == "step" else f"rollout-{rollout_id}"
+
+
+def store_rank_shard(store: Store, member: Path | str, run: str) -> ShardOutcome:
+    """Store cohort member `member` (a `rank-<r>/` directory holding its `COMPLETE.<r>`)
+    and publish the cohort when every expected rank's shard is in the store."""
+    check_run_name(run)
+    member = Path(member)
+    b = open_bundle(member, before_cohort=True)
+    problems = bundle_problems(b)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise BundleError(f"{member}: {problems[0]}{more}")
+    if b.rank is None:
+        raise BundleError(f"{member}: not a cohort member (rank-<r>/)")
+    rank = b.rank
+    shard = read_json(member / f"COMPLETE.{rank}", f"COMPLETE.{rank}")
+    shard["relpath"] = f"rank-{rank}"  # as bundle.writer.write_rank writes the cohort shard
+    shard_bytes = canonical_bytes(shard)
+    expected = sorted(int(r) for r in b.complete.expected_ranks)
+    body, physical = _write_bundle_objects(store.objs, b, {f"COMPLETE.{rank}": shard_bytes})
+    store.objs.flush()  # every object is durable before the shard names it
+    run_, kind, rollout_id, step_id, _ = identity_of(run, b)
+    ref = {
+        "ref_version": REF_VERSION,
+        "run": run_,
+        "kind": kind,
+        "rollout_id": rollout_id,
+        "step_id": step_id,
+        "rank": rank,
+        "cohort_ranks": expected,
+        "bundle_id": b.bundle_id,
+        "format_version": b.manifest.format_version,
+        "physical_bytes": physical,
+        **body,
+    }
+    doc = {"shard_version": SHARD_VERSION, "rank": rank, "shard": shard, "ref": ref}
+    data = json.dumps(doc, sort_keys=True).encode()
+    folder = f"{SHARDS_KEY}/{run}/{_anchor_name(kind, rollout_id, step_id)}"
+    g = 1
+    while True:
+        key = f"{folder}/g{g}/rank-{rank}.json"
+        if store.space.create_if_absent(key, data) or store.space.read(key) == data:
+            break
+        g += 1
+    outcome = ShardOutcome(shard=key)
+    keys = try_publish_cohort(store, f"{folder}/g{g}", expected)
+    if keys is not None:
+        outcome.published, outcome.keys = True, keys
+    return outcome
+
+
+def _read_shards(store: Store, folder: str) -> dict[int, dict[str, Any]]:
+    docs: dict[int, dict[str, Any]] = {}
+    for d in store.space.list(folder):
+        if not (d.name.startswith("rank-") and d.name.endswith(".json")):
+            continue
+        try:
+            doc = json.loads(store.space.read(f"{folder}/{d.name}"))
+        except (NotFoundError, ValueError) as e:
+            where = f"{store.space.where(folder)}/{d.name}"
+            raise StoreError(f"shard {where}: unreadable ({e})") from None
+        docs[int(doc["rank"])] = doc
+    return docs
+
+
+def try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[str] | None:
+    """Publish the cohort whose shards are in `folder` if every expected rank is there;
+    None (nothing done) otherwise. Safe to race: the ref space's conditional writes decide."""
+    docs = _read_shards(store, folder)
+    if sorted(docs) != expected:
+        return None
+    shards = {r: RankShard.from_dict(docs[r]["shard"], f"COMPLETE.{r}") for r in expected}
+    if {tuple(sorted(s.expected_ranks)) for s in shards.values()} != {tuple(expected)}:
+        raise BundleError(f"{store.space.where(folder)}: shards disagree on expected ranks")
+    if len({repr(s.anchor()) for s in shards.values()}) != 1:
+        raise BundleError(f"{store.space.where(folder)}: shards disagree on the anchor")
+    cohort = {"ranks": expected, "shards": {str(r): shards[r].raw for r in expected}}
+    CohortComplete.from_dict(cohort)
+    whole = put_blob(store.objs, canonical_bytes(cohort))
+    store.objs.flush()
+    ing = Ingestor(store.space, store.objs, store.refs)
+    keys = []
+    live = store.refs.live()
+    for r in expected:
+        ref = dict(docs[r]["ref"])
+        ref["cohort_sentinels"] = {**ref["cohort_sentinels"], "COMPLETE": whole}
+        ref["content_digest"] = content_digest(ref["documents"], ref["cohort_sentinels"])
+        identity = (ref["run"], ref["kind"], ref["rollout_id"], ref["step_id"])
+        attempt = ing._claim_attempt(identity, whole)
+        key = bundle_key(*identity, r, attempt)
+        keys.append(key)
+        if key in live:
+            continue
+        ref.update(key=key, attempt=attempt, published_at=_now())
+        ing._publish(key, json.dumps(ref, sort_keys=True, indent=1).encode())
+    return keys
