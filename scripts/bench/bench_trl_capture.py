@@ -1,0 +1,176 @@
+"""Capture overhead on TRL's GRPO loop: optimizer-step time with capture on vs off, as a ratio.
+
+    .venv/bin/python scripts/bench/bench_trl_capture.py [--reps 4] [--steps 8]
+
+A tiny randomly initialised ``Qwen3ForCausalLM`` built from a config (nothing downloaded),
+``trajstore.integrations.trl.GRPOTrainer`` with capture off (the baseline, measured in the
+same run) and on (every generation batch and every optimizer step captured into a temporary
+directory: the worst case). On and off blocks alternate in one process, each a fresh
+trainer from the same seed; a block's step time is the median of TRL's own ``step_time``
+metric (generation, scoring and the loss's forward/backward of one optimizer step, which
+includes capture's copies and enqueue), and its whole time is ``train()`` wall time,
+including the final flush of the capture queue; its CPU time is the process's (training
+thread and capture writer together), which a loaded machine disturbs less than wall time.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VOCAB = 64
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": 4 + i for i in range(VOCAB - 4)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+
+
+def _model(hidden: int) -> Any:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def reward_length(completions: list[str], **_: Any) -> list[float]:
+    return [len(completion.split()) / 16.0 for completion in completions]
+
+
+def block(args: argparse.Namespace, capture_on: bool, out: Path) -> dict[str, Any]:
+    """One fresh training run; its step times, wall time and capture counters."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from trajstore.integrations.trl import GRPOTrainer
+
+    prompts = [
+        {"prompt": " ".join(f"w{(7 * i + j) % (VOCAB - 4)}" for j in range(4 + i % 4))}
+        for i in range(64)
+    ]
+    config = GRPOConfig(
+        output_dir=str(out / "trainer"),
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=args.completion,
+        max_steps=args.steps,
+        logging_steps=1,
+        learning_rate=1e-3,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        use_vllm=False,
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        loss_type="grpo",
+    )
+    os.environ["TRAJSTORE_CAPTURE"] = "1" if capture_on else "0"
+    os.environ["TRAJSTORE_CAPTURE_DIR"] = str(out / "capture")
+    trainer = GRPOTrainer(
+        model=_model(args.hidden),
+        reward_funcs=[reward_length],
+        args=config,
+        train_dataset=Dataset.from_list(prompts),
+        processing_class=_tokenizer(),
+    )
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    trainer.train()
+    wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
+    steps = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
+    stats = trainer.trajstore_capture.stats
+    return {
+        "step_median_s": statistics.median(steps[1:]),  # the first step warms up
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "written": stats.written,
+        "dropped": stats.dropped,
+        "errors": stats.errors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=4, help="on/off block pairs")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per block")
+    parser.add_argument("--batch", type=int, default=8, help="per-device train batch size")
+    parser.add_argument("--completion", type=int, default=32, help="max completion length")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            order = ("off", "on") if rep % 2 == 0 else ("on", "off")
+            for mode in order:
+                out = Path(tmp) / f"{mode}-{rep}"
+                runs[mode].append(block(args, mode == "on", out))
+    step = {mode: statistics.median(r["step_median_s"] for r in runs[mode]) for mode in runs}
+    wall = {mode: statistics.median(r["wall_s"] for r in runs[mode]) for mode in runs}
+    cpu = {mode: statistics.median(r["cpu_s"] for r in runs[mode]) for mode in runs}
+    print(
+        json.dumps(
+            {
+                "settings": vars(args),
+                "step_s_off": step["off"],
+                "step_s_on": step["on"],
+                "step_ratio_on_off": step["on"] / step["off"],
+                "wall_s_off": wall["off"],
+                "wall_s_on": wall["on"],
+                "wall_ratio_on_off": wall["on"] / wall["off"],
+                "cpu_s_off": cpu["off"],
+                "cpu_s_on": cpu["on"],
+                "cpu_ratio_on_off": cpu["on"] / cpu["off"],
+                "load_average_1m": os.getloadavg()[0],
+                "per_rep_wall_ratio": [
+                    on["wall_s"] / off["wall_s"]
+                    for on, off in zip(runs["on"], runs["off"], strict=True)
+                ],
+                "bundles_written": sum(r["written"] for r in runs["on"]),
+                "dropped": sum(r["dropped"] for r in runs["on"]),
+                "errors": sum(r["errors"] for r in runs["on"]),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
