@@ -123,6 +123,8 @@ def _replay_store(args: argparse.Namespace) -> int:
     if args.all or args.rollout_from is not None or args.rollout_to is not None:
         if args.sample or args.group or args.batch or args.stage != "all":
             raise UsageError("--all replays whole bundles: no --sample/--group/--batch/--stage")
+        if args.record:
+            store.index_new()  # results of an interrupted run count as recorded
         code = _replay_all(args)
         if args.record:
             store.index_new()

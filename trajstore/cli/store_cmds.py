@@ -18,8 +18,8 @@ def _store_arg(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="store directory (default: $TRAJSTORE_STORE)",
     )
-
     add_catalog_arg(p)
+
 
 def _open(args: argparse.Namespace, *, create: bool = False):  # noqa: ANN202
     from trajstore.errors import UsageError

@@ -160,11 +160,11 @@ class Store:
         outcomes = ingest_paths(
             ing, [Path(p) for p in paths], run, progress=progress, on_outcome=on_outcome
         )
-
-    def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
         if any(o.status == "published" for o in outcomes):
             self.index_new()
         return outcomes
+
+    def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
         """Tombstone bundles (by key) or a whole run; nothing is deleted until gc."""
         live = self.refs.live()
         targets = list(keys)
@@ -184,9 +184,9 @@ class Store:
             self.space.create_if_absent(
                 f"{TOMBSTONES_KEY}/{new_doc_name()}.json", json.dumps(doc, sort_keys=True).encode()
             )
+        self.index_new()
         return list(dict.fromkeys(targets))
 
-        self.index_new()
     # -- reading --
 
     def load_document(self, h: str) -> dict:
