@@ -403,3 +403,32 @@ def test_rollout_routes_with_eos_padding_replay_exactly_in_a_training_forward():
     with torch.no_grad(), replay_routes(policy, replay) as rec:
         policy(input_ids=gen.sequences, attention_mask=gen.attention_mask)
     assert (pack_routes(rec.routes(), gen.attention_mask, EXPERTS) == rollout).all()
+
+
+def test_beam_search_generation_is_refused():
+    """Beams are reordered between decode steps: one route per row and token cannot hold."""
+    prompts = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(16))
+    with pytest.raises(ValueError, match="beam search"):
+        generate_with_routes(
+            _model(), input_ids=prompts, attention_mask=torch.ones_like(prompts), num_beams=2
+        )
+
+
+def test_several_return_sequences_each_get_their_prompts_routes():
+    model = _model().to(torch.bfloat16)
+    prompts = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(17))
+    mask = torch.ones_like(prompts)
+    mask[1, 0] = 0
+    torch.manual_seed(18)
+    gen = generate_with_routes(
+        model,
+        input_ids=prompts,
+        attention_mask=mask,
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=True,
+        num_return_sequences=3,
+    )
+    assert gen.sequences.shape == (6, 7) and gen.routes.shape == (6, 7, LAYERS, TOP_K)
+    assert gen.attention_mask[:, 0].tolist() == [1, 1, 1, 0, 0, 0]
+    assert torch.equal(gen.routes[0, :4], gen.routes[2, :4])  # the same prompt, the same routes

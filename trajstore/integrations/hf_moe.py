@@ -335,6 +335,16 @@ def generate_with_routes(
     """
     import torch
 
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    beams = generate_kwargs.get("num_beams", config.num_beams) or 1
+    assisted = generate_kwargs.get("assistant_model") is not None or generate_kwargs.get(
+        "prompt_lookup_num_tokens"
+    )
+    if beams > 1 or assisted:
+        raise ValueError(
+            "hf_moe: generate_with_routes needs one route per token of each row; beam search "
+            "and assisted decoding reorder or discard tokens and are not supported"
+        )
     pad_id = generate_kwargs.pop("pad_token_id", None)
     if pad_id is None:
         pad_id = model.generation_config.pad_token_id
@@ -350,7 +360,9 @@ def generate_with_routes(
         )
         seq = out.sequences
         prompt_len = int(input_ids.shape[1])
-        prompt_mask = attention_mask.to(seq.device)
+        # num_return_sequences > 1: generate repeats each prompt row that many times
+        copies = seq.shape[0] // input_ids.shape[0]
+        prompt_mask = attention_mask.to(seq.device).repeat_interleave(copies, dim=0)
         eos = _eos_ids(model, generate_kwargs)
         mask = torch.cat([prompt_mask, _generated_mask(seq[:, prompt_len:], eos)], dim=1)
         # the mask generate itself attends with: prompt padding 0, every generated column 1
@@ -363,8 +375,14 @@ def generate_with_routes(
             cache=_cache_of(out),
             use_cache=True,
         )
+    routes = rec.routes()
+    if routes.shape[:2] != seq.shape:
+        raise ValueError(
+            f"hf_moe: generate routed {list(routes.shape[:2])} tokens for sequences "
+            f"{list(seq.shape)}; this generation mode is not supported"
+        )
     logits = torch.stack([step.float() for step in out.logits], dim=1)
-    return Generation(seq, mask, rec.routes(), logits, prompt_len)
+    return Generation(seq, mask, routes, logits, prompt_len)
 
 
 def _cache_of(out: Any) -> Any:
