@@ -97,14 +97,6 @@ def test_with_a_token_pages_are_open_and_data_needs_the_header(store: Path) -> N
         assert http.get("/v1/runs/synthetic/summary", headers=bearer).status_code == 200
 
 
-def test_the_pages_send_the_token_only_as_a_header() -> None:
-    app_js = (web.STATIC / "app.js").read_text()
-    assert app_js.count("sessionStorage.getItem(TOKEN_KEY)") >= 1
-    assert re.findall(r"Authorization: `Bearer \$\{token\}`", app_js)
-    # the one place the token is read for a request builds a header, never a query
-    assert "token=" not in app_js and "?token" not in app_js
-
-
 # -- the data the pages fetch -------------------------------------------------------------
 
 
