@@ -363,3 +363,13 @@ def test_store_cli_needs_a_store(tmp_path: Path) -> None:
         [sys.executable, "-m", "trajstore", "stats"], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 2 and "--store" in proc.stderr
+
+
+def test_gc_keeps_every_file_of_a_stored_cohort(store: Store, tmp_path: Path, make_cohort) -> None:
+    """A member's own COMPLETE.<r> and the cohort's COMPLETE.<r> differ (relpath): both live."""
+    cohort = make_cohort(tmp_path / "replay-7-0", ranks=2, lengths=[3, 4, 2, 5])
+    store.ingest([cohort], run="r")
+    assert gc(store, grace_s=0)["objects_dropped"] == 0
+    assert fsck(store).ok
+    out = export_bundles(store.step("r", 7, 0), tmp_path / "out" / "replay-7-0")
+    assert tree_equal(cohort, out)

@@ -55,6 +55,10 @@ class RefSpace(ABC):
     def delete(self, key: str) -> None:
         """Remove `key` if present."""
 
+    @abstractmethod
+    def walk(self, folder: str) -> list[DocInfo]:
+        """Every document under `folder`, at any depth (names relative to it), sorted."""
+
     def exists(self, key: str) -> bool:
         try:
             self.read(key)
@@ -172,6 +176,18 @@ class LocalRefSpace(RefSpace):
 
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)
+
+    def walk(self, folder: str) -> list[DocInfo]:
+        base = self.root / folder
+        out = []
+        for p in base.rglob("*") if base.is_dir() else ():
+            if p.name.startswith(".") or not p.is_file():
+                continue
+            try:
+                out.append(DocInfo(p.relative_to(base).as_posix(), p.stat().st_mtime))
+            except FileNotFoundError:
+                continue
+        return sorted(out, key=lambda d: d.name)
 
     #: a directory modified this recently is listed again even if its mtime did not
     #: change (coarse file-system timestamps can hide a second entry made in the same tick)

@@ -168,6 +168,17 @@ class S3RefSpace(RefSpace):
             (d for d in out if d.name and not d.name.startswith(".")), key=lambda d: d.name
         )
 
+    def walk(self, folder: str) -> list[DocInfo]:
+        import obstore
+
+        prefix = self._key(folder.strip("/") + "/")
+        try:
+            metas = [m for batch in obstore.list(self.client, prefix=prefix) for m in batch]
+        except Exception as e:
+            raise _store_error(e, f"cannot list {self.where(folder)}") from None
+        out = [DocInfo(m["path"][len(prefix) :], m["last_modified"].timestamp()) for m in metas]
+        return sorted((d for d in out if d.name), key=lambda d: d.name)
+
     def delete(self, key: str) -> None:
         import obstore
 

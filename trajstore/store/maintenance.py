@@ -64,8 +64,11 @@ def ref_closure(store: Store, ref: dict[str, Any]) -> dict[str, str]:
     need: dict[str, str] = {}
     for k, h in ref["documents"].items():
         need[h] = f"{k} document"
-    for k, h in {**(ref.get("sentinels") or {}), **(ref.get("cohort_sentinels") or {})}.items():
-        need.setdefault(h, f"{k} sentinel")
+    # a cohort member has COMPLETE.<r> twice (its own, and the cohort's with relpath):
+    # both are needed, so the two maps are walked separately, never merged by name
+    for where in ("sentinels", "cohort_sentinels"):
+        for k, h in (ref.get(where) or {}).items():
+            need.setdefault(h, f"{k} sentinel")
     for name, p in ref["payloads"].items():
         need[p["record"]] = f"payload {name!r} record"
         f = p.get("file") or {}
@@ -136,9 +139,14 @@ def fsck(store: Store, *, deep: bool = True) -> FsckReport:
 
 
 def live_objects(store: Store) -> set[str]:
+    """Objects reachable from a live ref, or from a cohort shard not yet published."""
+    from trajstore.store.shards import pending_shards
+
     out: set[str] = set()
     for e in store.refs.live().values():
         out |= set(ref_closure(store, store.refs.read(e.name)))
+    for ref in pending_shards(store):
+        out |= set(ref_closure(store, ref))
     return out
 
 

@@ -16,9 +16,10 @@ all; ranks finishing together may both publish, and the conditional writes
 make that one publication (same cohort bytes -> same attempt -> one ref per
 key). A rank that dies before its shard exists leaves nothing published.
 
+Once the refs exist the publisher deletes the generation's shards; until then
+gc keeps the objects they name (`pending_shards`), however old.
 `G` (generation) is the first one whose slot for this rank is free or holds
-these very bytes, so a step re-captured after a published cohort gets a new
-generation. Limitation: a re-capture after a cohort that never completed (a
+these very bytes. Limitation: a re-capture after a cohort that never completed (a
 rank died) with different content fills that old generation's empty slots
 and is refused when the shards disagree on the anchor or on the expected ranks.
 """
@@ -121,7 +122,9 @@ def _read_shards(store: Store, folder: str) -> dict[int, dict[str, Any]]:
             continue
         try:
             doc = json.loads(store.space.read(f"{folder}/{d.name}"))
-        except (NotFoundError, ValueError) as e:
+        except NotFoundError:
+            continue  # its cohort was just published and the shard removed
+        except ValueError as e:
             where = f"{store.space.where(folder)}/{d.name}"
             raise StoreError(f"shard {where}: unreadable ({e})") from None
         docs[int(doc["rank"])] = doc
@@ -158,4 +161,21 @@ def try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[s
             continue
         ref.update(key=key, attempt=attempt, published_at=_now())
         ing._publish(key, json.dumps(ref, sort_keys=True, indent=1).encode())
+    # Published: the refs now keep the objects alive, the shards are done. A racing
+    # publisher that already read them publishes the same refs; one that did not finds
+    # the generation incomplete and does nothing.
+    for r in expected:
+        store.space.delete(f"{folder}/rank-{r}.json")
     return keys
+
+
+def pending_shards(store: Store) -> list[dict[str, Any]]:
+    """The prepared refs of shards whose cohort is not published yet (gc keeps their objects)."""
+    out = []
+    for d in store.space.walk(SHARDS_KEY):
+        if d.name.endswith(".json"):
+            try:
+                out.append(json.loads(store.space.read(f"{SHARDS_KEY}/{d.name}"))["ref"])
+            except (NotFoundError, ValueError, KeyError, TypeError):
+                continue  # published (deleted) meanwhile, or not a shard
+    return out
