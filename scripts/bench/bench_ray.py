@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""replay --all on Ray as a ratio to the local executor, same worker count, same store, one run.
+
+    .venv/bin/python scripts/bench/bench_ray.py --build DIR [--steps 40] [--samples 256]
+        [--mean-tokens 1024] [--workers 2] [--reps 3] [--json OUT]
+    .venv/bin/python scripts/bench/bench_ray.py --store DIR ...
+
+The store is built in the same run by `make_big_store.make_store(distinct=True)`
+(every bundle its own seeded content) unless `--store` names one. A local Ray
+instance with `--workers` CPUs is started in this process once (its start-up
+is reported, not counted: a deployment's cluster is already up); then
+`replay_all(executor="local", workers=W)` and `replay_all(executor="ray",
+workers=W)` run interleaved, one warm-up each (page cache and Ray's worker
+processes warm), then `--reps` timed runs each. The figure is the ratio of
+median wall times, local / Ray (>= 1 means Ray is as fast); target >= 0.8.
+Verdicts of both executors must agree, or the script exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+TARGET = 0.8
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", type=Path, help="an existing store")
+    where.add_argument("--build", type=Path, help="build a distinct store here first")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps-per-rollout", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--mean-tokens", type=int, default=1024)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="write the results here as JSON")
+    args = ap.parse_args()
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from trajstore.replay.batch import replay_all
+
+    say(
+        f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python "
+        f"{platform.python_version()}, ray {ray.__version__}, "
+        f"date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}"
+    )
+    if args.build:
+        import make_big_store
+
+        truth = make_big_store.make_store(
+            args.build,
+            steps=args.steps,
+            samples=args.samples,
+            mean_tokens=args.mean_tokens,
+            distinct=True,
+            per_rollout=args.steps_per_rollout,
+            fault_every=5,
+            clip_every=7,
+            progress=False,
+        )
+        say(f"built {truth['bundles']} bundles in {truth['build_seconds']} s; load {load()}")
+        root = args.build
+    else:
+        root = args.store
+    w = args.workers
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=w, include_dashboard=False, log_to_driver=False)
+    ray_start = time.perf_counter() - t0
+    say(f"ray.init (local instance, {w} CPUs): {ray_start:.1f} s")
+
+    def once(executor: str) -> tuple[float, dict]:
+        s = replay_all(root, workers=w, executor=executor, progress=False)
+        d = s.to_dict()
+        return s.seconds, {k: d[k] for k in ("total", "pass", "diverged", "refused")} | {
+            "histogram": d["first_divergent_stage_histogram"]
+        }
+
+    times: dict[str, list[float]] = {"local": [], "ray": []}
+    verdicts: dict[str, dict] = {}
+    warm: dict[str, float] = {}
+    for executor in ("local", "ray"):  # warm-up: page cache, Ray worker processes
+        warm[executor], verdicts[executor] = once(executor)
+    say(f"warm-up: local {warm['local']:.2f} s, ray {warm['ray']:.2f} s; load {load()}")
+    for rep in range(args.reps):
+        order = ("local", "ray") if rep % 2 == 0 else ("ray", "local")
+        for executor in order:
+            seconds, v = once(executor)
+            if v != verdicts[executor]:
+                say(f"verdicts changed between runs of {executor}: {v} vs {verdicts[executor]}")
+                return 1
+            times[executor].append(seconds)
+    ray.shutdown()
+    if verdicts["local"] != verdicts["ray"]:
+        say(f"verdicts differ: local {verdicts['local']} vs ray {verdicts['ray']}")
+        return 1
+    total = verdicts["local"]["total"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["local"] / med["ray"]
+    verdict = "met" if ratio >= TARGET else "missed"
+    say(f"bundles: {total}; verdicts (both): {verdicts['local']}")
+    for k in ("local", "ray"):
+        per = ", ".join(f"{x:.2f}" for x in times[k])
+        say(
+            f"{k:5} workers={w}: median {med[k]:.2f} s = {total / med[k]:.2f} bundles/s "
+            f"(runs {per} s)"
+        )
+    say(f"ratio ray/local throughput (local median / ray median): {ratio:.3f}x -> {verdict}")
+    say(f"load after: {load()}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "bundles": total,
+                    "workers": w,
+                    "ray_init_seconds": ray_start,
+                    "warmup_seconds": warm,
+                    "seconds": times,
+                    "median_seconds": med,
+                    "ratio": ratio,
+                    "target": TARGET,
+                    "verdict": verdict,
+                    "verdicts": verdicts,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
