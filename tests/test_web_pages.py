@@ -89,6 +89,7 @@ def test_with_a_token_pages_are_open_and_data_needs_the_header(store: Path) -> N
     with web_demo.serve(store, token=TOKEN) as base, httpx.Client(base_url=base) as http:
         for path in (*PAGES, *(f"/static/{name}" for name in web.ASSETS)):
             assert http.get(path).status_code == 200, path
+            assert http.head(path).status_code == 200, path
         for path in ("/v1/runs", "/v1/runs/synthetic/summary", "/docs", "/openapi.json"):
             assert http.get(path).status_code == 401, path
             assert http.get(path, params={"token": TOKEN}).status_code == 401, path

@@ -51,32 +51,32 @@ def _shell() -> Response:
     return Response(html, media_type="text/html; charset=utf-8", headers=_HEADERS)
 
 
-@router.get("/")
+@router.api_route("/", methods=["GET", "HEAD"])
 def runs_page() -> Response:
     return _shell()
 
 
-@router.get("/runs/{run}")
+@router.api_route("/runs/{run}", methods=["GET", "HEAD"])
 def steps_page(run: str) -> Response:
     return _shell()
 
 
-@router.get("/runs/{run}/steps/{step_ref}")
+@router.api_route("/runs/{run}/steps/{step_ref}", methods=["GET", "HEAD"])
 def step_page(run: str, step_ref: str) -> Response:
     return _shell()
 
 
-@router.get("/routes")
+@router.api_route("/routes", methods=["GET", "HEAD"])
 def routes_page() -> Response:
     return _shell()
 
 
-@router.get("/diff")
+@router.api_route("/diff", methods=["GET", "HEAD"])
 def diff_page() -> Response:
     return _shell()
 
 
-@router.get("/static/{name}")
+@router.api_route("/static/{name}", methods=["GET", "HEAD"])
 def asset(name: str) -> Response:
     media_type = ASSETS.get(name)
     if media_type is None:
