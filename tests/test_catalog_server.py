@@ -26,8 +26,8 @@ import pytest
 import uvicorn
 from conftest import FIXTURES
 from pg_server import fresh_schema
-
 from trajstore.api.app import create_app
+
 from trajstore.catalog import (
     CATALOG_FILE,
     list_bundles,
