@@ -432,3 +432,50 @@ def test_several_return_sequences_each_get_their_prompts_routes():
     assert gen.sequences.shape == (6, 7) and gen.routes.shape == (6, 7, LAYERS, TOP_K)
     assert gen.attention_mask[:, 0].tolist() == [1, 1, 1, 0, 0, 0]
     assert torch.equal(gen.routes[0, :4], gen.routes[2, :4])  # the same prompt, the same routes
+
+
+# ---- the same through TRL's GRPOTrainer (trajstore.integrations.trl), bf16 rollout_func
+
+TRL_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def trl_runs(tmp_path_factory):
+    from trajstore.examples.trl_moe_r3 import run_into_store
+
+    store = tmp_path_factory.mktemp("trl_moe") / "store"
+    trainers = run_into_store(store, steps=TRL_STEPS, seed=0)
+    return store, trainers
+
+
+@pytest.fixture(scope="module")
+def trl_compared(trl_runs):
+    store, _ = trl_runs
+    proc = _trajstore(
+        "router", "compare", "--store", str(store), "--run", "trl-baseline", "--run", "trl-r3",
+        "--format", "json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_trl_router_compare_shows_baseline_route_mismatch_above_zero(trl_compared):
+    rows = [step["runs"]["trl-baseline"] for step in trl_compared["steps"]]
+    assert len(rows) == TRL_STEPS and all(r["metric_error"] == [] for r in rows)
+    assert sum(r["route_mismatch_rate"] for r in rows) > 0.0
+
+
+def test_trl_router_compare_shows_r3_route_mismatch_exactly_zero(trl_compared):
+    """TRL trains with activation checkpointing on: the recomputed layers replay too."""
+    rows = [step["runs"]["trl-r3"] for step in trl_compared["steps"]]
+    assert len(rows) == TRL_STEPS and all(r["valid_token_layers"] > 0 for r in rows)
+    assert all(r["route_mismatch_rate"] == 0.0 and r["metric_error"] == [] for r in rows)
+
+
+@pytest.mark.parametrize("run", ["trl-baseline", "trl-r3"])
+def test_trl_captured_bundles_replay_with_exit_0(trl_runs, run):
+    store, _ = trl_runs
+    proc = _trajstore("replay", "--store", str(store), "--run", run, "--all", "--json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["total"] == 2 * TRL_STEPS and summary["refused"] == 0
