@@ -290,3 +290,23 @@ def test_serve_on_a_postgres_catalog_answers_lookups_and_follows_writers(
     assert first.status_code == 200, first.text
     assert later.status_code == 200, later.text
     assert not (root / CATALOG_FILE).exists()
+
+
+# -- an S3 store (SeaweedFS on loopback) with a PostgreSQL catalog ------------------
+
+
+def test_s3_store_with_postgres_catalog_lists_refs_from_the_mark(s3_env, pg_url, make_bundle):
+    url = s3_env.fresh_url()
+    with Store.open(url, catalog_url=pg_url) as store:
+        for seed in range(3):
+            store.ingest([make_bundle(rollout_id=seed, step_id=0, seed=seed)])
+        names = store.space.list_after("refs/bundles", None)
+        after_second = store.space.list_after("refs/bundles", names[1])
+    with Store.open(url) as orphan:  # a writer that never reached the catalog
+        orphan.ingest([make_bundle(rollout_id=9, step_id=0, seed=9)])
+    with Store.open(url) as store, open_catalog(None, pg_url) as cat:
+        again = sync_new(cat, store.space, store.load_document, margin_s=0)
+        keys = [b["key"] for b in list_bundles(cat, limit=100)["items"]]
+    assert len(names) == 3 and after_second == names[2:]
+    assert (again.listed, again.new_refs) == (1, 1)
+    assert len(keys) == 4

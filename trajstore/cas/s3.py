@@ -179,6 +179,25 @@ class S3RefSpace(RefSpace):
         out = [DocInfo(m["path"][len(prefix) :], m["last_modified"].timestamp()) for m in metas]
         return sorted((d for d in out if d.name), key=lambda d: d.name)
 
+    def list_after(self, folder: str, after: str | None) -> list[str]:
+        """Names directly inside `folder` that sort after `after` (all when None), sorted:
+        one listing that starts there (S3 StartAfter), so an incremental catalog sync
+        pays for what is new, not for the whole folder (trajstore.catalog.sync.sync_new)."""
+        import obstore
+
+        prefix = self._key(folder.strip("/") + "/")
+        offset = prefix + after if after else None
+        try:
+            metas = [
+                m
+                for batch in obstore.list(self.client, prefix=prefix, offset=offset)
+                for m in batch
+            ]
+        except Exception as e:
+            raise _store_error(e, f"cannot list {self.where(folder)}") from None
+        names = (m["path"][len(prefix) :] for m in metas)
+        return sorted(n for n in names if n and "/" not in n and not n.startswith("."))
+
     def delete(self, key: str) -> None:
         import obstore
 
