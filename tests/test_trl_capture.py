@@ -9,6 +9,7 @@ shared by the tests through a module-scoped cache. The expectations are TRL's ow
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -146,6 +147,7 @@ RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
         )
         for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
     },
+    "opsm": ({"loss_type": "grpo", "off_policy_mask_threshold": 0.002}, False, False),
     "vespo": ({"loss_type": "vespo"}, False, False),
 }
 REPLAYABLE = [name for name in RUNS if name != "vespo"]
@@ -165,8 +167,9 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def train(root: Path, name: str, *, capture: bool) -> tuple[Path, GRPOTrainer]:
-    """One real TRL run of ``RUNS[name]``: 2 optimizer steps of 2 micro-batches, one rollout."""
+def train(root: Path, name: str, *, capture: bool, store: bool = False) -> tuple[Path, GRPOTrainer]:
+    """One real TRL run of ``RUNS[name]``: 2 optimizer steps of 2 micro-batches, one rollout;
+    capture into ``root/capture`` (a directory, or a store with ``store``)."""
     overrides, moe, fake_engine = RUNS[name]
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer()
@@ -195,7 +198,8 @@ def train(root: Path, name: str, *, capture: bool) -> tuple[Path, GRPOTrainer]:
         **overrides,
     )
     capture_dir = root / "capture"
-    env = {"TRAJSTORE_CAPTURE": "1" if capture else "0", "TRAJSTORE_CAPTURE_DIR": str(capture_dir)}
+    destination = "TRAJSTORE_CAPTURE_STORE" if store else "TRAJSTORE_CAPTURE_DIR"
+    env = {"TRAJSTORE_CAPTURE": "1" if capture else "0", destination: str(capture_dir)}
     with _environment(env):
         trainer = (FakeEngineTrainer if fake_engine else GRPOTrainer)(
             model=model,
@@ -250,6 +254,7 @@ def test_every_captured_bundle_replays_with_exit_0(run, name: str) -> None:
     capture_dir, _ = run(name)
     bundles = _bundles(capture_dir)
     assert [path.name for path in bundles] == ["replay-0-0", "replay-0-1", "replay-rollout-0"]
+    assert [cli(["validate", str(path)]) for path in bundles] == [0, 0, 0]
     assert [cli(["replay", str(path)]) for path in bundles] == [0, 0, 0]
 
 
@@ -310,6 +315,17 @@ def test_the_cli_replays_a_captured_bundle_in_a_fresh_process(run) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "loss.policy" in done.stdout
+
+
+def test_capture_into_a_store_replays_every_step_linked_to_its_rollout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, _ = train(tmp_path, "sapo", capture=True, store=True)
+    assert cli(["replay", "--store", str(store), "--all"]) == 0
+    capsys.readouterr()
+    assert cli(["replay", "--store", str(store), "--step", "0:1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["linkage"]["status"] == "pass"
 
 
 def test_vespo_is_named_unsupported_by_the_capability_matrix(run) -> None:
@@ -426,6 +442,7 @@ SETTINGS = [
     ("delta", "replay-0-1", "delta", None, "loss.policy"),
     ("delta", "replay-0-1", "entropy_coef", 0.0, "loss.policy"),
     ("moe", "replay-0-1", "aux_loss_coef", None, "loss.policy"),
+    ("opsm", "replay-0-1", "off_policy_mask_threshold", None, "loss.policy"),
     ("is-token_truncate", "replay-0-1", "is_correction", None, "loss.policy"),
     ("is-token_mask", "replay-0-1", "is_correction", "token_truncate", "loss.policy"),
     ("is-sequence_truncate", "replay-0-1", "is_correction", "token_truncate", "loss.policy"),

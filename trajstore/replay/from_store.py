@@ -35,7 +35,7 @@ from trajstore.replay.runner import (
     replay_sources,
 )
 from trajstore.replay.selection import SelectionRequest
-from trajstore.replay.stages import KNOWN_CONFIG_KEYS
+from trajstore.schema import Config
 from trajstore.vocab import REWARD_STAGES, Payload, Stage, StageStatus, Verdict
 
 #: rollout stages whose outputs a step bundle consumes
@@ -291,7 +291,9 @@ def _linkage_outcome(
     estimator = config.get("advantage_estimator") or "grpo"
     if estimator != "grpo":
         return f"{who}advantage_estimator {estimator!r} is not recomputed (grpo only)"
-    unknown = sorted(set(config) - KNOWN_CONFIG_KEYS)
+    # every documented key, loss-family ones included: the advantages a step consumed are
+    # its rollout's post-processed rewards under both chains (replay-math.md)
+    unknown = sorted(set(config) - set(Config.FIELDS))
     if unknown:
         return f"{who}config key(s) {', '.join(unknown)} not understood by this engine"
     if src.index.identity.cp != 1:
