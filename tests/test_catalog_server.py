@@ -146,8 +146,8 @@ def test_rm_and_replay_record_reach_the_server_catalog(tmp_path, pg_url, make_bu
     root = tmp_path / "store"
     keep = make_bundle(rollout_id=1, step_id=0, seed=1)
     gone = make_bundle(rollout_id=2, step_id=0, seed=2)
-    for path in (keep, gone):
-        assert _cli("ingest", str(path), "--store", str(root), "--catalog", pg_url).returncode == 0
+    ingested = _cli("ingest", str(keep), str(gone), "--store", str(root), "--catalog", pg_url)
+    assert ingested.returncode == 0, ingested.stderr
     env = {"TRAJSTORE_CATALOG": pg_url}  # the environment stands for --catalog
     removed = _cli("rm", "--store", str(root), "default/step-2-0/a1", env=env)
     replayed = _cli("replay", "--store", str(root), "--step", "1:0", "--record", env=env)
