@@ -177,3 +177,31 @@ def test_a_family_key_on_a_v1_bundle_without_policy_loss_is_named_unsupported(
     report = replay(write_bundle(tmp_path / "b", contents), "loss.policy")
     outcome = next(s for s in report.bundles[0].stages if s.stage == "loss.policy")
     assert outcome.status == "unsupported" and "policy_loss" in outcome.reason
+
+
+def test_a_v1_bundle_replays_the_v1_stages_and_a_family_bundle_the_variants(
+    tmp_path: Path,
+) -> None:
+    v1 = replay(write_bundle(tmp_path / "v1", make_contents(seed=1)), "sample")
+    family = replay(relax_bundle(tmp_path / "family", "dapo"))
+    assert {s.version for s in v1.bundles[0].stages} == {"v1"}
+    versions = {s.stage: s.version for s in family.bundles[0].stages}
+    assert (versions["loss.policy"], versions["sample"]) == ("family-v1", "v1")
+
+
+def test_a_second_variant_of_the_same_name_is_refused() -> None:
+    import dataclasses
+
+    from trajstore.replay import losses
+    from trajstore.replay.registry import StageVariant, register_variant
+
+    original = StageVariant(
+        stage="loss.policy",
+        name=losses.FAMILY,
+        applies=losses.uses_family,
+        run=losses.stage_loss_policy,
+        capability=losses.family_capability("loss.policy"),
+        version="family-v9",
+    )
+    with pytest.raises(ValueError, match="registered twice"):
+        register_variant(dataclasses.replace(original))
