@@ -20,6 +20,7 @@ accepted too; both spellings set to different values is an error):
 | TRAJSTORE_CAPTURE_BLOCK | 1: wait for queue space instead of dropping |
 | TRAJSTORE_CAPTURE_REDACT | e.g. ``prompt=hash,response=truncate:64,tool_output=drop`` |
 | TRAJSTORE_PRODUCER_COMMIT | trainer commit recorded as manifest ``producer.commit`` |
+| TRAJSTORE_CAPTURE_SESSION | s3:// store: an id all ranks of one launch share (the job id) |
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "block": ("TRAJSTORE_CAPTURE_BLOCK",),
     "redaction": ("TRAJSTORE_CAPTURE_REDACT",),
     "producer_commit": ("TRAJSTORE_PRODUCER_COMMIT",),
+    "session": ("TRAJSTORE_CAPTURE_SESSION",),
 }
 
 
@@ -138,6 +140,8 @@ class CaptureConfig:
     rollout_ranks: tuple[int, ...] | None = None
     parallel: Mapping[str, int] | None = None
     producer_commit: str = ""
+    #: the ranks of one launch share it (an s3:// store keys cohort shards by it)
+    session: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -150,6 +154,10 @@ class CaptureConfig:
         if self.rollouts is not None:
             set_(self, "rollouts", frozenset(int(r) for r in self.rollouts))
         set_(self, "redaction", RedactionPolicy.parse(self.redaction))
+        if self.session is not None and not _RUN.match(str(self.session)):
+            raise CaptureConfigError(
+                f"session {self.session!r} must be 1-128 letters, digits, '.', '_' or '-'"
+            )
         if not isinstance(self.run, str) or not _RUN.match(self.run):
             raise CaptureConfigError(
                 f"run name {self.run!r} must be 1-128 characters "
@@ -237,6 +245,9 @@ class CaptureConfig:
             if not re.fullmatch(r"[0-9A-Za-z._-]{0,64}", commit):
                 raise CaptureConfigError(f"{got[0]}={got[1]!r} is not a commit id")
             kw["producer_commit"] = commit
+        got = _read(env, "session")
+        if got and got[1].strip():
+            kw["session"] = got[1].strip()
         kw.update(overrides)
         return cls(**kw)
 

@@ -151,7 +151,9 @@ class CaptureWriter:
         from trajstore.store.shards import store_rank_shard
 
         with self._open_store() as store:
-            outcome = store_rank_shard(store, cohort / f"rank-{rank}", self.config.run)
+            outcome = store_rank_shard(
+                store, cohort / f"rank-{rank}", self.config.run, session=self.config.session
+            )
         if outcome.published:
             self.stats.ingested += 1
         shutil.rmtree(cohort, ignore_errors=True)

@@ -18,10 +18,14 @@ key). A rank that dies before its shard exists leaves nothing published.
 
 Once the refs exist the publisher deletes the generation's shards; until then
 gc keeps the objects they name (`pending_shards`), however old.
-`G` (generation) is the first one whose slot for this rank is free or holds
-these very bytes. Limitation: a re-capture after a cohort that never completed (a
-rank died) with different content fills that old generation's empty slots
-and is refused when the shards disagree on the anchor or on the expected ranks.
+Which shards belong together: with a session id shared by the ranks of one
+launch (`TRAJSTORE_CAPTURE_SESSION`, e.g. the job id) the folder is
+`s-<session>`. Without one, `g<G>` is the first generation whose slot for this
+rank is free or holds these very bytes. That is right unless an earlier cohort
+of the step never completed (a rank died) and the step is re-captured with
+different content: the restarted rank fills its free slot next to the
+survivors' old shards and the cohort mixes two captures. Give a session id
+when ranks may be restarted.
 """
 
 from __future__ import annotations
@@ -66,9 +70,14 @@ def _anchor_name(kind: str, rollout_id: int, step_id: int | None) -> str:
     return f"step-{rollout_id}-{step_id}" if kind == "step" else f"rollout-{rollout_id}"
 
 
-def store_rank_shard(store: Store, member: Path | str, run: str) -> ShardOutcome:
+def store_rank_shard(
+    store: Store, member: Path | str, run: str, *, session: str | None = None
+) -> ShardOutcome:
     """Store cohort member `member` (a `rank-<r>/` directory holding its `COMPLETE.<r>`)
-    and publish the cohort when every expected rank's shard is in the store."""
+    and publish the cohort when every expected rank's shard is in the store.
+
+    `session`, one id shared by every rank of a launch, names the shards' folder
+    (`s-<session>`) instead of the first free generation."""
     check_run_name(run)
     member = Path(member)
     b = open_bundle(member, before_cohort=True)
@@ -102,14 +111,24 @@ def store_rank_shard(store: Store, member: Path | str, run: str) -> ShardOutcome
     doc = {"shard_version": SHARD_VERSION, "rank": rank, "shard": shard, "ref": ref}
     data = json.dumps(doc, sort_keys=True).encode()
     folder = f"{SHARDS_KEY}/{run}/{_anchor_name(kind, rollout_id, step_id)}"
-    g = 1
-    while True:
-        key = f"{folder}/g{g}/rank-{rank}.json"
-        if store.space.create_if_absent(key, data) or store.space.read(key) == data:
-            break
-        g += 1
+    if session is not None:
+        slot = f"{folder}/s-{session}"
+        key = f"{slot}/rank-{rank}.json"
+        if not store.space.create_if_absent(key, data) and store.space.read(key) != data:
+            raise StoreError(
+                f"{store.space.where(key)}: session {session!r} already stored other content "
+                f"for rank {rank}; a new capture needs a new TRAJSTORE_CAPTURE_SESSION"
+            )
+    else:
+        g = 1
+        while True:
+            slot = f"{folder}/g{g}"
+            key = f"{slot}/rank-{rank}.json"
+            if store.space.create_if_absent(key, data) or store.space.read(key) == data:
+                break
+            g += 1
     outcome = ShardOutcome(shard=key)
-    keys = try_publish_cohort(store, f"{folder}/g{g}", expected)
+    keys = try_publish_cohort(store, slot, expected)
     if keys is not None:
         outcome.published, outcome.keys = True, keys
     return outcome
