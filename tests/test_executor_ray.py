@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -46,8 +47,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def ray_head() -> Iterator[tuple[str, Path]]:
-    """(address, gate directory) of a 2-CPU Ray head on this machine, stopped at the end."""
+def ray_head(s3_server: Any) -> Iterator[tuple[str, Path]]:
+    """(address, gate directory) of a 2-CPU Ray head on this machine, stopped at the end.
+
+    Its workers get the S3 server's AWS variables, as a cluster's nodes get them from the
+    environment `ray start` runs in (docs/deployment.md)."""
     ray_bin = Path(sys.executable).with_name("ray")
     assert ray_bin.is_file(), "the ray extra is part of the dev install: pip install -e '.[dev]'"
     # short: Ray's unix socket paths under --temp-dir must stay under 108 bytes
@@ -55,7 +59,7 @@ def ray_head() -> Iterator[tuple[str, Path]]:
     gate = tmp / "gate"
     gate.mkdir()
     port = _free_port()
-    env = {**os.environ, **RAY_ENV, "TRAJSTORE_TASK_GATE": str(gate)}
+    env = {**os.environ, **s3_server.env(), **RAY_ENV, "TRAJSTORE_TASK_GATE": str(gate)}
     log = (tmp / "head.log").open("wb")
     head = subprocess.Popen(
         [
@@ -220,6 +224,30 @@ def test_a_killed_ray_worker_during_ingest_publishes_each_bundle_once(
         store.ingest([capture], run="r")
         local = Counter(entry.key for entry in store.refs.all())
     assert refs == local == Counter({key: 1 for key in local})
+
+
+def test_ray_on_s3_with_a_postgres_catalog_finds_exactly_the_faulty_rollouts_steps(
+    capture: Path, ray_head: tuple[str, Path], s3_env: Any
+) -> None:
+    from pg_server import fresh_schema
+
+    address, _ = ray_head
+    url = s3_env.fresh_url("ray")
+    on_ray = ("--executor", "ray", "--ray-address", address)
+    with fresh_schema() as catalog:
+        where = ("--store", url, "--catalog", catalog)
+        ingest = run_cli("ingest", capture, *where, "--run", "r", *on_ray)
+        assert ingest.returncode == 0, ingest.stderr
+        replay = run_cli("replay", *where, "--all", "--record", "--json", *on_ray)
+        assert replay.returncode == 1, replay.stderr
+        assert json.loads(replay.stdout)["total"] == ROLLOUTS * (STEPS + 1)
+        out = run_cli(
+            "query", "steps", *where, "--first-divergent-stage", "reward.post_process",
+            "--format", "json",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    steps = sorted((row["rollout_id"], row["step_id"]) for row in json.loads(out.stdout))
+    assert steps == [(FAULTY, s) for s in range(STEPS)]
 
 
 def test_ray_address_without_ray_names_the_extra_to_install(stored: Path) -> None:

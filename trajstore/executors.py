@@ -158,10 +158,12 @@ class RayExecutor:
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if hasattr(exc, "cause") else None
+            cause = getattr(exc, "cause", None)
             if isinstance(cause, TrajstoreError):
                 raise cause from None
-            raise
+            what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+            first = what.strip().splitlines()[0] if what.strip() else type(exc).__name__
+            raise StoreError(f"a Ray task failed: {first}") from None
         except ray.exceptions.WorkerCrashedError:
             raise StoreError(
                 f"a Ray worker died {RAY_MAX_RETRIES + 1} times on one task; what was "

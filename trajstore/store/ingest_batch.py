@@ -66,7 +66,9 @@ def ingest_on_executor(
 
     check_run_name(run)
     where = str(location) if "://" in str(location) else str(Path(location).resolve())
-    Store.open(where, create=True, catalog_url=catalog_url).close()
+    with Store.open(where, create=True, catalog_url=catalog_url) as store:
+        # a server catalog is created and migrated here once, not raced by the workers
+        store.index_new()
     outcomes: list[IngestOutcome] = []
 
     def emit(outcome: IngestOutcome) -> None:
