@@ -8,10 +8,11 @@
 4. it prints sizes and dedup, the first-divergent-stage histogram, the steps
    rooted in reward.post_process (checked against the injected rollouts), the
    router comparison, and the commands to type next;
-5. R3 on a real transformers MoE model: GRPO on a tiny Qwen3-MoE (bf16
-   generation, fp32 training) as runs `hf-baseline` and `hf-r3`, routes
+5. R3 through TRL's GRPOTrainer on a tiny transformers Qwen3-MoE (bf16
+   rollout engine, fp32 training) as runs `trl-baseline` and `trl-r3`, routes
    recorded and replayed by trajstore.integrations.hf_moe, every captured
-   step replayed (exit 0) and the two runs compared.
+   bundle replayed (exit 0) and the two runs compared (skipped, saying so,
+   without the `trl` extra).
 
 Every step runs the real `trajstore` CLI, and the trainers as `python -m
 trajstore.examples.*`; everything it needs is installed with trajstore, so it
@@ -21,6 +22,7 @@ runs from a wheel as well as from a checkout. Any failed expectation exits 1.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -62,13 +64,40 @@ def check(cond: bool, what: str) -> None:
     print(f"  ok: {what}")
 
 
+def r3_section(store: Path, steps: int) -> None:
+    """TRL GRPO runs trl-baseline and trl-r3 (bf16 rollout, fp32 training), each captured step
+    replayed, and the two compared: baseline routes drift, r3 executes the rollout's."""
+    runs = ("trl-baseline", "trl-r3")
+    run([sys.executable, "-m", "trajstore.examples.trl_moe_r3", "--store", str(store),
+         "--steps", str(steps), "--seed", "0"])  # fmt: skip
+    for name in runs:
+        replayed = json.loads(
+            trajstore("replay", "--store", str(store), "--run", name, "--all", "--json", show=False)
+        )
+        check(
+            replayed["total"] == 2 * steps and replayed["diverged"] == 0,
+            f"`trajstore replay --store {store} --run {name} --all` exits 0: "
+            f"{replayed['total']} rollout and step bundles pass",
+        )
+    compare = ["router", "compare", "--store", str(store), "--run", runs[0], "--run", runs[1]]
+    trajstore(*compare)
+    doc = json.loads(trajstore(*compare, "--format", "json", show=False))
+    base = [row["runs"][runs[0]]["route_mismatch_rate"] for row in doc["steps"]]
+    r3 = [row["runs"][runs[1]]["route_mismatch_rate"] for row in doc["steps"]]
+    check(sum(rate or 0 for rate in base) > 0, "trl-baseline route mismatch > 0 (bf16 vs fp32)")
+    check(
+        len(r3) == steps and all(rate == 0 for rate in r3),
+        "trl-r3 route mismatch exactly 0 on every step (the rollout's experts executed)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--store", default="demo-store", help="store to (re)create (default: ./demo-store)"
     )
     parser.add_argument("--moe-steps", type=int, default=6)
-    parser.add_argument("--hf-steps", type=int, default=4)
+    parser.add_argument("--trl-steps", type=int, default=2)
     args = parser.parse_args(argv)
     store = Path(args.store)
     work = store.parent / (store.name + "-work")
@@ -241,51 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     check(all(rate == 0 for rate in r3), "r3 route mismatch exactly 0 on every step")
     print(f"plot written to {plot}")
 
-    say("6/6 R3 on a transformers Qwen3-MoE: GRPO baseline vs r3, captured, replayed, compared")
-    hf_runs = tuple(f"hf-{mode}" for mode in ("baseline", "r3"))
-    run(
-        [
-            sys.executable,
-            "-m",
-            "trajstore.examples.hf_moe_r3",
-            "--store",
-            str(store),
-            "--steps",
-            str(args.hf_steps),
-            "--seed",
-            "0",
-        ]
-    )
-    for hf_run in hf_runs:
-        replayed = json.loads(
-            trajstore(
-                "replay", "--store", str(store), "--run", hf_run, "--all", "--json", show=False
-            )
-        )
-        check(
-            replayed["total"] == 2 * args.hf_steps and replayed["diverged"] == 0,
-            f"`trajstore replay --store {store} --run {hf_run} --all` exits 0: "
-            f"{replayed['total']} rollout and step bundles pass",
-        )
-    hf_compare = [
-        "router",
-        "compare",
-        "--store",
-        str(store),
-        "--run",
-        hf_runs[0],
-        "--run",
-        hf_runs[1],
+    say("6/6 R3 through TRL's GRPOTrainer on a transformers Qwen3-MoE: baseline vs r3")
+    missing = [
+        m for m in ("transformers", "trl", "datasets") if importlib.util.find_spec(m) is None
     ]
-    trajstore(*hf_compare)
-    hf = json.loads(trajstore(*hf_compare, "--format", "json", show=False))
-    hf_base = [row["runs"][hf_runs[0]]["route_mismatch_rate"] for row in hf["steps"]]
-    hf_r3 = [row["runs"][hf_runs[1]]["route_mismatch_rate"] for row in hf["steps"]]
-    check(sum(rate or 0 for rate in hf_base) > 0, "hf-baseline route mismatch > 0 (bf16 vs fp32)")
-    check(
-        len(hf_r3) == args.hf_steps and all(rate == 0 for rate in hf_r3),
-        "hf-r3 route mismatch exactly 0 on every step (replayed routes executed)",
-    )
+    if missing:
+        print(f"  skipped: needs {', '.join(missing)} (pip install 'trajstore[trl]')")
+    else:
+        r3_section(store, args.trl_steps)
 
     first = rows[0] if rows else {"rollout_id": FAULT_ROLLOUTS[0], "step_id": 0}
     say(f"done: all expectations met in {time.perf_counter() - T0:.0f}s. Next, try:")

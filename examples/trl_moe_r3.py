@@ -116,8 +116,8 @@ def bf16_rollout(prompts: list, trainer: Any) -> dict[str, Any]:
         )
     trainer.r3_generated = rows
     # logprobs None: TRL's importance-sampling correction stays off, the loss is on-policy GRPO
-    return {"prompt_ids": [list(ids) for ids in encoded], "completion_ids": completions,
-            "logprobs": None}  # fmt: skip
+    prompt_ids = [list(ids) for ids in encoded]
+    return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
 
 @functools.cache
@@ -172,6 +172,9 @@ def trainer_class() -> type:
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
             output = super()._generate_and_score_completions(inputs)
             rows, self.r3_generated = self.r3_generated or [], None
+            # a new generation batch: the earlier ones' steps have all been taken and written
+            self.r3_rows.clear()
+            self.r3_capture_rows.clear()
             first = self._r3_next_row
             self._r3_next_row += len(rows)
             device = output["advantages"].device
@@ -187,6 +190,12 @@ def trainer_class() -> type:
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
             try:
                 return super().training_step(*args, **kwargs)
+            finally:
+                self._r3_close_hooks()
+
+        def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().prediction_step(*args, **kwargs)
             finally:
                 self._r3_close_hooks()
 
@@ -233,6 +242,8 @@ def trainer_class() -> type:
             """[b, P + C]: the tokens each row really has (prompt padding and completion
             padding excluded; a completion TRL masked as truncated still counts)."""
             prompt = inputs["prompt_mask"].bool()
+            if prompt.sum(1).tolist() != [row.prompt_len for row in rows]:
+                raise ValueError("trl_moe_r3: the loss batch's prompts are not the generated ones")
             width = inputs["completion_ids"].shape[1]
             lengths = torch.tensor([row.completion_len for row in rows], device=prompt.device)
             completion = torch.arange(width, device=prompt.device).unsqueeze(0) < lengths[:, None]
@@ -313,6 +324,7 @@ def train_mode(mode: str, steps: int, seed: int, capture: Any, workdir: Path | s
     import numpy as np
     from datasets import Dataset
     from trajstore.examples.hf_moe_r3 import HFMoEConfig, build_model, build_tokenizer
+    from transformers import PrinterCallback
     from trl import GRPOConfig
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental"
@@ -336,6 +348,7 @@ def train_mode(mode: str, steps: int, seed: int, capture: Any, workdir: Path | s
         seed=seed,
         save_strategy="no",
         disable_tqdm=True,
+        dataloader_pin_memory=False,
     )
     trainer = trainer_class()(
         model=model,
@@ -346,6 +359,7 @@ def train_mode(mode: str, steps: int, seed: int, capture: Any, workdir: Path | s
         r3_mode=mode,
         capture=capture,
     )
+    trainer.remove_callback(PrinterCallback)  # the summary main prints is enough
     trainer.train()
     return trainer
 
@@ -404,13 +418,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         p.error("--steps must be at least 1")
     modes = MODES if args.mode == "both" else (args.mode,)
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    # transformers/TRL deprecation chatter about their own defaults, not about this run
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    hf_logging.set_verbosity_error()
     try:
-        run_into_store(args.store, modes, steps=args.steps, seed=args.seed, prefix=args.prefix)
+        trainers = run_into_store(
+            args.store, modes, steps=args.steps, seed=args.seed, prefix=args.prefix
+        )
     except TrajstoreError as exc:  # one line, the CLI's exit code (docs/cli.md)
         print(f"trl_moe_r3: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    for mode in modes:
-        print(f"{mode}: {args.steps} TRL steps captured into run {args.prefix + mode!r}")
+    for mode, trainer in trainers.items():
+        losses = [f"{e['loss']:.4g}" for e in trainer.state.log_history if "loss" in e]
+        print(
+            f"{mode}: {args.steps} TRL GRPO steps captured into run {args.prefix + mode!r}; "
+            f"TRL's logged loss per step: {', '.join(losses)}"
+        )
     return 0
 
 
