@@ -252,8 +252,12 @@ class CatalogSnapshot:
             log.info("catalog reachable again")
         self.last_error = None
         moved = count != self._stamp
+        now = time.monotonic()
+        if moved and not force and now - self._last_sync < self.min_interval_s:
+            return False  # writers are busy: rebuild at most once per min_interval_s
         if moved or force:
             self._stamp = count
+            self._last_sync = now
             self.view = _build_view(self.catalog, self.view, self.view.generation + 1)
         return moved
 
