@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from conftest import make_contents
 from test_store import cli
 
@@ -91,3 +93,24 @@ def test_cli_ingest_export_and_fsck_work_on_an_s3_store(s3_env: Any, tmp_path: P
     assert sorted(p.name for p in out.rglob("*")) == sorted(p.name for p in src.rglob("*"))
     assert cli("fsck", "--store", url).returncode == 0
     assert cli("ls", "--store", url, env={"TRAJSTORE_STORE": ""}).returncode == 0
+
+
+def test_serve_on_an_s3_store_answers_a_lookup_by_actor_step_id(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    import httpx
+    from web_demo import serve
+
+    url = s3_env.fresh_url("serve")
+    write_bundle(tmp_path / "cap" / "replay-7-0", make_contents(lengths=30))
+    assert cli("ingest", "--store", url, "--run", "r", tmp_path / "cap").returncode == 0
+    with serve(url) as base:  # type: ignore[arg-type]  # an s3:// URL as the store
+        step = httpx.get(f"{base}/v1/runs/r/steps/7:0", timeout=60)
+        (log_probs,) = [
+            p for p in step.json()["bundles"][0]["payloads"] if p["name"] == "log_probs"
+        ]
+        body = httpx.get(f"{base}{log_probs['url']}", timeout=60)
+    assert step.status_code == 200 and body.status_code == 200
+    with Store.open(url, create=False) as store:
+        stored = store.step("r", 7, 0)[0].payload("log_probs")
+    assert np.array_equal(np.load(io.BytesIO(body.content)), stored)
