@@ -269,6 +269,16 @@ def test_the_loss_and_the_rewards_are_recomputed_not_skipped(run, name: str) -> 
 
 
 @pytest.mark.parametrize("name", REPLAYABLE)
+def test_the_replayed_loss_matches_to_float32_round_off(run, name: str) -> None:
+    capture_dir, _ = run(name)
+    for step in range(STEPS):
+        path = capture_dir / f"replay-0-{step}"
+        loss = read_json(path / "expected.json")["loss.policy"]["loss"]
+        outcome = stage(replay(path), "loss.policy")
+        assert outcome.max_abs_error <= 4 * 2**-24 * max(abs(loss), 1.0)
+
+
+@pytest.mark.parametrize("name", REPLAYABLE)
 def test_the_captured_step_loss_is_trls_logged_loss(run, name: str) -> None:
     capture_dir, trainer = run(name)
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
