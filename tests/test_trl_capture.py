@@ -149,8 +149,14 @@ RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
     },
     "opsm": ({"loss_type": "grpo", "off_policy_mask_threshold": 0.002}, False, False),
     "vespo": ({"loss_type": "vespo"}, False, False),
+    # 3 micro-batches per optimizer step, 2 per generation batch: steps span generation batches
+    "span": (
+        {"loss_type": "dapo", "gradient_accumulation_steps": 3, "steps_per_generation": 2},
+        False,
+        False,
+    ),
 }
-REPLAYABLE = [name for name in RUNS if name != "vespo"]
+REPLAYABLE = [name for name in RUNS if name not in ("vespo", "span")]
 
 
 @contextmanager
@@ -178,12 +184,11 @@ def train(root: Path, name: str, *, capture: bool, store: bool = False) -> tuple
         {"prompt": " ".join(f"w{(7 * i + j) % (VOCAB - 4)}" for j in range(3 + i % 3))}
         for i in range(8)
     ]
+    settings = {"gradient_accumulation_steps": 2, "num_iterations": 2, **overrides}
     args = GRPOConfig(
         output_dir=str(root / "out"),
         per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
         num_generations=4,
-        num_iterations=2,
         max_completion_length=10,
         max_steps=STEPS,
         logging_steps=1,
@@ -195,7 +200,7 @@ def train(root: Path, name: str, *, capture: bool, store: bool = False) -> tuple
         seed=0,
         save_strategy="no",
         disable_tqdm=True,
-        **overrides,
+        **settings,
     )
     capture_dir = root / "capture"
     destination = "TRAJSTORE_CAPTURE_STORE" if store else "TRAJSTORE_CAPTURE_DIR"
@@ -336,6 +341,29 @@ def test_capture_into_a_store_replays_every_step_linked_to_its_rollout(
     assert cli(["replay", "--store", str(store), "--step", "0:1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["linkage"]["status"] == "pass"
+
+
+def test_steps_spanning_generation_batches_and_reusing_rows_replay_with_exit_0(run) -> None:
+    capture_dir, trainer = run("span")
+    bundles = _bundles(capture_dir)
+    # num_iterations 2: generation 0 feeds micro-batches 0-3, generation 1 micro-batches 4-5
+    assert [path.name for path in bundles] == [
+        "replay-0-0",
+        "replay-0-1",
+        "replay-rollout-0",
+        "replay-rollout-1",
+    ]
+    assert [cli(["replay", str(path)]) for path in bundles] == [0] * 4
+    step = read_json(capture_dir / "replay-0-1" / "index.json")["samples"]
+    assert {sample["sample_id"].split("-")[0] for sample in step} == {"g0", "g1"}
+    first = read_json(capture_dir / "replay-0-0" / "index.json")["samples"]
+    assert sum(sample["sample_id"].endswith("-it2") for sample in first) == 4  # reused rows
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    captured = [
+        read_json(capture_dir / name / "expected.json")["loss.policy"]["loss"]
+        for name in ("replay-0-0", "replay-0-1")
+    ]
+    assert captured == pytest.approx(logged, rel=1e-6, abs=1e-7)
 
 
 def test_vespo_is_named_unsupported_by_the_capability_matrix(run) -> None:

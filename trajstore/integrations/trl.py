@@ -211,7 +211,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         raw[torch.isnan(per_func).all(dim=1)] = torch.nan
         generation.raw_rewards = raw
         generation.advantages = _cpu(output["advantages"])
-        self._trajstore.generations[generation.index] = generation
+        state = self._trajstore
+        state.generations[generation.index] = generation
+        # a step's rows come from the newest buffer (or, across a boundary, the one before)
+        keep_from = generation.index - 1
+        if state.step is not None:
+            keep_from = min(keep_from, state.step.rollout_id)
+        for index in [index for index in state.generations if index < keep_from]:
+            del state.generations[index]
         lengths = torch.tensor(generation.completion_lengths)
         keep = torch.arange(output["completion_ids"].shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
         mask = output["completion_mask"]
@@ -367,6 +374,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             if not capture.active:
                 return
             records: dict[str, dict[str, Any]] = {}
+            seen: dict[int, int] = {}
             for number, mb in enumerate(step.micro_batches):
                 mb_id = f"mb-{number:04d}"
                 samples, lengths = [], []
@@ -374,6 +382,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                     generation = generations[self._generation_of(row)]
                     local = row - generation.index * len(generation.completion_lengths)
                     sample = self._sample_record(generation, local)
+                    seen[row] = seen.get(row, 0) + 1
+                    if seen[row] > 1:  # num_iterations > 1: one step consumes a row again
+                        sample["sample_id"] += f"-it{seen[row]}"
                     sample["reward"] = float(generation.advantages[local])
                     raw = float(generation.raw_rewards[local])
                     if raw == raw:
@@ -412,12 +423,6 @@ class GRPOTrainer(trl.GRPOTrainer):
                     "micro_batches": records,
                 },
             )
-        self._forget_consumed(step)
-
-    def _forget_consumed(self, step: _PendingStep) -> None:
-        """Drop generation batches older than this step's first one (never needed again)."""
-        for index in [index for index in self._trajstore.generations if index < step.rollout_id]:
-            del self._trajstore.generations[index]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``train``; afterwards every captured bundle is flushed to its destination."""
