@@ -10,7 +10,9 @@ trainer from the same seed; a block's step time is the median of TRL's own ``ste
 metric (generation, scoring and the loss's forward/backward of one optimizer step, which
 includes capture's copies and enqueue), and its whole time is ``train()`` wall time,
 including the final flush of the capture queue; its CPU time is the process's (training
-thread and capture writer together), which a loaded machine disturbs less than wall time.
+thread and capture writer together), which a loaded machine disturbs less than wall time;
+the training thread's own CPU time and the other threads' (the capture writer's) extra CPU
+per step are reported apart.
 Prints one JSON object.
 """
 
@@ -107,16 +109,18 @@ def block(args: argparse.Namespace, capture_on: bool, out: Path) -> dict[str, An
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()
     trainer.train()
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
+    main_cpu = time.thread_time() - main_start
     steps = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
     stats = trainer.trajstore_capture.stats
     return {
         "step_median_s": statistics.median(steps[1:]),  # the first step warms up
         "wall_s": wall,
         "cpu_s": cpu,
+        "main_cpu_s": main_cpu,
         "written": stats.written,
         "dropped": stats.dropped,
         "errors": stats.errors,
@@ -145,6 +149,10 @@ def main() -> None:
     step = {mode: statistics.median(r["step_median_s"] for r in runs[mode]) for mode in runs}
     wall = {mode: statistics.median(r["wall_s"] for r in runs[mode]) for mode in runs}
     cpu = {mode: statistics.median(r["cpu_s"] for r in runs[mode]) for mode in runs}
+    main_cpu = {mode: statistics.median(r["main_cpu_s"] for r in runs[mode]) for mode in runs}
+    other_cpu = {
+        mode: statistics.median(r["cpu_s"] - r["main_cpu_s"] for r in runs[mode]) for mode in runs
+    }
     print(
         json.dumps(
             {
@@ -158,6 +166,10 @@ def main() -> None:
                 "cpu_s_off": cpu["off"],
                 "cpu_s_on": cpu["on"],
                 "cpu_ratio_on_off": cpu["on"] / cpu["off"],
+                "training_thread_cpu_ratio_on_off": main_cpu["on"] / main_cpu["off"],
+                "other_threads_cpu_ms_per_step_on_minus_off": 1000
+                * (other_cpu["on"] - other_cpu["off"])
+                / args.steps,
                 "load_average_1m": os.getloadavg()[0],
                 "per_rep_wall_ratio": [
                     on["wall_s"] / off["wall_s"]
