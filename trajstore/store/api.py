@@ -262,6 +262,8 @@ class Store:
     def index_new(self) -> None:
         """After publishing (ingest, rm, replay --record): apply the new documents to a
         server catalog now; a DuckDB catalog catches up when it is next read."""
+        if not self.catalog_url or self.catalog_url.startswith("duckdb:"):
+            return  # without importing the catalog (SQLAlchemy) on every ingest
         from trajstore.catalog.access import record_new
 
         record_new(self.root, self.catalog_url, self.space, self.load_document)
