@@ -159,6 +159,24 @@ def test_filtering_by_first_divergent_stage_shows_exactly_the_faulty_rollouts_st
     shoot(browser, shots, "steps")
 
 
+def test_clicking_a_strip_bar_lists_the_steps_of_its_rollouts(
+    browser: WebDriver, base: str, store: Path
+) -> None:
+    browser.get(f"{base}/runs/synthetic")
+    wait_for(browser, lambda d: elements(d, "#strip rect.bin[data-worst=diverged]"))
+    bar = elements(browser, "#strip rect.bin[data-worst=diverged]")[0]
+    low, high = (int(bar.get_attribute(f"data-rollout-{end}")) for end in ("from", "to"))
+    bar.click()
+    wait_for(
+        browser,
+        lambda d: f"rollout_from={low}" in d.current_url and elements(d, "#steps[data-loaded='1']"),
+    )
+    shown = [row.get_attribute("data-step") for row in elements(browser, "#steps tr[data-step]")]
+    want = _steps(store, "synthetic", "--rollout-from", str(low), "--rollout-to", str(high))
+    assert shown == [f"{r['rollout_id']}:{r['step_id']}" for r in want]
+    assert any(r["status"] == "diverged" for r in want)
+
+
 def test_a_faulty_step_shows_the_divergence_naming_sample_and_token(
     browser: WebDriver, base: str, store: Path, shots: Path
 ) -> None:
