@@ -175,10 +175,14 @@ def _run_with_a_killed_worker(gate: Path, *args: str | Path) -> tuple[int, str, 
     return proc.returncode, out, err
 
 
-def _recorded(root: Path) -> list[tuple[str, str, str | None]]:
-    """(bundle key, status, first divergent stage) of every recorded result, catalog order."""
+def _recorded(root: Path, catalog: str | None = None) -> list[tuple[str, str, str | None]]:
+    """(bundle key, status, first divergent stage) of every recorded result, sorted."""
     results = tables.replay_results
-    with Store.open(root, create=False) as store, store.catalog() as cat, cat.connect() as conn:
+    with (
+        Store.open(root, create=False, catalog_url=catalog) as store,
+        store.catalog() as cat,
+        cat.connect() as conn,
+    ):
         rows = conn.execute(
             sa.select(results.c.bundle_key, results.c.status, results.c.first_divergent_stage)
         ).all()
@@ -248,6 +252,29 @@ def test_ray_on_s3_with_a_postgres_catalog_finds_exactly_the_faulty_rollouts_ste
         assert out.returncode == 0, out.stderr
     steps = sorted((row["rollout_id"], row["step_id"]) for row in json.loads(out.stdout))
     assert steps == [(FAULTY, s) for s in range(STEPS)]
+
+
+def test_replay_all_indexes_its_results_when_a_server_catalog_mark_is_ahead(
+    stored: Path, tmp_path: Path
+) -> None:
+    from pg_server import fresh_schema
+
+    from trajstore.replay.batch import replay_all
+    from trajstore.replay.from_store import refusal_document, write_result
+
+    root = tmp_path / "store"
+    shutil.copytree(stored, root)
+    with fresh_schema() as catalog:
+        with Store.open(root, create=False, catalog_url=catalog) as store:
+            key = sorted(store.refs.live())[0]
+            # a writer whose clock is an hour ahead: the catalog's results mark jumps there
+            ahead = f"{time.time_ns() + 3600 * 10**9:020d}-1-ahead"
+            write_result(store, refusal_document(key, "r", 0, None, "clock ahead"), name=ahead)
+            store.index_new()
+        summary = replay_all(root, record=True, force=True, catalog_url=catalog)
+        recorded = _recorded(root, catalog)
+    assert summary.total == ROLLOUTS * (STEPS + 1)
+    assert len(recorded) == summary.total + 1
 
 
 def test_ray_address_without_ray_names_the_extra_to_install(stored: Path) -> None:

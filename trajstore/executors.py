@@ -29,8 +29,6 @@ R = TypeVar("R")
 
 EXECUTORS = ("local", "ray")
 RAY_EXTRA_HINT = "pip install 'trajstore[ray]'"
-#: tasks kept in flight per worker slot (enough to hide scheduling latency, little memory)
-RAY_WINDOW_PER_WORKER = 2
 #: how often a Ray task is retried after its worker process died
 RAY_MAX_RETRIES = 3
 #: test hook (docs/deployment.md): a directory; while `<dir>/hold` exists, every Ray task
@@ -107,6 +105,7 @@ class RayExecutor:
         self.workers = workers
         self._ray: Any = None
         self._owns = False
+        self._cluster_cpus = 1
 
     def __enter__(self) -> RayExecutor:
         ray = self._ray = _import_ray()
@@ -128,8 +127,9 @@ class RayExecutor:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise StoreError(f"cannot start or reach Ray at {address}: {first}") from None
             self._owns = True
+        self._cluster_cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         if self.workers is None:
-            self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            self.workers = self._cluster_cpus
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -142,7 +142,11 @@ class RayExecutor:
         if ray is None:
             raise UsageError("RayExecutor used outside its `with` block")
         task = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_task)
-        window = max(1, int(self.workers or 1)) * RAY_WINDOW_PER_WORKER
+        workers = max(1, int(self.workers or 1))
+        # Two tasks a worker keep every slot busy while the next one is scheduled; Ray runs
+        # no more than the cluster's CPUs. A cap below the cluster's size is kept exactly:
+        # then only `workers` tasks are submitted at a time.
+        window = 2 * workers if workers >= self._cluster_cpus else workers
         pending: list[Any] = []
         for job in jobs:
             pending.append(task.remote(fn, job))

@@ -117,7 +117,7 @@ def _recorded_keys(store: Any) -> set[str]:
 #: worker opens its own: the pid differs)
 _stores: dict[tuple[int, str, str | None], Any] = {}
 #: per worker process: rollout reports reused by the steps of the same rollout, for the
-#: (store, run) of the batch the last job came from (keys are unique only within a store)
+#: (store, replay-all run) the last job came from (keys are unique only within a store)
 _rollout_cache: dict = {}
 _rollout_cache_owner: list[tuple[str, str]] = []
 #: targets per job: a rollout and its steps travel together (linkage reuses the rollout)
@@ -133,13 +133,17 @@ class ReplayJob:
     targets: tuple[BatchTarget, ...]
     record: bool
     batch_id: str
+    #: a fresh document name taken when the job is submitted: its results are named
+    #: `<stamp>-<key digest>`, the same on a retry and no older than the job
+    stamp: str
 
 
-def result_name(batch_id: str, key: str) -> str:
-    """The result document name of `key` in one replay-all run: a retried job reuses it."""
+def result_name(stamp: str, key: str) -> str:
+    """The result document name of `key` in one job: a retried job reuses it. It sorts by
+    the job's submission time, as a server catalog's incremental sync expects."""
     from blake3 import blake3
 
-    return f"{batch_id}-{blake3(key.encode()).hexdigest()[:16]}"
+    return f"{stamp}-{blake3(key.encode()).hexdigest()[:16]}"
 
 
 def _open_store(store: str, catalog_url: str | None) -> Any:
@@ -157,12 +161,13 @@ def _forget_stores() -> None:
     for key in [k for k in _stores if k[0] == os.getpid()]:
         _stores.pop(key).close()
     _rollout_cache.clear()
+    _rollout_cache_owner.clear()
 
 
 def replay_job(job: ReplayJob) -> list[tuple[str, str, str | None, str | None]]:
     """(target, status, first divergent stage, error) for each target of `job`.
 
-    Results are written create-if-absent under `result_name(job.batch_id, key)`,
+    Results are written create-if-absent under `result_name(job.stamp, key)`,
     so running a job twice (a Ray retry after its worker died) records once.
     """
     store = _open_store(job.store, job.catalog_url)
@@ -187,21 +192,21 @@ def _replay_one(
         if job.record:
             for key in target.keys:
                 doc = result_document(report, store.bundle(key))
-                write_result(store, doc, name=result_name(job.batch_id, key))
+                write_result(store, doc, name=result_name(job.stamp, key))
             store.objs.flush()
         return target.describe(), report.status, report.first_divergent_stage, None
     except TrajstoreError as exc:
         if job.record:
-            _record_refusal(store, target, str(exc), job.batch_id)
+            _record_refusal(store, target, str(exc), job.stamp)
         return target.describe(), Verdict.REFUSED, None, str(exc)
 
 
-def _record_refusal(store: Any, target: BatchTarget, reason: str, batch_id: str) -> None:
+def _record_refusal(store: Any, target: BatchTarget, reason: str, stamp: str) -> None:
     from trajstore.replay.from_store import refusal_document, write_result
 
     for key in target.keys:
         doc = refusal_document(key, target.run, target.rollout_id, target.step_id, reason)
-        write_result(store, doc, name=result_name(batch_id, key))
+        write_result(store, doc, name=result_name(stamp, key))
 
 
 def _chunks(targets: list[BatchTarget], size: int) -> list[tuple[BatchTarget, ...]]:
@@ -262,9 +267,11 @@ def replay_all(
         targets = todo
     show = sys.stderr.isatty() if progress is None else progress
     batch_id = new_doc_name()
-    jobs = [
-        ReplayJob(where, catalog_url, chunk, record, batch_id) for chunk in _chunks(targets, CHUNK)
-    ]
+    # a generator: each job is stamped when the executor takes it
+    jobs = (
+        ReplayJob(where, catalog_url, chunk, record, batch_id, new_doc_name())
+        for chunk in _chunks(targets, CHUNK)
+    )
     i = 0
     try:
         with make_executor(spec) as pool:
@@ -277,11 +284,42 @@ def replay_all(
                     sys.stderr.flush()
     finally:
         _forget_stores()
-        store.close()
         if show and targets:
             sys.stderr.write("\n")
+    try:
+        if record:
+            _index_results(store, catalog_url, batch_id)
+    finally:
+        store.close()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _index_results(store: Any, catalog_url: str | None, batch_id: str) -> None:
+    """Apply this run's results to a server catalog (a DuckDB catalog syncs when read).
+
+    A server catalog's incremental sync lists result names after its high-water mark
+    minus a margin. Another writer may have moved the mark past this run's first
+    names while it ran (a long run, or a writer whose clock is ahead), so the listing
+    here reaches back to the run's start (`batch_id` is named then), margin included.
+    """
+    import sqlalchemy as sa
+
+    from trajstore.catalog import tables
+    from trajstore.catalog.access import is_server_url
+    from trajstore.catalog.db import open_catalog
+    from trajstore.catalog.sync import DEFAULT_MARGIN_S, sync_new
+
+    if not is_server_url(catalog_url):
+        return
+    state = tables.sync_state
+    with open_catalog(store.root, catalog_url) as cat:
+        with cat.connect() as conn:
+            mark = conn.execute(
+                sa.select(state.c.high_water).where(state.c.directory == "results")
+            ).scalar()
+        behind_s = max(0, int((mark or batch_id)[:20]) - int(batch_id[:20])) / 1e9
+        sync_new(cat, store.space, store.load_document, margin_s=behind_s + DEFAULT_MARGIN_S)
 
 
 def _count(
