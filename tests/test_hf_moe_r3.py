@@ -280,7 +280,7 @@ def test_malformed_replay_routes_are_refused_before_any_forward(bad, message):
 
 # ---- baseline vs r3: two short GRPO runs captured into a store, compared by the CLI
 
-STEPS = 3
+STEPS = 2
 
 
 @pytest.fixture(scope="module")
