@@ -155,6 +155,10 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._trajstore = _TrlCapture()
+        if self._trajstore.enabled and self.accelerator.num_processes > 1:
+            # rewards are gathered over processes, advantages are not: not captured yet
+            logger.warning("trajstore: TRL capture supports one process; capture is off")
+            self._trajstore.manager.close()
 
     @property
     def trajstore_capture(self) -> CaptureManager:
