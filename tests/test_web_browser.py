@@ -234,6 +234,40 @@ def test_the_replay_button_shows_the_cli_verdict(
     shoot(browser, shots, "replay")
 
 
+def test_the_replay_button_replays_one_group_as_the_cli_does(
+    browser: WebDriver, base: str, store: Path
+) -> None:
+    step = _faulty_steps(store)[0]
+    ref = f"{step['rollout_id']}:{step['step_id']}"
+    browser.get(f"{base}/runs/synthetic/steps/{ref}")
+    wait_for(browser, lambda d: len(elements(d, "#replay-group option")) > 1)
+    group = Select(browser.find_element(By.ID, "replay-group"))
+    name = group.options[1].get_attribute("value")
+    group.select_by_value(name)
+    browser.find_element(By.ID, "replay-button").click()
+    report = wait_for(browser, lambda d: elements(d, "#replay-report"))[0]
+    code, want = web_demo.cli(
+        "replay",
+        "--store",
+        str(store),
+        "--run",
+        "synthetic",
+        "--step",
+        ref,
+        "--group",
+        name,
+        "--json",
+    )
+    want = json.loads(want)
+    assert int(report.get_attribute("data-exit-code")) == code
+    assert report.get_attribute("data-status") == want["status"]
+    assert report.get_attribute("data-first-divergent-stage") == (
+        want["first_divergent_stage"] or ""
+    )
+    assert report.get_attribute("data-groups") == name
+    assert want["selection"]["groups"] == [name]
+
+
 def test_the_routes_page_draws_baseline_above_r3(
     browser: WebDriver, base: str, store: Path, shots: Path
 ) -> None:

@@ -482,6 +482,7 @@ function replayReport(response) {
       "data-status": report.status,
       "data-exit-code": response.exit_code,
       "data-first-divergent-stage": report.first_divergent_stage || "",
+      "data-groups": ((report.selection || {}).groups || []).join(","),
     },
     h("p", {}, "verdict ", badge(report.status), ` exit code ${response.exit_code}`,
       report.first_divergent_stage ? `, first divergent stage ${report.first_divergent_stage}` : ""),
