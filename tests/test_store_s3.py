@@ -114,3 +114,18 @@ def test_serve_on_an_s3_store_answers_a_lookup_by_actor_step_id(
     with Store.open(url, create=False) as store:
         stored = store.step("r", 7, 0)[0].payload("log_probs")
     assert np.array_equal(np.load(io.BytesIO(body.content)), stored)
+
+
+def test_a_damaged_pack_index_cache_is_ignored(s3_env: Any, tmp_path: Path) -> None:
+    """Pack indexes are cached locally (immutable); a bad cached copy is refetched."""
+    url = s3_env.fresh_url("idx")
+    c = make_contents(lengths=25)
+    with Store.open(url) as store:
+        store.ingest([write_bundle(tmp_path / "b", c)])
+        cached = sorted((store.root / "pack-index").glob("*.idx"))
+    assert cached
+    for path in cached:
+        path.write_bytes(b"damaged")
+    with Store.open(url, create=False) as store:
+        got = store.step("default", 7, 0)[0].payload("log_probs")
+    assert np.array_equal(got, c.payloads["log_probs"].numpy())

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -225,9 +226,12 @@ class S3ObjectStore(ObjectStore):
         *,
         pack_threshold: int = 1 << 20,
         pack_max_bytes: int = 64 << 20,
+        index_cache: Path | None = None,
     ) -> None:
         self.client = client
         self.loc = loc
+        #: pack indexes are immutable: kept here, an open fetches only new packs' indexes
+        self.index_cache = index_cache
         self.pack_threshold = pack_threshold
         self.pack_max_bytes = pack_max_bytes
         self._lock = threading.RLock()
@@ -350,6 +354,7 @@ class S3ObjectStore(ObjectStore):
         body = _IDX_MAGIC + np.uint64(len(items)).tobytes() + entries.tobytes()
         # The index object is the pack's commit point: written after the pack.
         self._put_raw(self._pack_key(pid, ".idx"), body + blake3(body).digest())
+        self._keep_idx(pid, body + blake3(body).digest())
         members = [h for h, _ in items]
         for (h, _), e in zip(items, entries, strict=True):
             self._index[h] = _Loc(pid, int(e["off"]), int(e["len"]))
@@ -424,20 +429,52 @@ class S3ObjectStore(ObjectStore):
                     self._index[h] = _Loc(pid, off, ln)
                     lost.discard(h)
 
+    def _cached_idx(self, pid: str) -> bytes | None:
+        if self.index_cache is None:
+            return None
+        try:
+            return (self.index_cache / f"{pid}.idx").read_bytes()
+        except OSError:
+            return None
+
+    def _keep_idx(self, pid: str, raw: bytes) -> None:
+        if self.index_cache is None:
+            return
+        try:
+            self.index_cache.mkdir(parents=True, exist_ok=True)
+            tmp = self.index_cache / f".{pid}.{os.getpid()}.tmp"
+            tmp.write_bytes(raw)
+            os.replace(tmp, self.index_cache / f"{pid}.idx")
+        except OSError:
+            pass  # a cache only
+
     def _read_idx(self, pid: str) -> np.ndarray | None:
         key = self._pack_key(pid, ".idx")
+        cached = self._cached_idx(pid)
+        entries = None if cached is None else self._parse_idx(cached)
+        if entries is not None:
+            return entries
         raw = self._get_raw(key)
         if raw is None:
             return None  # removed by a concurrent repack
+        entries = self._parse_idx(raw)
+        if entries is None:
+            where = f"s3://{self.loc.bucket}/{key}"
+            if where not in self.corrupt_indexes:
+                self.corrupt_indexes.append(where)
+            return None
+        self._keep_idx(pid, raw)
+        return entries
+
+    @staticmethod
+    def _parse_idx(raw: bytes) -> np.ndarray | None:
+        """The entries of a pack index, or None unless its magic, length and checksum hold."""
         body, digest = raw[:-32], raw[-32:]
         ok = len(raw) >= 48 and body[:8] == _IDX_MAGIC and blake3(body).digest() == digest
         if ok:
             n = int(np.frombuffer(body, "<u8", 1, 8)[0])
             ok = len(body) == 16 + n * _IDX_ENTRY.itemsize
         if not ok:
-            where = f"s3://{self.loc.bucket}/{key}"
-            if where not in self.corrupt_indexes:
-                self.corrupt_indexes.append(where)
             return None
         return np.frombuffer(body, _IDX_ENTRY, n, 16).copy()
 

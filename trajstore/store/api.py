@@ -122,10 +122,11 @@ class Store:
             if not create:
                 raise StoreError(f"{loc.url}: not a trajstore store (no {MARKER})")
             space.create_if_absent(MARKER, MARKER_TEXT)
+        cache = store_cache_dir(loc.url)
         return cls(
-            store_cache_dir(loc.url),
+            cache,
             catalog_url=catalog_url,
-            objs=S3ObjectStore(client, loc),
+            objs=S3ObjectStore(client, loc, index_cache=cache / "pack-index"),
             space=space,
             url=loc.url,
         )
