@@ -185,6 +185,7 @@ class Store:
             self.space.create_if_absent(
                 f"{TOMBSTONES_KEY}/{new_doc_name()}.json", json.dumps(doc, sort_keys=True).encode()
             )
+        self.refs.invalidate()
         self.index_new()
         return list(dict.fromkeys(targets))
 
@@ -205,6 +206,9 @@ class Store:
         """One published bundle by key (e.g. `default/step-120-0/rank-0/a1`)."""
         e = self.refs.live().get(key)
         if e is None:
+            self.refs.refresh(force=True)  # published since the last listing?
+            e = self.refs.live().get(key)
+        if e is None:
             raise NotFoundError(f"no published bundle {key!r}")
         return self._stored(e)
 
@@ -213,6 +217,9 @@ class Store:
     ) -> list[StoredBundle]:
         what = f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
         cands = self.refs.at_anchor(run, kind, rollout_id, step_id)
+        if not cands:
+            self.refs.refresh(force=True)  # published since the last listing?
+            cands = self.refs.at_anchor(run, kind, rollout_id, step_id)
         if not cands:
             raise NotFoundError(f"run {run!r} has no {what}")
         if attempt is None:
