@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -127,8 +128,20 @@ class S3RefSpace(RefSpace):
         self.loc = loc
         self.location = loc.url
 
+    #: a folder listed this recently is not listed again (a listing costs one request per
+    #: 1,000 names); writers of this process invalidate, lookups that miss force a listing
+    LIST_MAX_AGE_NS = 1_000_000_000
+
     def _key(self, key: str) -> str:
         return self.loc.prefix + key
+
+    def changed(self, folder: str, stamps: dict[str, int]) -> bool:
+        now = time.monotonic_ns()
+        last = stamps.get(folder)
+        if last is not None and now - last < self.LIST_MAX_AGE_NS:
+            return False
+        stamps[folder] = now
+        return True
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         import obstore

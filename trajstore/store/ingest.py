@@ -358,7 +358,9 @@ class Ingestor:
             # whoever creates the guard fixes the ref's name for every writer of this key
             name = mine if self.space.create_if_absent(guard, mine.encode()) else self._held(guard)
             if self.space.create_if_absent(f"{BUNDLE_REFS_KEY}/{name}.json", data):
+                self.refs.invalidate()
                 return True
+            self.refs.refresh(force=True)
             live = self.refs.live().get(key)
             if live is not None and live.name >= name:
                 return False  # published by the other writer (or later): one ref per key

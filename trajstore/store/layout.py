@@ -126,7 +126,14 @@ class RefIndex:
         self._live: dict[str, RefEntry] | None = None
         self._anchors: dict[tuple, list[RefEntry]] | None = None
 
-    def refresh(self) -> None:
+    def invalidate(self) -> None:
+        """Forget when the folders were last listed: the next refresh lists them
+        (after this process published a ref or a tombstone)."""
+        self._stamps.clear()
+
+    def refresh(self, *, force: bool = False) -> None:
+        if force:
+            self.invalidate()
         before = (len(self._refs), len(self._bad), len(self._tombs))
         if self.space.changed(BUNDLE_REFS_KEY, self._stamps):
             self._refresh_refs()
