@@ -10,7 +10,6 @@ tests skip with one visible line, except when CI is set: then they fail.
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,13 +42,13 @@ def _unreachable() -> str | None:
 
 
 def require_server() -> None:
-    """Skip (one visible line) or, with CI set, fail when the server is unreachable."""
+    """Skip (its reason is the one line pytest -rs prints) or, with CI set, fail when the
+    server is unreachable."""
     reason = _unreachable()
     if reason is None:
         return
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI is set: the PostgreSQL tests must run)")
-    print(f"\nSKIP: {reason}", file=sys.stderr)
     pytest.skip(reason)
 
 

@@ -1014,6 +1014,7 @@ def reindex(
         catalog = open_catalog(home, url, **kwargs)
     with catalog:
         with catalog.begin() as conn:
+            _writer_lock(conn)  # a server catalog's writers wait, then see the empty tables
             for table in tables.INDEX_TABLES:
                 conn.execute(table.delete())
             conn.execute(tables.sync_state.update().values(high_water=None))
