@@ -253,7 +253,7 @@ def test_two_writers_and_a_reader_on_one_postgres_catalog(tmp_path, pg_url, make
 
 
 @contextlib.contextmanager
-def _serve(root: Path, catalog_url: str) -> Iterator[httpx.Client]:
+def _serve(root: Path | str, catalog_url: str) -> Iterator[httpx.Client]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -274,22 +274,24 @@ def _serve(root: Path, catalog_url: str) -> Iterator[httpx.Client]:
 
 
 def test_serve_on_a_postgres_catalog_answers_lookups_and_follows_writers(
-    tmp_path, pg_url, make_bundle
+    store_url, pg_url, make_bundle
 ):
-    root = tmp_path / "store"
-    with Store.open(root, catalog_url=pg_url) as store:
+    """On a directory and on an S3 store (SeaweedFS) alike."""
+    with Store.open(store_url, catalog_url=pg_url) as store:
         store.ingest([EXAMPLE])
-    with _serve(root, pg_url) as client:
+    with _serve(store_url, pg_url) as client:
         first = client.get("/v1/steps/120:0")
-        with Store.open(root, catalog_url=pg_url) as store:
+        with Store.open(store_url, catalog_url=pg_url) as store:
             store.ingest([make_bundle(rollout_id=121, step_id=0, seed=3)])
         deadline = time.monotonic() + 30
         while (later := client.get("/v1/steps/121:0")).status_code == 404:
             assert time.monotonic() < deadline, later.text
             time.sleep(0.05)
+        payload = client.get("/v1/bundles/default/step-121-0/a1/payloads/log_probs")
     assert first.status_code == 200, first.text
+    assert [b["key"] for b in first.json()["bundles"]] == ["default/step-120-0/a1"]
     assert later.status_code == 200, later.text
-    assert not (root / CATALOG_FILE).exists()
+    assert payload.status_code == 200, payload.text
 
 
 # -- an S3 store (SeaweedFS on loopback) with a PostgreSQL catalog ------------------
