@@ -36,6 +36,7 @@ from trajstore.catalog import (
     run_readonly_sql,
     sync_new,
 )
+from trajstore.errors import UsageError
 from trajstore.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,6 +163,28 @@ def test_rm_and_replay_record_reach_the_server_catalog(tmp_path, pg_url, make_bu
     assert rows == [["default/step-1-0/a1", False, 1], ["default/step-2-0/a1", True, 0]]
 
 
+def test_a_writers_catalog_update_lists_only_the_refs_after_the_mark(
+    tmp_path, pg_url, make_bundle, monkeypatch
+):
+    monkeypatch.setenv("TRAJSTORE_CATALOG_MARGIN_S", "0")
+    root = tmp_path / "store"
+    with Store.open(root, catalog_url=pg_url) as store:
+        for seed in range(4):
+            store.ingest([make_bundle(rollout_id=seed, step_id=0, seed=seed)])
+    _publish(root, [make_bundle(rollout_id=9, step_id=0, seed=9)])  # never reached it
+    with Store.open(root, catalog_url=pg_url) as store:
+        update = store.index_new()
+        assert len(store.bundles()) == 5
+    assert (update.listed, update.new_refs) == (1, 1)
+
+
+def test_a_bad_margin_is_a_usage_error(tmp_path, pg_url, monkeypatch):
+    monkeypatch.setenv("TRAJSTORE_CATALOG_MARGIN_S", "five minutes")
+    store = Store.open(tmp_path / "store", catalog_url=pg_url)
+    with store, pytest.raises(UsageError, match="TRAJSTORE_CATALOG_MARGIN_S"):
+        store.index_new()
+
+
 def test_a_bad_catalog_url_is_one_line_with_the_password_masked(tmp_path):
     root = tmp_path / "store"
     _publish(root, [EXAMPLE])
@@ -246,6 +269,7 @@ def test_two_writers_and_a_reader_on_one_postgres_catalog(tmp_path, pg_url, make
         )
     assert per_run == [["alpha", per_writer, per_writer], ["beta", per_writer, per_writer]]
     assert synced == [[2 * per_writer, 2 * per_writer]]
+    assert len(seen) >= 2  # the reader read while the writers wrote
     assert seen == sorted(seen) and seen[-1] == 2 * per_writer
 
 

@@ -267,14 +267,15 @@ class Store:
         with reading(self.root, self.catalog_url, self.space, self.load_document) as cat:
             yield cat
 
-    def index_new(self) -> None:
+    def index_new(self) -> Any:
         """After publishing (ingest, rm, replay --record): apply the new documents to a
-        server catalog now; a DuckDB catalog catches up when it is next read."""
+        server catalog now (returns the sync's stats); a DuckDB catalog catches up when
+        it is next read (returns None)."""
         if not self.catalog_url or self.catalog_url.startswith("duckdb:"):
-            return  # without importing the catalog (SQLAlchemy) on every ingest
+            return None  # without importing the catalog (SQLAlchemy) on every ingest
         from trajstore.catalog.access import record_new
 
-        record_new(self.root, self.catalog_url, self.space, self.load_document)
+        return record_new(self.root, self.catalog_url, self.space, self.load_document)
 
     def runs(self) -> list[dict]:
         from trajstore.catalog import list_runs
