@@ -29,7 +29,7 @@ from types import TracebackType
 import numpy as np
 from blake3 import blake3
 
-from trajstore.errors import IntegrityError, NotFoundError, StoreError
+from trajstore.errors import IntegrityError, NotFoundError, StoreError, TrajstoreError
 
 __all__ = [
     "LocalObjectStore",
@@ -129,6 +129,19 @@ class ObjectStore(ABC):
     def verify(self, h: str) -> None:
         """Raise IntegrityError (naming `h`) unless the stored copy matches its hash."""
         self.get(h)
+
+    def verify_many(self, hashes: Sequence[str]) -> dict[str, str]:
+        """Verify each object; return the problem (one line) of each that fails, by hash.
+
+        Backends whose reads cost a request (S3) batch this; the default verifies one by one.
+        """
+        problems: dict[str, str] = {}
+        for h in hashes:
+            try:
+                self.verify(h)
+            except TrajstoreError as e:
+                problems[h] = str(e)
+        return problems
 
     def flush(self) -> None:
         """Make every buffered object durable. No-op for unbuffered backends."""

@@ -48,7 +48,7 @@ from trajstore.cas.objects import (
     check_hash,
     object_hash,
 )
-from trajstore.errors import IntegrityError, NotFoundError, StoreError, UsageError
+from trajstore.errors import IntegrityError, NotFoundError, StoreError, TrajstoreError, UsageError
 from trajstore.refspace import DocInfo, RefSpace
 
 __all__ = ["S3Location", "S3ObjectStore", "S3RefSpace", "is_s3_url", "parse_s3_url", "s3_client"]
@@ -593,6 +593,19 @@ class S3ObjectStore(ObjectStore):
     def verify(self, h: str) -> None:
         """Re-read the stored copy (never the write buffer) and check it against `h`."""
         self.get_many([check_hash(h)], pending=False)
+
+    def verify_many(self, hashes: Sequence[str]) -> dict[str, str]:
+        """As `ObjectStore.verify_many`, a batch of ranged reads per pack; a batch that
+        fails is verified again one object at a time to name every bad one."""
+        problems: dict[str, str] = {}
+        hashes = list(hashes)
+        for start in range(0, len(hashes), 2048):
+            batch = hashes[start : start + 2048]
+            try:
+                self.get_many(batch, pending=False)
+            except TrajstoreError:
+                problems.update(super().verify_many(batch))
+        return problems
 
     def iter_objects(self) -> Iterator[ObjectInfo]:
         """Stored copies (buffered objects are not yet stored), with the bucket's timestamps."""

@@ -87,18 +87,14 @@ def fsck(store: Store, *, deep: bool = True) -> FsckReport:
     """Re-hash every object; check every live ref's closure
     (and, if deep, that each .pt reproduces)."""
     rep = FsckReport()
-    good: set[str] = set()
-    bad: dict[str, str] = {}
+    where: dict[str, str] = {}  # hash -> location of its first stored copy
     for info in store.objs.iter_objects():
-        if info.hash in good or info.hash in bad:
-            continue
-        rep.objects_checked += 1
-        try:
-            store.objs.verify(info.hash)
-            good.add(info.hash)
-        except TrajstoreError as e:
-            bad[info.hash] = str(e)
-            rep.problems.append(f"{info.location}: {e}")
+        where.setdefault(info.hash, info.location)
+    rep.objects_checked = len(where)
+    bad = store.objs.verify_many(list(where))  # batched where reads cost a request
+    good = set(where) - bad.keys()
+    for h, problem in bad.items():
+        rep.problems.append(f"{where[h]}: {problem}")
     for path in getattr(store.objs, "corrupt_indexes", []):
         rep.problems.append(f"pack index {path} is corrupt; its objects are unreadable")
     rep.problems += store.refs.problems
