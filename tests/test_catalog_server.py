@@ -312,10 +312,14 @@ def test_serve_on_a_postgres_catalog_answers_lookups_and_follows_writers(
             assert time.monotonic() < deadline, later.text
             time.sleep(0.05)
         payload = client.get("/v1/bundles/default/step-121-0/a1/payloads/log_probs")
+        replayed = client.post("/v1/replay", json={"step": "120:0", "record": True})
+        verdict = client.get("/v1/steps/120:0").json()
     assert first.status_code == 200, first.text
     assert [b["key"] for b in first.json()["bundles"]] == ["default/step-120-0/a1"]
     assert later.status_code == 200, later.text
     assert payload.status_code == 200, payload.text
+    assert replayed.status_code == 200 and replayed.json()["recorded"], replayed.text
+    assert verdict["latest_verdict"] is not None  # recorded through the API, read at once
 
 
 # -- an S3 store (SeaweedFS on loopback) with a PostgreSQL catalog ------------------

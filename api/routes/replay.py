@@ -71,6 +71,7 @@ def replay(state: StateDep, body: models.ReplayRequest, request: Request) -> mod
                 state.store, report, stored_sources(state.store, target), selection=selection
             )
     if recorded:
+        state.store.index_new()  # a server catalog gets the result now (DuckDB: no-op)
         state.snap.refresh(force=True)  # read-your-writes for this client
     doc = json.loads(json.dumps(json_safe(report.to_dict()), default=str))
     return models.ReplayResponse(exit_code=report.exit_code, recorded=recorded, report=doc)
