@@ -302,14 +302,19 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
     token_count = max(float(mask.sum()), 1.0)
 
     def token_mean(x: np.ndarray) -> float:
-        if s.level == "sequence" and x is not per_token_kl:
+        """TRL's ``global_masked_mean``: over loss tokens, or over samples for a ratio-derived
+        value under sequence-level weights (one value per sample, repeated on its tokens)."""
+        if s.level == "sequence":
             first = np.cumsum(lengths) - lengths
             return float(x[first[lengths > 0]].astype(np.float64).sum() / max(rows, 1))
         return float((x * mask).sum(dtype=np.float64) / token_count)
 
-    out = {"loss": float(loss), "entropy": float((ent * mask).sum(dtype=np.float64) / token_count)}
+    def masked_mean(x: np.ndarray) -> float:
+        return float((x * mask).sum(dtype=np.float64) / token_count)
+
+    out = {"loss": float(loss), "entropy": masked_mean(ent)}
     if per_token_kl is not None:
-        out["kl"] = token_mean(per_token_kl)
+        out["kl"] = masked_mean(per_token_kl)
     if s.policy_loss in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         low = ((coef_1 < 1 - s.eps_low) & (adv < 0)).astype(np.float32)
         high = ((coef_1 > 1 + s.eps_high) & (adv > 0)).astype(np.float32)

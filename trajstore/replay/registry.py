@@ -9,6 +9,10 @@ Adding a stage: name it in `trajstore.vocab.Stage` (its position there is its
 place in the chain), write its run and capability functions next to the code
 they check, and register a `StageDef` there; list that module in
 `trajstore.replay.builtin`.
+
+Other math for an existing link of the chain (the loss family of
+`trajstore.replay.losses`) is a `StageVariant`: registered with
+`register_variant`, chosen per bundle by `resolve_stage` (the runner calls it).
 """
 
 from __future__ import annotations
