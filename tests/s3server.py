@@ -98,6 +98,17 @@ class S3Server:
                 self.proc.wait(10)
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _ready(endpoint: str) -> bool:
     try:
         urllib.request.urlopen(endpoint + "/", timeout=1)
@@ -154,7 +165,13 @@ def s3_server(data: Path) -> Iterator[S3Server]:
     env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
     log = open(data / "weed.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=data, start_new_session=True
+        args,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=data,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", proc, data)
     try:
