@@ -292,6 +292,16 @@ def test_ray_address_without_ray_names_the_extra_to_install(stored: Path) -> Non
     assert line.startswith("trajstore: error: ") and "pip install 'trajstore[ray]'" in line
 
 
+def test_an_unreachable_ray_address_is_one_line_and_exit_2(stored: Path) -> None:
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    out = run_cli(
+        "replay", "--store", stored, "--all", "--executor", "ray", "--ray-address", address
+    )
+    assert out.returncode == 2
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"trajstore: error: cannot reach the Ray cluster at {address}: ")
+
+
 @pytest.mark.parametrize("args", [["--help"], ["replay", "--help"], ["ingest", "--help"]])
 def test_help_does_not_import_ray(args: list[str]) -> None:
     probe = "import sys; from trajstore.cli import main\ntry:\n    main(sys.argv[1:])\n"

@@ -121,6 +121,7 @@ class RayExecutor:
                 options.update(include_dashboard=False)
                 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             _ray_messages_to_stderr(ray)
+            _check_reachable(address)
             try:
                 ray.init(**options)
             except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -173,6 +174,20 @@ class RayExecutor:
                 f"a Ray worker died {RAY_MAX_RETRIES + 1} times on one task; what was "
                 "recorded is kept, run the same command again to finish"
             ) from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds on a `host:port` nobody listens on: Ray's own connect retries for
+    minutes. (`local`, `auto` and other forms are left to Ray.)"""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as exc:
+        raise StoreError(f"cannot reach the Ray cluster at {address}: {exc}") from None
 
 
 def _ray_messages_to_stderr(ray: Any) -> None:
