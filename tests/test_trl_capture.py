@@ -149,6 +149,11 @@ RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
     },
     "opsm": ({"loss_type": "grpo", "off_policy_mask_threshold": 0.002}, False, False),
     "vespo": ({"loss_type": "vespo"}, False, False),
+    "normalize-then-sum": (
+        {"loss_type": "grpo", "multi_objective_aggregation": "normalize_then_sum"},
+        False,
+        False,
+    ),
     # 3 micro-batches per optimizer step, 2 per generation batch: steps span generation batches
     "span": (
         {"loss_type": "dapo", "gradient_accumulation_steps": 3, "steps_per_generation": 2},
@@ -156,7 +161,7 @@ RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
         False,
     ),
 }
-REPLAYABLE = [name for name in RUNS if name not in ("vespo", "span")]
+REPLAYABLE = [name for name in RUNS if name not in ("vespo", "span", "normalize-then-sum")]
 
 
 @contextmanager
@@ -372,6 +377,18 @@ def test_vespo_is_named_unsupported_by_the_capability_matrix(run) -> None:
     outcome = stage(report, "loss.policy")
     assert (outcome.status, report.exit_code) == ("unsupported", 1)
     assert "vespo" in outcome.reason
+
+
+def test_normalize_then_sum_rewards_are_named_unsupported_and_the_loss_still_replays(
+    run,
+) -> None:
+    capture_dir, _ = run("normalize-then-sum")
+    report = replay(capture_dir / "replay-rollout-0", "reward.post_process")
+    outcome = stage(report, "reward.post_process")
+    assert (outcome.status, report.exit_code) == ("unsupported", 1)
+    assert "normalize_then_sum" in outcome.reason
+    assert [cli(["replay", str(path)]) for path in _bundles(capture_dir)] == [0, 0, 0]
+    assert statuses(replay(capture_dir / "replay-0-1"))["loss.policy"] == "pass"
 
 
 # --------------------------------------------------------------------------- faults
