@@ -35,6 +35,8 @@ from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
 
+#: the TRL release whose GRPOTrainer internals this module wraps (others: a warning)
+TESTED_TRL = "1.16"
 #: the key the capture adds to TRL's generation batch: each row's global index
 ROW_KEY = "trajstore_row"
 #: the metrics TRL logs per micro-batch that replay recomputes
@@ -155,6 +157,12 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._trajstore = _TrlCapture()
+        if self._trajstore.enabled and not str(trl.__version__).startswith(TESTED_TRL + "."):
+            logger.warning(
+                "trajstore: TRL capture is written against TRL %s; this is %s",
+                TESTED_TRL,
+                trl.__version__,
+            )
         if self._trajstore.enabled and self.accelerator.num_processes > 1:
             # rewards are gathered over processes, advantages are not: not captured yet
             logger.warning("trajstore: TRL capture supports one process; capture is off")
