@@ -36,6 +36,7 @@ from trajstore.catalog import (
     run_readonly_sql,
     sync_new,
 )
+from trajstore.catalog import tables as t
 from trajstore.errors import UsageError
 from trajstore.store import Store
 
@@ -195,6 +196,43 @@ def test_a_bad_catalog_url_is_one_line_with_the_password_masked(tmp_path):
     assert "cannot connect to catalog postgresql+psycopg://bob:***@127.0.0.1:1/nowhere" in (
         out.stderr
     )
+
+
+OPENER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from trajstore.catalog import open_catalog
+    url, go = sys.argv[1], Path(sys.argv[2])
+    print("ready", flush=True)
+    while not go.exists():  # start together, imports done
+        time.sleep(0.005)
+    open_catalog(None, url).close()
+    """
+)
+
+
+def test_processes_opening_a_new_server_catalog_at_once_all_succeed(tmp_path, pg_url):
+    """One migrates it; the others wait for it and find it at the head."""
+    go = tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, pg_url, str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for _ in range(3)
+    ]
+    assert [p.stdout.readline().strip() for p in procs] == ["ready"] * 3
+    go.touch()
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    with open_catalog(None, pg_url) as cat:
+        _, versions = run_readonly_sql(cat, "SELECT version_num FROM alembic_version")
+    assert versions == [[t.HEAD_REVISION]]
 
 
 WRITER = textwrap.dedent(

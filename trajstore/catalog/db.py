@@ -38,6 +38,8 @@ def catalog_url(store_dir: Path | str | None, url: str | None = None) -> str:
     return f"duckdb:///{Path(store_dir).resolve() / CATALOG_FILE}"
 
 
+#: the PostgreSQL advisory lock migrations take (pg_advisory_xact_lock)
+MIGRATION_LOCK_ID = 0x7472616B  # "trak"
 #: how long a connection to a server catalog may take before the command fails
 CONNECT_TIMEOUT_S = 10
 
@@ -266,6 +268,10 @@ def migrate(engine: sa.Engine, revision: str = "head") -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(migrations_dir()))
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # processes on many hosts may open a new server catalog at once: one migrates,
+            # the others wait here and then find it at the head (DDL is transactional)
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(MIGRATION_LOCK_ID)))
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
 
