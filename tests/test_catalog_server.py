@@ -107,6 +107,21 @@ def test_sync_new_finds_a_ref_named_before_the_mark_within_the_margin(
     assert with_margin.new_refs == 1
 
 
+def test_a_host_whose_clock_runs_ahead_does_not_hide_later_refs(tmp_path, make_bundle, catalog_url):
+    """Its ref's name lies an hour in the future and becomes the mark; a ref published
+    after it, named by a correct clock, is still listed."""
+    root = tmp_path / "store"
+    _publish(root, _bundles(make_bundle, 1))
+    (ahead,) = (root / "refs" / "bundles").iterdir()
+    future_ns = int(ahead.name.split("-")[0]) + 3600 * 10**9
+    ahead.rename(ahead.with_name(f"{future_ns:020d}-1-{'c' * 12}.json"))
+    with Store.open(root) as store, open_catalog(root, catalog_url) as cat:
+        sync_new(cat, root, store.load_document, margin_s=60)
+        _publish(root, [make_bundle(rollout_id=8, step_id=0, seed=8)])
+        later = sync_new(cat, root, store.load_document, margin_s=60)
+    assert later.new_refs == 1
+
+
 # -- PostgreSQL: writers, readers, crash healing -----------------------------------
 
 
