@@ -124,8 +124,13 @@ def store_rank_shard(
         while True:
             slot = f"{folder}/g{g}"
             key = f"{slot}/rank-{rank}.json"
-            if store.space.create_if_absent(key, data) or store.space.read(key) == data:
+            if store.space.create_if_absent(key, data):
                 break
+            try:
+                if store.space.read(key) == data:
+                    break
+            except NotFoundError:
+                continue  # removed just now (its cohort was published): try the slot again
             g += 1
     outcome = ShardOutcome(shard=key)
     keys = try_publish_cohort(store, slot, expected)
