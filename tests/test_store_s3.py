@@ -164,3 +164,20 @@ def test_reading_two_samples_fetches_their_chunks_not_the_pack(
     want = np.concatenate([flat[i * 3000 : (i + 1) * 3000] for i in (5, 20)])
     assert np.array_equal(rows, want)
     assert len(packs) == 1 and 0 < sum(asked) < packs[0] / 10
+
+
+def test_a_store_created_anew_at_a_url_does_not_inherit_its_cached_catalog(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    import obstore
+
+    url = s3_env.fresh_url("anew")
+    with Store.open(url) as store:
+        store.ingest([write_bundle(tmp_path / "a", make_contents(lengths=5))], run="old")
+        assert [r["run"] for r in store.bundles()] == ["old"]
+        client, prefix = store.objs.client, store.objs.loc.prefix
+    names = [m["path"] for b in obstore.list(client, prefix=prefix) for m in b]
+    obstore.delete(client, names)  # the bucket prefix wiped; the local cache stays
+    with Store.open(url) as store:
+        store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=5))], run="new")
+        assert [r["run"] for r in store.bundles()] == ["new"]

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,12 @@ def is_remote(location: str | os.PathLike[str]) -> bool:
     return isinstance(location, str) and location.startswith("s3://")
 
 
-def store_cache_dir(url: str) -> Path:
+def store_cache_dir(url: str, marker: bytes = b"") -> Path:
     """Local cache of a remote store (its DuckDB catalog): `$TRAJSTORE_CACHE_DIR` or
-    `~/.cache/trajstore`, then the first 16 hex digits of the URL's sha256."""
+    `~/.cache/trajstore`, then 16 hex digits of the sha256 of the URL and the store's
+    marker (which holds a random id), so a store created anew at a URL gets a new cache."""
     base = os.environ.get("TRAJSTORE_CACHE_DIR") or Path.home() / ".cache" / "trajstore"
-    return Path(base) / hashlib.sha256(url.encode()).hexdigest()[:16]
+    return Path(base) / hashlib.sha256(url.encode() + b"\n" + marker).hexdigest()[:16]
 
 
 class Store:
@@ -118,11 +120,14 @@ class Store:
         loc = parse_s3_url(url)
         client = s3_client(loc.bucket)
         space = S3RefSpace(client, loc)
-        if not space.exists(MARKER):
+        try:
+            marker = space.read(MARKER)
+        except NotFoundError:
             if not create:
-                raise StoreError(f"{loc.url}: not a trajstore store (no {MARKER})")
-            space.create_if_absent(MARKER, MARKER_TEXT)
-        cache = store_cache_dir(loc.url)
+                raise StoreError(f"{loc.url}: not a trajstore store (no {MARKER})") from None
+            space.create_if_absent(MARKER, MARKER_TEXT + f"id {secrets.token_hex(8)}\n".encode())
+            marker = space.read(MARKER)  # ours, or a racing creator's
+        cache = store_cache_dir(loc.url, marker)
         return cls(
             cache,
             catalog_url=catalog_url,
