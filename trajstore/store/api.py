@@ -81,8 +81,10 @@ class Store:
         self.durable = durable
         self.catalog_url = catalog_url
         self.url = url or str(root)
-        self.objs: ObjectStore = objs or LocalObjectStore(root, durable=durable)
-        self.space: RefSpace = space or LocalRefSpace(root, durable=durable)
+        self.objs: ObjectStore = (
+            objs if objs is not None else LocalObjectStore(root, durable=durable)
+        )
+        self.space: RefSpace = space if space is not None else LocalRefSpace(root, durable=durable)
         self.refs = RefIndex(self.space)
 
     @property
