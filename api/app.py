@@ -30,6 +30,9 @@ from .routes import ROUTERS
 from .state import AppState
 
 TOKEN_ENV = "TRAJSTORE_API_TOKEN"
+#: where `app_from_env` (each `trajstore serve --workers N` worker) finds its store and catalog
+STORE_ENV = "TRAJSTORE_SERVE_STORE"
+CATALOG_ENV = "TRAJSTORE_SERVE_CATALOG"
 
 
 class BearerAuth:
@@ -100,3 +103,13 @@ def create_app(
         app.include_router(router, prefix="/v1")
     app.include_router(web.router)
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The app of one `serve --workers N` worker process (a uvicorn factory).
+
+    Workers share nothing but the store: each opens the store and takes its
+    own catalog snapshot in its lifespan, from the paths `serve` put in the
+    environment (an import string cannot carry arguments).
+    """
+    return create_app(os.environ[STORE_ENV], catalog_url=os.environ.get(CATALOG_ENV) or None)

@@ -26,6 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes (default 1); each opens the store and its own catalog snapshot",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -37,6 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("serve needs --store DIR (or TRAJSTORE_STORE)")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
+    if not 1 <= args.workers <= 64:
+        raise UsageError(f"--workers must be 1..64, got {args.workers}")
     # fail early, as one line: a missing store, or a catalog that cannot be opened
     with Store.open(args.store, create=False, catalog_url=args.catalog) as store:
         if args.catalog:
@@ -45,12 +54,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
             open_catalog(store.root, args.catalog).close()
     import uvicorn
 
-    from trajstore.api.app import create_app
+    from trajstore.api import app as api_app
 
-    app = create_app(
+    if args.workers > 1:
+        # each worker builds its own app (store, catalog snapshot, caches) from the
+        # environment: they share the listening socket and the store, nothing else
+        os.environ[api_app.STORE_ENV] = str(args.store)
+        os.environ[api_app.CATALOG_ENV] = args.catalog or ""
+        run_workers(
+            "trajstore.api.app:app_from_env",
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level=args.log_level,
+            factory=True,
+        )
+        return 0
+    app = api_app.create_app(
         args.store,
         token=os.environ.get("TRAJSTORE_API_TOKEN") or None,
         catalog_url=args.catalog,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def run_workers(
+    app: str, *, host: str, port: int, workers: int, log_level: str, factory: bool = False
+) -> None:
+    """uvicorn's multi-process mode over a listening socket bound here.
+
+    uvicorn's own bind (`socket.socket(family)`) leaves the protocol number 0, so
+    asyncio never sets TCP_NODELAY on the accepted connections and a small
+    response waits for the client's delayed ACK (about 40 ms per request, measured
+    by scripts/bench/bench_rest.py). A socket opened with IPPROTO_TCP gets it.
+    """
+    import socket
+
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, workers=workers, factory=factory
+    )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        from trajstore.errors import UsageError
+
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    Multiprocess(config, sockets=[sock]).run()

@@ -1,0 +1,291 @@
+#!/usr/bin/env python
+"""REST benchmark (issue 15): step lookup throughput vs a bare FastAPI endpoint,
+and the first (cold) payload download vs `torch.load`, in one run.
+
+    .venv/bin/python scripts/bench/bench_rest.py [--quick] [--steps 2000] [--workers 1,2]
+        [--duration 10] [--keep DIR]
+
+Needs `wrk` (Debian: `apt-get install -y wrk`) and root (the cold part drops the
+page cache with `sync; echo 3 > /proc/sys/vm/drop_caches`).
+
+1. Builds a store of distinct bundles (make_big_store.py --distinct) plus one
+   bundle with a large `log_probs` payload (--tokens float32 values).
+2. For each N in --workers: starts a bare FastAPI app (one sync endpoint at the
+   same path returning a small JSON) under uvicorn with the same settings as
+   `trajstore serve --workers N` (127.0.0.1, log level warning, N workers), and
+   `trajstore serve --workers N` on the store; drives each with
+   `wrk -t2 -c16 -d<duration>s` and a Lua script cycling random step ids.
+   Prints requests/s, p50/p99 and the ratio trajstore / bare.
+3. Cold download: a server with its body cache off (TRAJSTORE_API_CACHE_MB=0),
+   then three times: drop the page cache, `torch.load` the payload's .pt file;
+   drop the page cache, GET it (format npy and raw) from the server. Ratio =
+   torch.load time / download time (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI
+
+HERE = Path(__file__).resolve().parent
+RUN = "bench"
+BIG_ROLLOUT = 999999
+
+#: the bare baseline: same path shape and a sync endpoint (FastAPI's thread pool), as ours
+bare_app = FastAPI()
+
+
+@bare_app.get("/v1/runs/{run}/steps/{rollout_id}:{step_id}")
+def bare_step(run: str, rollout_id: int, step_id: int) -> dict:
+    return {"run": run, "kind": "step", "rollout_id": rollout_id, "step_id": step_id}
+
+
+#: the bare app started exactly as `trajstore serve --workers N` starts its app
+BARE = """
+import uvicorn
+from trajstore.cli.serve_cmd import run_workers
+port, workers = %d, %d
+if workers == 1:
+    from bench_rest import bare_app
+    uvicorn.run(bare_app, host="127.0.0.1", port=port, log_level="warning")
+else:
+    run_workers(
+        "bench_rest:bare_app", host="127.0.0.1", port=port, workers=workers, log_level="warning"
+    )
+"""
+
+LUA = """
+math.randomseed(%(seed)d)
+request = function()
+  local n = math.random(0, %(last)d)
+  local rollout, step = math.floor(n / %(per)d), n %% %(per)d
+  return wrk.format("GET", string.format("/v1/runs/%(run)s/steps/%%d:%%d", rollout, step))
+end
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"cannot drop the page cache ({e}); run as root") from None
+
+
+def wait_ready(port: int, proc: subprocess.Popen, path: str) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server on port {port} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"server on port {port} not ready in 300 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def build(root: Path, steps: int, samples: int, tokens: int, per_rollout: int) -> Path:
+    """The store (distinct bundles) and the big bundle's directory (kept for torch.load)."""
+    from trajstore.examples.replay_builders import consistent_contents
+
+    from trajstore.bundle.writer import write_bundle
+    from trajstore.store import Store
+
+    t0 = time.perf_counter()
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "make_big_store.py"),
+            str(root / "store"),
+            "--steps",
+            str(steps),
+            "--samples",
+            str(samples),
+            "--steps-per-rollout",
+            str(per_rollout),
+            "--distinct",
+            "--run",
+            RUN,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    big = root / "big" / f"replay-{BIG_ROLLOUT}-0"
+    contents = consistent_contents(groups=1, n=2, lengths=tokens // 2, rollout_id=BIG_ROLLOUT)
+    write_bundle(big, contents.contents)
+    with Store.open(root / "store", create=False) as store:
+        store.ingest([big.parent], run=RUN)
+    took = time.perf_counter() - t0
+    print(f"built {steps} distinct steps + a {tokens}-token bundle in {took:.0f} s")
+    return big
+
+
+def wrk(port: int, lua: Path, duration: int) -> dict[str, float]:
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t2",
+            "-c16",
+            f"-d{duration}s",
+            "--latency",
+            "-s",
+            str(lua),
+            f"http://127.0.0.1:{port}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+    def ms(pct: str) -> float:
+        value, unit = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
+        return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors:.*", out)
+    if bad or errors:
+        raise SystemExit(f"wrk saw failed requests on port {port}:\n{out}")
+    return {"rps": rps, "p50": ms("50"), "p99": ms("99")}
+
+
+def serve(
+    store: Path, port: int, workers: int, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trajstore", "serve", "--store", str(store), "--port", str(port)]
+    cmd += ["--log-level", "warning", "--workers", str(workers)]
+    return subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+
+
+def lookups(root: Path, args: argparse.Namespace) -> None:
+    lua = root / "steps.lua"
+    lua.write_text(
+        LUA % {"seed": 1, "last": args.steps - 1, "run": RUN, "per": args.steps_per_rollout}
+    )
+    for workers in args.workers:
+        port = free_port()
+        bare = subprocess.Popen([sys.executable, "-c", BARE % (port, workers)], cwd=HERE)
+        try:
+            wait_ready(port, bare, f"/v1/runs/{RUN}/steps/0:0")
+            base = wrk(port, lua, args.duration)
+        finally:
+            stop(bare)
+        port = free_port()
+        t0 = time.perf_counter()
+        server = serve(root / "store", port, workers)
+        try:
+            wait_ready(port, server, f"/v1/runs/{RUN}/steps/0:0")
+            ready = time.perf_counter() - t0
+            ours = wrk(port, lua, args.duration)
+        finally:
+            stop(server)
+        print(
+            f"lookup --workers {workers}: bare FastAPI {base['rps']:.0f} req/s "
+            f"(p50 {base['p50']:.1f} ms, p99 {base['p99']:.1f} ms); trajstore serve "
+            f"{ours['rps']:.0f} req/s (p50 {ours['p50']:.1f} ms, p99 {ours['p99']:.1f} ms, "
+            f"ready in {ready:.1f} s); ratio {ours['rps'] / base['rps']:.2f}x"
+        )
+
+
+def cold_download(root: Path, big: Path, repeats: int) -> None:
+    import torch
+
+    pt = big / "payloads" / "log_probs.pt"
+    url = f"/v1/bundles/{RUN}/step-{BIG_ROLLOUT}-0/a1/payloads/log_probs"
+    port = free_port()
+    server = serve(root / "store", port, 1, {"TRAJSTORE_API_CACHE_MB": "0"})
+    try:
+        wait_ready(port, server, "/v1/health")
+        loads: list[float] = []
+        gets: dict[str, list[float]] = {"npy": [], "raw": []}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+            client.get(f"/v1/bundles/{RUN}/step-{BIG_ROLLOUT}-0/a1").raise_for_status()
+            for _ in range(repeats):
+                drop_caches()
+                t = time.perf_counter()
+                tensor = torch.load(pt, weights_only=True)
+                loads.append(time.perf_counter() - t)
+                nbytes = tensor.numel() * tensor.element_size()
+                for fmt, times in gets.items():
+                    drop_caches()
+                    t = time.perf_counter()
+                    response = client.get(url, params={"format": fmt})
+                    times.append(time.perf_counter() - t)
+                    response.raise_for_status()
+                    if len(response.content) < nbytes:
+                        raise SystemExit(f"format={fmt}: short body {len(response.content)}")
+    finally:
+        stop(server)
+    mb = nbytes / 1e6
+    load = statistics.median(loads)
+    print(f"cold payload {mb:.1f} MB: torch.load {load * 1e3:.0f} ms ({mb / load:.0f} MB/s)")
+    for fmt, times in gets.items():
+        got = statistics.median(times)
+        print(
+            f"  cold GET format={fmt}: {got * 1e3:.0f} ms ({mb / got:.0f} MB/s); "
+            f"ratio {load / got:.2f}x torch.load"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="200 steps, 16 samples, 4 M tokens, 5 s")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--steps-per-rollout", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16_000_000, help="big payload's values")
+    ap.add_argument("--duration", type=int, default=10, help="wrk seconds per server")
+    ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    ap.add_argument("--repeats", type=int, default=3, help="cold downloads (median)")
+    ap.add_argument("--keep", type=Path, help="build into (and keep) this directory")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.samples, args.tokens, args.duration = 200, 16, 4_000_000, 5
+    args.workers = [int(w) for w in args.workers.split(",")]
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk not found: apt-get install -y wrk")
+    root = args.keep or Path(tempfile.mkdtemp(prefix="bench-rest-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"machine: nproc {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
+    try:
+        big = build(root, args.steps, args.samples, args.tokens, args.steps_per_rollout)
+        lookups(root, args)
+        cold_download(root, big, args.repeats)
+        print(f"machine after: load {os.getloadavg()[0]:.2f}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
