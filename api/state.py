@@ -11,10 +11,12 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from pydantic import BaseModel
 
 from trajstore.errors import StoreError
 from trajstore.store import Store
@@ -28,6 +30,8 @@ _REF_NAME = re.compile(r"^[0-9]{20}-[0-9]+-[0-9a-f]+$")
 #: stored bundles kept open (refs are immutable, so a cached one never goes stale)
 _MAX_OPEN_BUNDLES = 256
 _MAX_CAPABILITY_ENTRIES = 10000
+#: encoded step/rollout details kept (a few KiB each)
+_MAX_DETAILS = 20000
 
 
 class AppState:
@@ -49,6 +53,33 @@ class AppState:
         self._lock = threading.Lock()
         self.replay_lock = threading.Lock()  # RefIndex (used by replay) is not thread-safe
         self.bodies = BodyCache(int(os.environ.get("TRAJSTORE_API_CACHE_MB", "512")) << 20)
+        self._details: OrderedDict[tuple, bytes] = OrderedDict()
+        self._details_generation = -1
+
+    def detail_json(self, key: tuple, build: Callable[[], BaseModel]) -> bytes:
+        """The JSON of a step/rollout detail, built once per catalog generation.
+
+        A lookup's own work (group_detail, then pydantic validation and encoding
+        of the response model) was most of its cost under load; the View is
+        immutable per generation, so its encoded answer is too. A new generation
+        (a sync that applied something) empties the cache.
+        """
+        generation = self.view.generation
+        with self._lock:
+            if generation != self._details_generation:
+                self._details.clear()
+                self._details_generation = generation
+            hit = self._details.get(key)
+            if hit is not None:
+                self._details.move_to_end(key)
+                return hit
+        body = build().model_dump_json().encode()
+        with self._lock:
+            if generation == self._details_generation:
+                self._details[key] = body
+                while len(self._details) > _MAX_DETAILS:
+                    self._details.popitem(last=False)
+        return body
 
     @property
     def view(self) -> View:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import Response
 
 from trajstore.catalog import query_steps
 from trajstore.catalog.overview import result_detail
@@ -15,6 +16,26 @@ from ..params import Attempt, Cursor, Id, Limit, OptId, RunName, Sort, Text
 from ..state import StateDep
 
 router = APIRouter()
+
+
+def _detail(
+    state: StateDep,
+    run: str,
+    kind: str,
+    rollout_id: int,
+    step_id: int | None,
+    attempt: int | None,
+) -> Response:
+    """A step/rollout detail as JSON, encoded once per catalog generation (errors are not kept).
+
+    Returned as a Response, so FastAPI does not validate and encode the model
+    again; its body is `models.StepDetail`'s JSON, as the route declares.
+    """
+    body = state.detail_json(
+        (run, kind, rollout_id, step_id, attempt),
+        lambda: group_detail(state, run, kind, rollout_id, step_id, attempt),
+    )
+    return Response(body, media_type="application/json")
 
 
 @router.get("/runs/{run}/steps", response_model=models.StepPage)
@@ -52,9 +73,9 @@ def steps(
 @router.get("/runs/{run}/steps/{rollout_id}:{step_id}", response_model=models.StepDetail)
 def step(
     state: StateDep, run: RunName, rollout_id: Id, step_id: Id, attempt: Attempt = None
-) -> models.StepDetail:
+) -> Response:
     """One actor step by (rollout_id, step_id): identity, samples, payloads, verdict."""
-    return group_detail(state, run, "step", rollout_id, step_id, attempt)
+    return _detail(state, run, "step", rollout_id, step_id, attempt)
 
 
 @router.get("/runs/{run}/steps/{rollout_id}:{step_id}/result", response_model=models.StepResult)
@@ -82,7 +103,7 @@ def bad_step(run: str, step_ref: str) -> None:
 @router.get("/steps/{rollout_id}:{step_id}", response_model=models.StepDetail)
 def only_run_step(
     state: StateDep, rollout_id: Id, step_id: Id, attempt: Attempt = None
-) -> models.StepDetail:
+) -> Response:
     """The same, in a store with exactly one run."""
     run_names = state.view.runs
     if len(run_names) != 1:
@@ -93,7 +114,7 @@ def only_run_step(
             "ambiguous_run",
             f"the store holds runs {list(run_names)[:20]}; use /v1/runs/{{run}}/steps/...",
         )
-    return group_detail(state, run_names[0], "step", rollout_id, step_id, attempt)
+    return _detail(state, run_names[0], "step", rollout_id, step_id, attempt)
 
 
 @router.get("/steps/{step_ref}", include_in_schema=False)
@@ -102,8 +123,6 @@ def bad_only_run_step(step_ref: str) -> None:
 
 
 @router.get("/runs/{run}/rollouts/{rollout_id}", response_model=models.StepDetail)
-def rollout(
-    state: StateDep, run: RunName, rollout_id: Id, attempt: Attempt = None
-) -> models.StepDetail:
+def rollout(state: StateDep, run: RunName, rollout_id: Id, attempt: Attempt = None) -> Response:
     """The rollout-level bundle(s) of a rollout, and the actor steps stored for it."""
-    return group_detail(state, run, "rollout", rollout_id, None, attempt)
+    return _detail(state, run, "rollout", rollout_id, None, attempt)
