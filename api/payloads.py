@@ -113,9 +113,14 @@ class BodyCache:
                 self._bodies.move_to_end(etag)
             return body
 
+    def fits(self, size: int) -> bool:
+        """Whether a body of `size` bytes would be kept (one huge payload must not evict
+        everything else)."""
+        return size <= self.max_bytes // 4
+
     def put(self, etag: str, body: Body) -> None:
-        if body.size > self.max_bytes // 4:
-            return  # one huge payload must not evict everything else
+        if not self.fits(body.size):
+            return
         with self._lock:
             if etag in self._bodies:
                 return

@@ -9,6 +9,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
+from trajstore.cas.arrays import load_record
 from trajstore.jsonio import json_safe
 from trajstore.store.stored_bundle import StoredBundle
 
@@ -19,6 +20,7 @@ from ..params import Text
 from ..payloads import (
     FORMATS,
     Body,
+    BodyCache,
     RangeNotSatisfiable,
     as_npy_array,
     etag_for,
@@ -27,10 +29,25 @@ from ..payloads import (
     parse_range,
 )
 from ..state import StateDep
+from ..streaming import StreamedPayload
 
 router = APIRouter()
 
 FILE_EXTENSIONS = {"pt": "pt", "npy": "npy", "raw": "bin"}
+
+
+def _kept(
+    chunks: Iterator[bytes], cache: BodyCache, etag: str, shape: tuple[int, ...], size: int
+) -> Iterator[bytes]:
+    """Pass a streamed body through; keep it in the body cache once complete, if it fits."""
+    if not cache.fits(size):
+        yield from chunks  # not held: memory stays bounded by the decode-ahead window
+        return
+    parts = []
+    for chunk in chunks:
+        parts.append(chunk)
+        yield chunk
+    cache.put(etag, Body.of(*parts, shape=shape))
 
 
 def _payload_body(
@@ -127,6 +144,22 @@ def payload(
         )
     filename = f"{name}.{FILE_EXTENSIONS[format]}"
     body = state.bodies.get(etag)
+    if body is None and position is None and format != "pt" and not request.headers.get("range"):
+        # cold whole download: stream it while it decodes (api/streaming.py)
+        record = load_record(stored_bundle.objs, entry["record"])
+        if record.base is None:
+            shape = tuple(entry["shape"])
+            streamed = StreamedPayload(stored_bundle.objs, record, shape, str(payload_row["dtype"]))
+            headers["X-Shape"] = ",".join(str(dim) for dim in shape)
+            headers["Content-Disposition"] = f'attachment; filename="{quote(filename)}"'
+            headers["Content-Length"] = str(streamed.size(format))
+            return StreamingResponse(
+                _kept(
+                    streamed.iter_bytes(format), state.bodies, etag, shape, streamed.size(format)
+                ),
+                headers=headers,
+                media_type="application/octet-stream",
+            )
     if body is None:
         body = _payload_body(stored_bundle, name, format, position, str(payload_row["dtype"]))
         state.bodies.put(etag, body)

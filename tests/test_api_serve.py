@@ -1,0 +1,171 @@
+"""`trajstore serve --workers N` and the streamed cold payload download, on real servers.
+
+The multi-worker server is the real command in a subprocess on a loopback
+port; the streamed download runs under uvicorn in a thread (tests/test_api.py's
+`serve`). Payloads are long enough to span several decode batches
+(api/streaming.py BATCH_BYTES) and are bfloat16, so the .npy path widens them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import make_contents
+from test_api import serve
+from trajstore.api import streaming
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.store import Store
+
+#: tokens per sample: 4 samples of bf16 log-probs span two decode batches
+LONG = (streaming.BATCH_BYTES // 2) // 4 + 5000
+
+
+@pytest.fixture(scope="module")
+def long_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Four steps (rollout 3) of bf16 payloads; the tensors of step 3:0 by payload name."""
+    root = tmp_path_factory.mktemp("serve")
+    capture = root / "capture"
+    first: dict[str, torch.Tensor] = {}
+    for step in range(4):
+        contents = make_contents(
+            lengths=LONG if step == 0 else 64,
+            rollout_id=3,
+            step_id=step,
+            seed=step,
+            dtype=torch.bfloat16,
+        )
+        write_bundle(capture / f"replay-3-{step}", contents)
+        if step == 0:
+            payloads = capture / "replay-3-0" / "payloads"
+            first = {p.stem: torch.load(p, weights_only=True) for p in payloads.glob("*.pt")}
+    with Store.open(root / "store", durable=False) as store:
+        assert all(o.status == "published" for o in store.ingest([capture], run="r"))
+    return root / "store", first
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Child processes of `pid` started by multiprocessing's spawn (uvicorn's workers)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+@pytest.fixture
+def two_workers(long_store: tuple[Path, dict]) -> Iterator[tuple[int, httpx.Client]]:
+    store, _ = long_store
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(store)]
+        + ["--port", str(port), "--workers", "2", "--log-level", "warning"],
+        env=env,
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                assert server.poll() is None, f"serve exited with {server.returncode}"
+                assert time.monotonic() < deadline, "serve --workers 2 did not answer"
+                try:
+                    if client.get("/v1/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            yield server.pid, client
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_serve_two_workers_answer_concurrent_lookups_and_downloads(
+    two_workers: tuple[int, httpx.Client], long_store: tuple[Path, dict]
+) -> None:
+    pid, client = two_workers
+    _, tensors = long_store
+    assert len(_workers_of(pid)) == 2
+    url = "/v1/bundles/r/step-3-0/a1/payloads/log_probs"
+    expected_raw = tensors["log_probs"].view(torch.int16).numpy().tobytes()
+
+    def one(i: int) -> None:
+        # a fresh connection each time, so the kernel spreads them over both workers
+        with httpx.Client(base_url=client.base_url, timeout=60) as c:
+            step = i % 4
+            got = c.get(f"/v1/runs/r/steps/3:{step}")
+            assert got.status_code == 200, got.text
+            body = got.json()
+            assert (body["rollout_id"], body["step_id"], body["kind"]) == (3, step, "step")
+            assert body["bundles"][0]["key"] == f"r/step-3-{step}/a1"
+            if i % 8 == 0:
+                raw = c.get(url, params={"format": "raw"})
+                assert raw.status_code == 200 and raw.content == expected_raw
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(48)))
+
+
+def test_streamed_cold_download_is_byte_identical(long_store: tuple[Path, dict]) -> None:
+    store, tensors = long_store
+    tensor = tensors["log_probs"]
+    assert tensor.numel() * 2 > streaming.BATCH_BYTES  # more than one decode batch
+    bits = tensor.view(torch.int16).numpy()
+    url = "/v1/bundles/r/step-3-0/a1/payloads/log_probs"
+    with serve(store) as client:
+        raw = client.get(url, params={"format": "raw"})  # first: streamed while decoded
+        assert raw.status_code == 200 and raw.content == bits.tobytes()
+        assert int(raw.headers["content-length"]) == bits.nbytes
+        assert raw.headers["x-shape"] == ",".join(map(str, tensor.shape))
+        npy = client.get(url)  # .npy (default), also cold: its own ETag
+        arr = np.load(io.BytesIO(npy.content), allow_pickle=False)
+        assert arr.dtype == np.float32
+        np.testing.assert_array_equal(arr, tensor.float().numpy())
+        assert int(npy.headers["content-length"]) == len(npy.content)
+        again = client.get(url, params={"format": "raw"})  # kept in the body cache
+        assert again.content == raw.content
+        part = client.get(url, params={"format": "raw"}, headers={"Range": "bytes=100-4195"})
+        assert part.status_code == 206 and part.content == raw.content[100:4196]
+
+
+def test_serve_rejects_a_bad_worker_count(long_store: tuple[Path, dict]) -> None:
+    store, _ = long_store
+    done = subprocess.run(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(store), "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "--workers must be 1..64" in done.stderr
