@@ -20,9 +20,36 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from trajstore.errors import NotFoundError, StoreError
+from trajstore.errors import NotFoundError, StoreError, UsageError
 
-__all__ = ["DocInfo", "DocRef", "LocalRefSpace", "RefSpace", "atomic_create"]
+__all__ = [
+    "DocInfo",
+    "DocRef",
+    "LocalRefSpace",
+    "RefSpace",
+    "atomic_create",
+    "listing_margin_s",
+]
+
+#: the clock-skew margin of incremental listings (the same variable as the catalog's sync)
+MARGIN_ENV = "TRAJSTORE_CATALOG_MARGIN_S"
+DEFAULT_MARGIN_S = 300.0
+
+
+def listing_margin_s() -> float:
+    """How far before the newest name already known an incremental listing starts:
+    `TRAJSTORE_CATALOG_MARGIN_S` or 300 s. Names start with their writer's clock, so a
+    writer whose clock is behind by up to this much is still seen."""
+    raw = os.environ.get(MARGIN_ENV)
+    if not raw:
+        return DEFAULT_MARGIN_S
+    try:
+        margin = float(raw)
+    except ValueError:
+        margin = -1.0
+    if not margin >= 0:
+        raise UsageError(f"{MARGIN_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return margin
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ is refused unless `AWS_ALLOW_HTTP=true`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -120,6 +121,19 @@ def _store_error(e: BaseException, what: str) -> StoreError:
     return StoreError(f"S3 {what}: {first[:300]}")
 
 
+def _pack_lower_bound(known: list[str], margin_s: float) -> str | None:
+    """Where an incremental listing of `packs/` starts: the newest known id's time (or
+    this host's clock if earlier) minus the margin, as a 16-hex-digit prefix; None (list
+    all) if nothing is known or an id is not of that form."""
+    if not known:
+        return None
+    stems = [pid.split("-", 1)[0] for pid in known]
+    if any(len(t) != 16 for t in stems):
+        return None
+    newest = min(max(int(t, 16) for t in stems), time.time_ns())  # a clock ahead hides nothing
+    return f"{max(newest - int(margin_s * 1e9), 0):016x}"
+
+
 class S3RefSpace(RefSpace):
     """Create-once documents as S3 objects under a prefix (conditional PUTs)."""
 
@@ -127,6 +141,8 @@ class S3RefSpace(RefSpace):
         self.client = client
         self.loc = loc
         self.location = loc.url
+        #: names returned by listing requests so far (what a command pays for listing)
+        self.listed = 0
 
     #: a folder listed this recently is not listed again (a listing costs one request per
     #: 1,000 names); writers of this process invalidate, lookups that miss force a listing
@@ -173,6 +189,7 @@ class S3RefSpace(RefSpace):
             listing = obstore.list_with_delimiter(self.client, prefix)
         except Exception as e:
             raise _store_error(e, f"cannot list {self.where(folder)}") from None
+        self.listed += len(listing["objects"])
         out = [
             DocInfo(m["path"][len(prefix) :], m["last_modified"].timestamp())
             for m in listing["objects"]
@@ -190,6 +207,7 @@ class S3RefSpace(RefSpace):
             metas = [m for batch in obstore.list(self.client, prefix=prefix) for m in batch]
         except Exception as e:
             raise _store_error(e, f"cannot list {self.where(folder)}") from None
+        self.listed += len(metas)
         out = [DocInfo(m["path"][len(prefix) :], m["last_modified"].timestamp()) for m in metas]
         return sorted((d for d in out if d.name), key=lambda d: d.name)
 
@@ -209,6 +227,7 @@ class S3RefSpace(RefSpace):
             ]
         except Exception as e:
             raise _store_error(e, f"cannot list {self.where(folder)}") from None
+        self.listed += len(metas)
         names = (m["path"][len(prefix) :] for m in metas)
         return sorted(n for n in names if n and "/" not in n and not n.startswith("."))
 
@@ -256,7 +275,12 @@ class S3ObjectStore(ObjectStore):
         self._pending_bytes = 0
         #: index objects that failed their checksum; their objects read as missing
         self.corrupt_indexes: list[str] = []
-        self.rescan()
+        #: names returned by listing requests so far (what a command pays for listing)
+        self.listed = 0
+        #: packs seen in a listing of this process or written by it; a pack known only
+        #: from the local cache is confirmed (one HEAD) before it spares an upload
+        self._confirmed: set[str] = set()
+        self._open_incremental()
 
     def __repr__(self) -> str:
         return f"S3ObjectStore({self.loc.url!r})"
@@ -299,14 +323,23 @@ class S3ObjectStore(ObjectStore):
         except Exception as e:
             raise _store_error(e, f"cannot stat s3://{self.loc.bucket}/{key}") from None
 
-    def _list(self, folder: str) -> list[dict]:
+    def _list(self, folder: str, after: str | None = None) -> list[dict]:
+        """Listing entries under `folder`, only names sorting after `after` when given
+        (S3 StartAfter: one request per 1,000 names from there on)."""
         import obstore
 
         prefix = f"{self.loc.prefix}{folder}"
+        offset = prefix + after if after else None
         try:
-            return [m for batch in obstore.list(self.client, prefix=prefix) for m in batch]
+            out = [
+                m
+                for batch in obstore.list(self.client, prefix=prefix, offset=offset)
+                for m in batch
+            ]
         except Exception as e:
             raise _store_error(e, f"cannot list s3://{self.loc.bucket}/{prefix}") from None
+        self.listed += len(out)
+        return out
 
     def _delete_raw(self, key: str) -> None:
         import obstore
@@ -330,7 +363,7 @@ class S3ObjectStore(ObjectStore):
 
     def _put(self, data: bytes) -> str:
         h = object_hash(data)
-        if h in self._pending or h in self._index or h in self._loose:
+        if h in self._pending or self._indexed(h) or h in self._loose:
             return h
         if len(data) >= self.pack_threshold:
             key = self._loose_key(h)
@@ -373,9 +406,53 @@ class S3ObjectStore(ObjectStore):
             self._index[h] = _Loc(pid, int(e["off"]), int(e["len"]))
         self._members[pid] = members
         self._entries[pid] = entries
+        self._confirmed.add(pid)
         return pid
 
     # -- discovering packs --
+
+    def _open_incremental(self) -> None:
+        """Open with the packs of the local index cache, then list only pack names after
+        the newest of them minus the margin (pack ids start with their writer's clock in
+        16 hex digits, so they sort by age): an open pays for what is new. Without a
+        usable cache, or with an id of another form, the whole folder is listed."""
+        from trajstore.refspace import listing_margin_s
+
+        cached = self._cached_pack_ids()
+        with self._lock:
+            for pid in cached:
+                raw = self._cached_idx(pid)
+                entries = None if raw is None else self._parse_idx(raw)
+                if entries is not None:
+                    self._add_pack(pid, entries)
+            after = _pack_lower_bound(list(self._members), listing_margin_s())
+            if after is None:
+                self.rescan()
+                return
+            self._add_listed(self._list("packs/", after), forget=False)
+
+    def _cached_pack_ids(self) -> list[str]:
+        if self.index_cache is None:
+            return []
+        try:
+            names = [p.name for p in self.index_cache.iterdir()]
+        except OSError:
+            return []
+        return sorted(n[:-4] for n in names if n.endswith(".idx") and _PACK_ID_RE.match(n[:-4]))
+
+    def _indexed(self, h: str) -> bool:
+        """Whether a stored pack holds `h`; a pack known only from the local cache is
+        confirmed first (one HEAD of its index), as gc may have rewritten it since."""
+        loc = self._index.get(h)
+        if loc is None:
+            return False
+        if loc.pack in self._confirmed:
+            return True
+        if self._head(self._pack_key(loc.pack, ".idx")) is not None:
+            self._confirmed.add(loc.pack)
+            return True
+        self.rescan()  # a cached pack is gone: learn every removal and where objects went
+        return h in self._index
 
     def _pack_listing(self) -> dict[str, dict]:
         """pack id -> listing entry of its `.pack`, for packs whose index exists."""
@@ -393,20 +470,34 @@ class S3ObjectStore(ObjectStore):
         return {pid: m for pid, m in packs.items() if pid in idx}
 
     def rescan(self) -> None:
-        """Load the indexes of packs published since the last scan; forget removed packs."""
+        """List every pack: load those published since, forget (and uncache) removed ones.
+        Opens list only what is new (`_open_incremental`); this full listing is for gc,
+        fsck and a read that missed (e.g. a cached pack that gc removed)."""
         with self._lock:
-            present = set(self._pack_listing())
-            lost: set[str] = set()
+            self._add_listed(self._list("packs/"), forget=True)
+
+    def _add_listed(self, listing: list[dict], *, forget: bool) -> None:
+        """Apply a listing of `packs/`: packs whose index is listed are confirmed and
+        loaded; with `forget` (a full listing) known packs not listed are dropped."""
+        present: set[str] = set()
+        for m in listing:
+            stem, _, ext = m["path"].rsplit("/", 1)[-1].rpartition(".")
+            if ext == "idx" and _PACK_ID_RE.match(stem):
+                present.add(stem)
+        lost: set[str] = set()
+        if forget:
             for pid in list(self._members):
                 if pid not in present:
                     lost |= self._forget_pack(pid)
-            new = sorted(present - self._members.keys())
-            with ThreadPoolExecutor(_CONCURRENCY) as pool:
-                loaded = list(pool.map(self._read_idx, new))
-            for pid, entries in zip(new, loaded, strict=True):
-                if entries is not None:
-                    self._add_pack(pid, entries)
-            self._repoint(lost)
+                    self._drop_cached_idx(pid)
+        self._confirmed |= present
+        new = sorted(present - self._members.keys())
+        with ThreadPoolExecutor(_CONCURRENCY) as pool:
+            loaded = list(pool.map(self._read_idx, new))
+        for pid, entries in zip(new, loaded, strict=True):
+            if entries is not None:
+                self._add_pack(pid, entries)
+        self._repoint(lost)
 
     def _add_pack(self, pid: str, entries: np.ndarray) -> None:
         members = [bytes(x).hex() for x in entries["h"]]
@@ -419,6 +510,7 @@ class S3ObjectStore(ObjectStore):
 
     def _forget_pack(self, pid: str) -> set[str]:
         lost = set()
+        self._confirmed.discard(pid)
         self._entries.pop(pid, None)
         for h in self._members.pop(pid, []):
             loc = self._index.get(h)
@@ -449,6 +541,11 @@ class S3ObjectStore(ObjectStore):
             return (self.index_cache / f"{pid}.idx").read_bytes()
         except OSError:
             return None
+
+    def _drop_cached_idx(self, pid: str) -> None:
+        if self.index_cache is not None:
+            with contextlib.suppress(OSError):
+                (self.index_cache / f"{pid}.idx").unlink()
 
     def _keep_idx(self, pid: str, raw: bytes) -> None:
         if self.index_cache is None:
@@ -582,7 +679,7 @@ class S3ObjectStore(ObjectStore):
         if not isinstance(h, str) or not _HASH_RE.match(h):
             return False
         with self._lock:
-            if h in self._pending or h in self._index or h in self._loose:
+            if h in self._pending or self._indexed(h) or h in self._loose:
                 return True
         if self._head(self._loose_key(h)) is not None:
             self._loose.add(h)
@@ -677,6 +774,7 @@ class S3ObjectStore(ObjectStore):
             self._write_pack(list(zip(hashes, datas, strict=True)))  # type: ignore[arg-type]
         self._delete_raw(self._pack_key(pid, ".idx"))
         lost |= self._forget_pack(pid)
+        self._drop_cached_idx(pid)
         self._delete_raw(self._pack_key(pid, ".pack"))
         new_size = len(_PACK_MAGIC) + sum(len(d or b"") for d in datas) if datas else 0
         return RepackResult(1, len(members) - len(kept), size - new_size, 2)

@@ -44,6 +44,8 @@ from trajstore.store.layout import (
 from trajstore.store.stored_bundle import StoredBundle, get_json_blob
 
 DEFAULT_RUN = "default"
+#: the RefIndex cache file inside an S3 store's local cache directory
+REF_CACHE = "ref-index.json"
 
 
 def is_remote(location: str | os.PathLike[str]) -> bool:
@@ -85,7 +87,9 @@ class Store:
             objs if objs is not None else LocalObjectStore(root, durable=durable)
         )
         self.space: RefSpace = space if space is not None else LocalRefSpace(root, durable=durable)
-        self.refs = RefIndex(self.space)
+        # an S3 store keeps its parsed refs in its local cache directory (`root`), so
+        # opening it lists only the refs published since (RefIndex)
+        self.refs = RefIndex(self.space, cache=self.root / REF_CACHE if self.is_remote else None)
 
     @property
     def is_remote(self) -> bool:

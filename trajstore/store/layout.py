@@ -109,22 +109,67 @@ class RefEntry:
     content_digest: str
 
 
+#: the format tag of a RefIndex cache file (anything else there is ignored and rebuilt)
+REFINDEX_CACHE_FORMAT = "trajstore-refindex-1"
+
+
+def _name_lower_bound(mark: str | None, margin_s: float) -> str | None:
+    """Where an incremental listing starts: the mark's time, or this host's clock if
+    earlier (a host whose clock runs ahead cannot push the mark past others' names),
+    minus the margin, as the 20-digit prefix of a document name; None (list all) for
+    no mark or a foreign one."""
+    stem = (mark or "")[:20]
+    if len(stem) != 20 or not stem.isdigit():
+        return None
+    start = min(int(stem), time.time_ns()) - int(margin_s * 1e9)
+    return f"{max(start, 0):020d}"
+
+
+def _entry_from_doc(name: str, d: dict[str, Any]) -> RefEntry:
+    cr = d.get("cohort_ranks")
+    return RefEntry(
+        name,
+        str(d["key"]),
+        str(d["run"]),
+        str(d["kind"]),
+        int(d["rollout_id"]),
+        None if d.get("step_id") is None else int(d["step_id"]),
+        None if d.get("rank") is None else int(d["rank"]),
+        int(d["attempt"]),
+        None if cr is None else tuple(int(r) for r in cr),
+        str(d.get("content_digest")),
+    )
+
+
 class RefIndex:
     """Incremental view of `refs/`: reads only refs and tombstones published since the last refresh.
 
     Needs no catalog (and no lock): ingest and export work while another
     process holds the catalog. A key's newest ref wins; it is live unless a
     tombstone newer than that ref names the key.
+
+    On a space that lists from a name on (`list_after`, an S3 bucket), a refresh
+    lists only names after the newest one known minus `listing_margin_s()` (names
+    start with their writer's clock), and with `cache` the parsed entries persist
+    in a local file, so a command pays for what is new, not for the store's size.
+    `refresh(force=True)` lists everything (lookups that miss, publish conflicts,
+    fsck and gc), so a writer whose clock is behind by more than the margin is
+    still found there.
     """
 
-    def __init__(self, space: RefSpace) -> None:
+    def __init__(self, space: RefSpace, cache: Path | None = None) -> None:
         self.space = space
+        self.cache = cache
         self._refs: dict[str, RefEntry] = {}
         self._bad: dict[str, str] = {}
         self._tombs: dict[str, str] = {}  # tombstone name -> key
         self._stamps: dict[str, int] = {}
+        self._marks: dict[str, str] = {}  # folder -> newest name listed there
         self._live: dict[str, RefEntry] | None = None
         self._anchors: dict[tuple, list[RefEntry]] | None = None
+        self._incremental = hasattr(space, "list_after")
+        self._margin_s: float | None = None
+        self._loaded = False
 
     def invalidate(self) -> None:
         """Forget when the folders were last listed: the next refresh lists them
@@ -132,46 +177,133 @@ class RefIndex:
         self._stamps.clear()
 
     def refresh(self, *, force: bool = False) -> None:
+        """Read what was published since; `force`: list both folders in full now."""
+        if not self._loaded:
+            self._loaded = True
+            self._load_cache()
         if force:
             self.invalidate()
         before = (len(self._refs), len(self._bad), len(self._tombs))
         if self.space.changed(BUNDLE_REFS_KEY, self._stamps):
-            self._refresh_refs()
+            self._refresh_refs(self._listing(BUNDLE_REFS_KEY, full=force))
         if self.space.changed(TOMBSTONES_KEY, self._stamps):
-            self._refresh_tombstones()
+            self._refresh_tombstones(self._listing(TOMBSTONES_KEY, full=force))
         if (len(self._refs), len(self._bad), len(self._tombs)) != before:
             self._live = self._anchors = None
+            self._save_cache()
 
-    def _refresh_refs(self) -> None:
-        for name in list_docs(self.space, BUNDLE_REFS_KEY):
+    def _listing(self, folder: str, *, full: bool) -> list[str]:
+        """Names (without `.json`) to consider: all, or those after mark - margin."""
+        if not self._incremental:
+            return list_docs(self.space, folder)
+        if self._margin_s is None:
+            from trajstore.refspace import listing_margin_s
+
+            self._margin_s = listing_margin_s()
+        after = None if full else _name_lower_bound(self._marks.get(folder), self._margin_s)
+        names = [
+            n[:-5]
+            for n in self.space.list_after(folder, after)  # type: ignore[attr-defined]
+            if n.endswith(".json")
+        ]
+        if names and names[-1] > self._marks.get(folder, ""):
+            self._marks[folder] = names[-1]
+        return names
+
+    def _refresh_refs(self, names: list[str]) -> None:
+        for name in names:
             if name in self._refs or name in self._bad:
                 continue
             try:
-                d = self.read(name)
-                cr = d.get("cohort_ranks")
-                self._refs[name] = RefEntry(
-                    name,
-                    str(d["key"]),
-                    str(d["run"]),
-                    str(d["kind"]),
-                    int(d["rollout_id"]),
-                    d.get("step_id"),
-                    d.get("rank"),
-                    int(d["attempt"]),
-                    None if cr is None else tuple(int(r) for r in cr),
-                    str(d.get("content_digest")),
-                )
+                self._refs[name] = _entry_from_doc(name, self.read(name))
             except (StoreError, KeyError, TypeError, ValueError) as e:
                 self._bad[name] = f"ref {name}: unreadable ({e})"
 
-    def _refresh_tombstones(self) -> None:
-        for name in list_docs(self.space, TOMBSTONES_KEY):
+    def _refresh_tombstones(self, names: list[str]) -> None:
+        for name in names:
             if name not in self._tombs:
                 try:
                     d = json.loads(self.space.read(f"{TOMBSTONES_KEY}/{name}.json"))
                     self._tombs[name] = str(d["key"])
                 except (StoreError, ValueError, KeyError, TypeError) as e:
                     self._bad[name] = f"tombstone {name}: unreadable ({e})"
+
+    # -- the local cache (a speed-up only: anything odd there is ignored) --
+
+    def _load_cache(self) -> None:
+        """Adopt the cached entries if the file is ours and its newest ref still reads
+        back with the same key from the space; otherwise start empty (a full listing)."""
+        if self.cache is None or not self._incremental:
+            return
+        try:
+            doc = json.loads(self.cache.read_text())
+            if doc.get("format") != REFINDEX_CACHE_FORMAT:
+                return
+            if doc.get("location") != self.space.location:
+                return
+            refs = {}
+            for row in doc["refs"]:
+                name, key, run, kind, rid, sid, rank, att, cr, digest = row
+                refs[str(name)] = RefEntry(
+                    str(name),
+                    str(key),
+                    str(run),
+                    str(kind),
+                    int(rid),
+                    None if sid is None else int(sid),
+                    None if rank is None else int(rank),
+                    int(att),
+                    None if cr is None else tuple(int(r) for r in cr),
+                    str(digest),
+                )
+            tombs = {str(n): str(k) for n, k in doc["tombs"].items()}
+            marks = {
+                f: str(doc["marks"][f])
+                for f in (BUNDLE_REFS_KEY, TOMBSTONES_KEY)
+                if f in doc["marks"]
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return
+        if refs:
+            newest = max(refs)
+            try:
+                if _entry_from_doc(newest, self.read(newest)) != refs[newest]:
+                    return
+            except (StoreError, KeyError, TypeError, ValueError):
+                return
+        self._refs, self._tombs, self._marks = refs, tombs, marks
+
+    def _save_cache(self) -> None:
+        if self.cache is None or not self._incremental:
+            return
+        doc = {
+            "format": REFINDEX_CACHE_FORMAT,
+            "location": self.space.location,
+            "marks": self._marks,
+            "refs": [
+                [
+                    e.name,
+                    e.key,
+                    e.run,
+                    e.kind,
+                    e.rollout_id,
+                    e.step_id,
+                    e.rank,
+                    e.attempt,
+                    None if e.cohort_ranks is None else list(e.cohort_ranks),
+                    e.content_digest,
+                ]
+                for e in self._refs.values()
+            ],
+            "tombs": self._tombs,
+        }
+        tmp = self.cache.with_name(f".{self.cache.name}.{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            self.cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.cache)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a cache only
 
     def read(self, name: str) -> dict[str, Any]:
         """The full ref document `name`."""

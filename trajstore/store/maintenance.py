@@ -97,6 +97,7 @@ def fsck(store: Store, *, deep: bool = True) -> FsckReport:
         rep.problems.append(f"{where[h]}: {problem}")
     for path in getattr(store.objs, "corrupt_indexes", []):
         rep.problems.append(f"pack index {path} is corrupt; its objects are unreadable")
+    store.refs.refresh(force=True)  # every ref, not only those after the listing mark
     rep.problems += store.refs.problems
     live = store.refs.live()
     groups: dict[tuple, list] = defaultdict(list)
@@ -139,6 +140,7 @@ def live_objects(store: Store) -> set[str]:
     from trajstore.store.shards import pending_shards
 
     out: set[str] = set()
+    store.refs.refresh(force=True)  # gc's safety needs every ref: a full listing
     for e in store.refs.live().values():
         out |= set(ref_closure(store, store.refs.read(e.name)))
     for ref in pending_shards(store):
