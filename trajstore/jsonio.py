@@ -67,6 +67,8 @@ def parse_json(data: bytes, label: str) -> Any:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BundleError(f"{label}: malformed JSON ({exc})") from None
+    except RecursionError:  # e.g. 100,000 nested '[': a hostile document, not a crash
+        raise BundleError(f"{label}: JSON nested too deeply") from None
 
 
 def read_json(path: Path, label: str) -> Any:

@@ -446,6 +446,9 @@ class CohortComplete(Doc):
     WHERE: ClassVar[str] = "cohort COMPLETE"
 
     def _validate(self, where: str) -> None:
+        bad = [k for k in self.raw["shards"] if not re.fullmatch(r"[0-9]{1,9}", k)]
+        if bad:
+            raise BundleError(f"{where}: shard key {bad[0][:40]!r} is not a rank number")
         self.shards = {
             int(k): RankShard.from_dict(v, f"{where} shard {k}")
             for k, v in self.raw["shards"].items()

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -61,6 +63,8 @@ NUMPY_TO_TORCH: dict[str, str] = {
 
 #: Refuse absurd declared sizes before allocating anything.
 MAX_ELEMENTS = 1 << 34
+#: A tensor's pickle is a few hundred bytes; a larger data.pkl is refused unread.
+MAX_PICKLE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,63 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return _StorageRef(str(key), stype, int(numel))
 
 
-def _local_data_offset(raw: bytes, info: zipfile.ZipInfo) -> int:
-    """Offset of a stored member's bytes: local header + name + extra."""
+def _local_data_offset(raw: bytes, info: zipfile.ZipInfo, label: str) -> int:
+    """Offset of a stored member's bytes: local header + name + extra, inside ``raw``."""
     start = info.header_offset
-    if raw[start : start + 4] != b"PK\x03\x04":
-        raise BundleError("bad zip local header")
+    if start < 0 or raw[start : start + 4] != b"PK\x03\x04" or len(raw) < start + 30:
+        raise BundleError(f"{label}: bad zip local header for {info.filename!r}")
     name_len, extra_len = struct.unpack("<HH", raw[start + 26 : start + 30])
-    return start + 30 + name_len + extra_len
+    off = start + 30 + name_len + extra_len
+    if off + info.file_size > len(raw):
+        raise BundleError(f"{label}: zip member {info.filename!r} runs past the end of the file")
+    return off
+
+
+#: What a damaged zip member's read raises (CRC, truncation, odd compression, encryption).
+_ZIP_READ_ERRORS = (
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+    RuntimeError,
+    EOFError,
+    OSError,
+    ValueError,
+    OverflowError,
+    struct.error,
+)
+
+
+def _read_member(zf: zipfile.ZipFile, name: str, label: str, limit: int) -> bytes:
+    """A member's bytes, its declared size checked against ``limit`` before inflating it."""
+    try:
+        info = zf.getinfo(name)
+        if info.file_size > limit:
+            raise BundleError(
+                f"{label}: zip member {name!r} declares {info.file_size} bytes, "
+                f"beyond the limit of {limit}"
+            )
+        return zf.read(info)
+    except _ZIP_READ_ERRORS as exc:
+        raise BundleError(f"{label}: unreadable zip member {name!r} ({exc})") from None
+
+
+#: A tensor pickle memoizes a handful of objects; C's unpickler sizes its memo to the index.
+MAX_MEMO_INDEX = 1 << 16
+_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_memo_indices(pickled: bytes, label: str) -> None:
+    """Refuse a memo index that would make the unpickler allocate gigabytes (LONG_BINPUT 2**31).
+
+    Scans opcodes without building anything (pickletools); a stream it cannot
+    walk is refused as unreadable.
+    """
+    try:
+        for op, arg, _ in pickletools.genops(pickled):
+            if op.name in _PUT_OPS and not (isinstance(arg, int) and 0 <= arg < MAX_MEMO_INDEX):
+                raise BundleError(f"{label}: pickle memo index {arg!r:.20} is beyond the limit")
+    except (ValueError, EOFError, UnicodeDecodeError, struct.error, OverflowError) as exc:
+        raise BundleError(f"{label}: unsafe or unreadable pickle: {exc}") from None
 
 
 def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
@@ -152,18 +206,34 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
     try:
         zf = zipfile.ZipFile(io.BytesIO(raw))
         names = zf.namelist()
-    except (zipfile.BadZipFile, ValueError) as exc:
+    except _ZIP_READ_ERRORS as exc:
         raise BundleError(f"{label}: not a torch.save zip file ({exc})") from None
     pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:
         raise BundleError(f"{label}: not a torch.save file (no single <archive>/data.pkl)")
     root = pkl[0][: -len("data.pkl")]
     byteorder = root + "byteorder"
-    if byteorder in names and zf.read(byteorder).strip() not in (b"little", b""):
+    if byteorder in names and _read_member(zf, byteorder, label, 64).strip() not in (
+        b"little",
+        b"",
+    ):
         raise BundleError(f"{label}: big-endian torch files are not supported")
+    pickled = _read_member(zf, pkl[0], label, MAX_PICKLE_BYTES)
+    _check_memo_indices(pickled, label)
     try:
-        obj = _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError) as exc:
+        obj = _RestrictedUnpickler(io.BytesIO(pickled)).load()
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        OverflowError,  # a FRAME declaring 2**63 bytes
+        KeyError,
+        IndexError,
+        RecursionError,
+        struct.error,
+    ) as exc:
         raise BundleError(f"{label}: unsafe or unreadable pickle: {exc}") from None
     if not isinstance(obj, _TensorSpec):
         raise BundleError(f"{label}: does not hold a plain tensor (got {type(obj).__name__})")
@@ -187,11 +257,14 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
             f"{label}: storage holds {info.file_size} bytes, declared {st.numel * itemsize}"
         )
     if info.compress_type == zipfile.ZIP_STORED:
-        off = _local_data_offset(raw, info)
+        off = _local_data_offset(raw, info, label)
         data = np.frombuffer(raw, dtype=st.stype.np_dtype, count=st.numel, offset=off)
     else:
         off = None
-        data = np.frombuffer(zf.read(member), dtype=st.stype.np_dtype)
+        member_bytes = _read_member(zf, member, label, info.file_size)
+        if len(member_bytes) != info.file_size:
+            raise BundleError(f"{label}: storage record {member!r} inflates to the wrong size")
+        data = np.frombuffer(member_bytes, dtype=st.stype.np_dtype)
     contiguous = _is_contiguous(obj.size, obj.stride)
     if numel == 0:
         arr = np.zeros(obj.size, dtype=st.stype.np_dtype)

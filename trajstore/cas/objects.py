@@ -423,8 +423,11 @@ class LocalObjectStore(ObjectStore):
             ok = len(body) == 16 + n * _IDX_ENTRY.itemsize
         if ok:
             entries = np.frombuffer(body, _IDX_ENTRY, n, 16)
-            ends = entries["off"] + entries["len"]
-            ok = n == 0 or int(ends.max()) <= pack_size
+            # off + len in uint64 wraps around; compare without adding.
+            lens = entries["len"]
+            ok = bool((lens <= pack_size).all()) and bool(
+                (entries["off"] <= np.uint64(pack_size) - lens).all()
+            )
         if not ok:
             if path not in self.corrupt_indexes:
                 self.corrupt_indexes.append(path)
