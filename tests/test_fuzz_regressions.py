@@ -126,6 +126,35 @@ def test_pt_pickle_frame_declaring_2_to_the_63_bytes_is_a_bundle_error() -> None
     assert "unreadable pickle" in _one_line_bundle_error(_zip(pickled, b""))
 
 
+def test_pt_expanded_tensor_is_refused_not_materialized() -> None:
+    """Directed check of the harness's memory property: a 1.5 KB file with stride 0 over one
+    element made the reader allocate 1 GiB (up to 128 GiB within MAX_ELEMENTS)."""
+    import torch
+
+    out = BytesIO()
+    torch.save(torch.zeros(1).expand(1 << 28), out)
+    assert "repeats storage elements" in _one_line_bundle_error(out.getvalue())
+
+
+def test_pt_bzip2_storage_record_is_refused_unread() -> None:
+    """Directed check: bzip2 can inflate a few KB to gigabytes; only stored/deflated are read."""
+    out = BytesIO()
+    with zipfile.ZipFile(BytesIO(_pt())) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            kind = zipfile.ZIP_BZIP2 if "/data/" in info.filename else zipfile.ZIP_STORED
+            dst.writestr(info.filename, src.read(info), compress_type=kind)
+    assert "compression 12" in _one_line_bundle_error(out.getvalue())
+
+
+def test_pt_deflated_storage_record_is_read() -> None:
+    """The deflated path stays open (another zip writer than torch.save's)."""
+    out = BytesIO()
+    with zipfile.ZipFile(BytesIO(_pt())) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    assert read_pt_bytes(out.getvalue()).array.tolist() == read_pt_bytes(_pt()).array.tolist()
+
+
 def test_cohort_complete_with_a_non_numeric_shard_key_is_a_bundle_error() -> None:
     """Fuzzer: shard key '&' made int() raise ValueError in CohortComplete."""
     doc = {"ranks": [0, 1], "shards": {"&": {}}}

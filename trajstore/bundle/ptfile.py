@@ -241,8 +241,8 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
     st = obj.storage
     numel = 1
     for s in obj.size:
-        if s < 0:
-            raise BundleError(f"{label}: negative dimension in shape {obj.size}")
+        if s < 0 or s > MAX_ELEMENTS:
+            raise BundleError(f"{label}: dimension {s} of shape {obj.size!r:.80} is out of range")
         numel *= s
     if numel > MAX_ELEMENTS or st.numel > MAX_ELEMENTS:
         raise BundleError(f"{label}: declared size {numel} elements is beyond the limit")
@@ -259,12 +259,19 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
     if info.compress_type == zipfile.ZIP_STORED:
         off = _local_data_offset(raw, info, label)
         data = np.frombuffer(raw, dtype=st.stype.np_dtype, count=st.numel, offset=off)
-    else:
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        # deflate inflates at most ~1032:1, so memory stays within ~1000x the file's size;
+        # bzip2/lzma can inflate a few KB to the 128 GiB MAX_ELEMENTS allows: refused below
         off = None
         member_bytes = _read_member(zf, member, label, info.file_size)
         if len(member_bytes) != info.file_size:
             raise BundleError(f"{label}: storage record {member!r} inflates to the wrong size")
         data = np.frombuffer(member_bytes, dtype=st.stype.np_dtype)
+    else:
+        raise BundleError(
+            f"{label}: storage record {member!r} uses zip compression {info.compress_type}; "
+            "only stored (torch.save's) or deflated records are read"
+        )
     contiguous = _is_contiguous(obj.size, obj.stride)
     if numel == 0:
         arr = np.zeros(obj.size, dtype=st.stype.np_dtype)
@@ -278,6 +285,12 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
         last = obj.offset + sum((s - 1) * abs(t) for s, t in zip(obj.size, obj.stride, strict=True))
         if obj.offset < 0 or last >= st.numel or any(t < 0 for t in obj.stride):
             raise BundleError(f"{label}: tensor view exceeds its storage")
+        if numel > st.numel:
+            # stride 0 / overlapping strides: a 1.5 KB file would materialize gigabytes
+            raise BundleError(
+                f"{label}: tensor view repeats storage elements ({numel} elements from a "
+                f"{st.numel}-element storage: an expanded tensor); save it contiguous"
+            )
         arr = np.lib.stride_tricks.as_strided(
             data[obj.offset :], shape=obj.size, strides=[t * itemsize for t in obj.stride]
         ).copy()
