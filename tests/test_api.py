@@ -461,8 +461,13 @@ def test_ingest_and_record_from_other_processes(tmp_path: Path) -> None:
         assert c.get("/v1/runs").json()["items"][0]["run"] == "ex"
         done = _trajstore("ingest", str(CAPTURE_DIR), "--store", str(store), "--run", "cap")
         assert done.returncode == 0, done.stderr
-        _poll(lambda: c.get("/v1/runs/cap/steps/120:0").status_code == 200)
-        assert c.get("/v1/runs/cap/rollouts/120").status_code == 200
+        # a sync may land mid-ingest (the step's refs before the rollout's): poll both
+        _poll(
+            lambda: (
+                c.get("/v1/runs/cap/steps/120:0").status_code == 200
+                and c.get("/v1/runs/cap/rollouts/120").status_code == 200
+            )
+        )
         assert c.get("/v1/runs/cap/steps/120:0").json()["latest_verdict"] is None
 
         done = _trajstore(
