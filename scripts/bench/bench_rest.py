@@ -16,10 +16,12 @@ page cache with `sync; echo 3 > /proc/sys/vm/drop_caches`).
    `trajstore serve --workers N` on the store; drives each with
    `wrk -t2 -c16 -d<duration>s` and a Lua script cycling random step ids.
    Prints requests/s, p50/p99 and the ratio trajstore / bare.
-3. Cold download: a server with its body cache off (TRAJSTORE_API_CACHE_MB=0),
-   then three times: drop the page cache, `torch.load` the payload's .pt file;
-   drop the page cache, GET it (format npy and raw) from the server. Ratio =
-   torch.load time / download time (medians).
+3. Cold (first) download, --repeats times: drop the page cache and
+   `torch.load` the payload's .pt file; then for format npy and raw, start a
+   fresh `trajstore serve` (nothing of the bundle open or cached in it), drop
+   the page cache and GET the payload (httpx, whole body read). Ratio =
+   torch.load time / download time (medians). The HTTP ceiling: the bare app
+   returning as many bytes from memory (warm), same ratio.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
+from fastapi.responses import Response
 
 HERE = Path(__file__).resolve().parent
 RUN = "bench"
@@ -65,6 +68,16 @@ else:
         "bench_rest:bare_app", host="127.0.0.1", port=port, workers=workers, log_level="warning"
     )
 """
+
+_BLOBS: dict[int, bytes] = {}
+
+
+@bare_app.get("/blob/{size}")
+def bare_blob(size: int) -> Response:
+    """`size` bytes from memory: the HTTP ceiling of a download on this machine."""
+    blob = _BLOBS.setdefault(size, os.urandom(size))
+    return Response(content=blob, media_type="application/octet-stream")
+
 
 LUA = """
 math.randomseed(%(seed)d)
@@ -221,32 +234,50 @@ def cold_download(root: Path, big: Path, repeats: int) -> None:
 
     pt = big / "payloads" / "log_probs.pt"
     url = f"/v1/bundles/{RUN}/step-{BIG_ROLLOUT}-0/a1/payloads/log_probs"
-    port = free_port()
-    server = serve(root / "store", port, 1, {"TRAJSTORE_API_CACHE_MB": "0"})
-    try:
-        wait_ready(port, server, "/v1/health")
-        loads: list[float] = []
-        gets: dict[str, list[float]] = {"npy": [], "raw": []}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-            client.get(f"/v1/bundles/{RUN}/step-{BIG_ROLLOUT}-0/a1").raise_for_status()
-            for _ in range(repeats):
-                drop_caches()
-                t = time.perf_counter()
-                tensor = torch.load(pt, weights_only=True)
-                loads.append(time.perf_counter() - t)
-                nbytes = tensor.numel() * tensor.element_size()
-                for fmt, times in gets.items():
+    loads: list[float] = []
+    gets: dict[str, list[float]] = {"npy": [], "raw": []}
+    for _ in range(repeats):
+        drop_caches()
+        t = time.perf_counter()
+        tensor = torch.load(pt, weights_only=True)
+        loads.append(time.perf_counter() - t)
+        nbytes = tensor.numel() * tensor.element_size()
+        for fmt, times in gets.items():
+            # a fresh server each time: nothing of the bundle is open or cached in it
+            port = free_port()
+            server = serve(root / "store", port, 1)
+            try:
+                wait_ready(port, server, "/v1/health")
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
                     drop_caches()
                     t = time.perf_counter()
                     response = client.get(url, params={"format": fmt})
                     times.append(time.perf_counter() - t)
-                    response.raise_for_status()
-                    if len(response.content) < nbytes:
-                        raise SystemExit(f"format={fmt}: short body {len(response.content)}")
+                response.raise_for_status()
+                if len(response.content) < nbytes:
+                    raise SystemExit(f"format={fmt}: short body {len(response.content)}")
+            finally:
+                stop(server)
+    port = free_port()
+    bare = subprocess.Popen([sys.executable, "-c", BARE % (port, 1)], cwd=HERE)
+    ceiling: list[float] = []
+    try:
+        wait_ready(port, bare, "/blob/1")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+            client.get(f"/blob/{nbytes}").raise_for_status()
+            for _ in range(repeats):
+                t = time.perf_counter()
+                client.get(f"/blob/{nbytes}").raise_for_status()
+                ceiling.append(time.perf_counter() - t)
     finally:
-        stop(server)
+        stop(bare)
     mb = nbytes / 1e6
     load = statistics.median(loads)
+    top = statistics.median(ceiling)
+    print(
+        f"HTTP ceiling: bare FastAPI returning {mb:.1f} MB from memory {top * 1e3:.0f} ms; "
+        f"ratio {load / top:.2f}x torch.load (cold)"
+    )
     print(f"cold payload {mb:.1f} MB: torch.load {load * 1e3:.0f} ms ({mb / load:.0f} MB/s)")
     for fmt, times in gets.items():
         got = statistics.median(times)
@@ -266,7 +297,9 @@ def main() -> int:
     ap.add_argument("--duration", type=int, default=10, help="wrk seconds per server")
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     ap.add_argument("--repeats", type=int, default=3, help="cold downloads (median)")
-    ap.add_argument("--keep", type=Path, help="build into (and keep) this directory")
+    ap.add_argument(
+        "--keep", type=Path, help="build into (and keep) this directory; reused when built"
+    )
     args = ap.parse_args()
     if args.quick:
         args.steps, args.samples, args.tokens, args.duration = 200, 16, 4_000_000, 5
@@ -277,7 +310,11 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     print(f"machine: nproc {os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
     try:
-        big = build(root, args.steps, args.samples, args.tokens, args.steps_per_rollout)
+        big = root / "big" / f"replay-{BIG_ROLLOUT}-0"
+        if not (args.keep and (root / "store").is_dir() and big.is_dir()):
+            big = build(root, args.steps, args.samples, args.tokens, args.steps_per_rollout)
+        else:
+            print(f"reusing the store built earlier in {root} (same --steps expected)")
         lookups(root, args)
         cold_download(root, big, args.repeats)
         print(f"machine after: load {os.getloadavg()[0]:.2f}")
