@@ -4,9 +4,10 @@ The first input byte picks a target: one of the schema models' ``from_dict``
 (manifest.json, index.json, COMPLETE, COMPLETE.<r>, cohort COMPLETE) after
 ``parse_json``, expected.json as the reader takes it, or a whole bundle
 directory opened with ``open_bundle``. In that last mode the rest of the input
-is split on ``\\x00\\x00`` into manifest, index, expected and COMPLETE, written to
-a temp dir, and COMPLETE's metadata hashes are re-signed when it is a JSON
-object (so the fuzzer reaches the checks behind the hash gate).
+is split on ``\\x00\\x00`` into manifest, index, expected, COMPLETE and a rank
+shard (written as ``COMPLETE.<r>`` for each rank COMPLETE lists), and the
+metadata hashes of COMPLETE and the shard are re-signed when they are JSON
+objects (so the fuzzer reaches the checks behind the hash gate).
 
 Property: a TrajstoreError with a one-line message, or success; nothing else.
 """
@@ -38,22 +39,37 @@ def _expected(doc: object) -> None:
         raise BundleError("expected.json: expected a JSON object keyed by stage")
 
 
+def _json_object(raw: bytes) -> dict | None:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def _open_dir(body: bytes) -> None:
-    parts = (body.split(b"\x00\x00") + [b""] * 4)[:4]
+    parts = (body.split(b"\x00\x00") + [b""] * 5)[:5]
     bundle = _ROOT / "bundle"
     shutil.rmtree(bundle, ignore_errors=True)
     bundle.mkdir()
     for name, raw in zip(METADATA_FILES, parts, strict=False):
         (bundle / name).write_bytes(raw)
-    complete = parts[3]
-    try:
-        doc = json.loads(complete)
-    except (ValueError, RecursionError):
-        doc = None
-    if isinstance(doc, dict):
-        doc["metadata"] = {n: sha256_bytes(r) for n, r in zip(METADATA_FILES, parts, strict=False)}
+    signed = {n: sha256_bytes(r) for n, r in zip(METADATA_FILES, parts, strict=False)}
+    complete, shard = parts[3], parts[4]
+    doc = _json_object(complete)
+    ranks: list[int] = []
+    if doc is not None:
+        doc["metadata"] = signed
         complete = json.dumps(doc).encode()
+        if isinstance(doc.get("ranks"), list):
+            ranks = [r for r in doc["ranks"] if type(r) is int and 0 <= r < 8][:4]
     (bundle / "COMPLETE").write_bytes(complete)
+    shard_doc = _json_object(shard)
+    if shard_doc is not None:
+        shard_doc["metadata"] = signed  # so the shard checks behind the hash check are reached
+        shard = json.dumps(shard_doc).encode()
+    for r in ranks:
+        (bundle / f"COMPLETE.{r}").write_bytes(shard)
     open_bundle(bundle)
 
 
