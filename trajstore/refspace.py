@@ -31,7 +31,8 @@ __all__ = [
     "listing_margin_s",
 ]
 
-#: the clock-skew margin of incremental listings (the same variable as the catalog's sync)
+#: the clock-skew margin of every incremental listing: the store's refs and packs and a
+#: server catalog's sync (writers and `replay --record` on PostgreSQL)
 MARGIN_ENV = "TRAJSTORE_CATALOG_MARGIN_S"
 DEFAULT_MARGIN_S = 300.0
 

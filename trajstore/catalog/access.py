@@ -17,20 +17,18 @@ index over them (docs/catalog.md "Server catalogs").
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from trajstore.catalog.db import Catalog, open_catalog
 from trajstore.catalog.sync import (
-    DEFAULT_MARGIN_S,
     LoadDocument,
     SyncStats,
     sync_catalog,
     sync_new,
 )
-from trajstore.errors import UsageError
+from trajstore.refspace import listing_margin_s
 
 
 def is_server_url(url: str | None) -> bool:
@@ -60,25 +58,6 @@ def reading(
         cat.close()
 
 
-#: overrides the clock-skew margin of writers' incremental syncs (seconds)
-MARGIN_ENV = "TRAJSTORE_CATALOG_MARGIN_S"
-
-
-def sync_margin() -> float:
-    """The margin writers list before the high-water mark: `TRAJSTORE_CATALOG_MARGIN_S`
-    (raise it where hosts' clocks disagree by more) or 300 s."""
-    raw = os.environ.get(MARGIN_ENV)
-    if not raw:
-        return DEFAULT_MARGIN_S
-    try:
-        margin = float(raw)
-    except ValueError:
-        margin = -1.0
-    if not margin >= 0:
-        raise UsageError(f"{MARGIN_ENV} must be a number of seconds >= 0, got {raw!r}")
-    return margin
-
-
 def record_new(
     home: Path | str | None,
     url: str | None,
@@ -90,4 +69,4 @@ def record_new(
     if not is_server_url(url):
         return None
     with open_catalog(home, url) as cat:
-        return sync_new(cat, source, load_document, margin_s=sync_margin())
+        return sync_new(cat, source, load_document, margin_s=listing_margin_s())

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
 from trajstore.errors import NotFoundError, StoreError
-from trajstore.refspace import DocRef, LocalRefSpace, RefSpace
+from trajstore.refspace import DEFAULT_MARGIN_S, DocRef, LocalRefSpace, RefSpace
 from trajstore.vocab import Stage
 
 LoadDocument = Callable[[str], dict]
@@ -689,9 +689,6 @@ def _synced_names(conn: sa.Connection, directory: str) -> set[str]:
 #: the PostgreSQL advisory lock every apply transaction takes (pg_advisory_xact_lock):
 #: concurrent writers' applies are serialised, so `is_latest` and `runs` stay exact
 WRITER_LOCK_ID = 0x7472616A  # "traj"
-#: how far before the high-water mark an incremental sync lists: covers clock skew
-#: between hosts and a document named some time before it became visible
-DEFAULT_MARGIN_S = 300.0
 
 
 @dataclass(frozen=True)

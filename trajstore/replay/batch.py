@@ -306,9 +306,10 @@ def _index_results(store: Any, catalog_url: str | None, batch_id: str) -> None:
     import sqlalchemy as sa
 
     from trajstore.catalog import tables
-    from trajstore.catalog.access import is_server_url, sync_margin
+    from trajstore.catalog.access import is_server_url
     from trajstore.catalog.db import open_catalog
     from trajstore.catalog.sync import sync_new
+    from trajstore.refspace import listing_margin_s
 
     if not is_server_url(catalog_url):
         return
@@ -319,7 +320,7 @@ def _index_results(store: Any, catalog_url: str | None, batch_id: str) -> None:
                 sa.select(state.c.high_water).where(state.c.directory == "results")
             ).scalar()
         behind_s = max(0, int((mark or batch_id)[:20]) - int(batch_id[:20])) / 1e9
-        sync_new(cat, store.space, store.load_document, margin_s=behind_s + sync_margin())
+        sync_new(cat, store.space, store.load_document, margin_s=behind_s + listing_margin_s())
 
 
 def _count(
