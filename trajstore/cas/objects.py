@@ -214,6 +214,40 @@ def _new_pack_id() -> str:
     return f"{time.time_ns():016x}-{os.getpid():x}-{secrets.token_hex(6)}"
 
 
+def _encode_pack(items: list[tuple[str, bytes]]) -> tuple[list[bytes], bytes, np.ndarray]:
+    """A pack of `items` (hash, bytes): its pieces in order, its index object (body +
+    BLAKE3 checksum) and the index entries. Both object stores write this one format."""
+    entries = np.empty(len(items), dtype=_IDX_ENTRY)
+    off = len(_PACK_MAGIC)
+    for i, (h, d) in enumerate(items):
+        entries[i] = (bytes.fromhex(h), off, len(d))
+        off += len(d)
+    body = _IDX_MAGIC + np.uint64(len(items)).tobytes() + entries.tobytes()
+    return [_PACK_MAGIC, *(d for _, d in items)], body + blake3(body).digest(), entries
+
+
+def _decode_pack_index(raw: bytes, pack_size: int | None = None) -> np.ndarray | None:
+    """The entries of a pack index object (a view of `raw`), or None unless its magic,
+    length and checksum hold and, given `pack_size`, every entry lies inside the pack."""
+    body, digest = raw[:-32], raw[-32:]
+    ok = len(raw) >= 48 and body[:8] == _IDX_MAGIC and blake3(body).digest() == digest
+    if ok:
+        n = int(np.frombuffer(body, "<u8", 1, 8)[0])
+        ok = len(body) == 16 + n * _IDX_ENTRY.itemsize
+    if not ok:
+        return None
+    entries = np.frombuffer(body, _IDX_ENTRY, n, 16)
+    if pack_size is not None:
+        # off + len in uint64 wraps around; compare without adding.
+        lens = entries["len"]
+        inside = bool((lens <= pack_size).all()) and bool(
+            (entries["off"] <= np.uint64(pack_size) - lens).all()
+        )
+        if not inside:
+            return None
+    return entries
+
+
 @dataclass(frozen=True)
 class _Loc:
     pack: str
@@ -344,15 +378,10 @@ class LocalObjectStore(ObjectStore):
 
     def _write_pack(self, items: list[tuple[str, bytes]]) -> str:
         pid = _new_pack_id()
-        entries = np.empty(len(items), dtype=_IDX_ENTRY)
-        off = len(_PACK_MAGIC)
-        for i, (h, d) in enumerate(items):
-            entries[i] = (bytes.fromhex(h), off, len(d))
-            off += len(d)
-        self._write_file(self._packs_dir / f"{pid}.pack", [_PACK_MAGIC, *(d for _, d in items)])
-        body = _IDX_MAGIC + np.uint64(len(items)).tobytes() + entries.tobytes()
+        pieces, idx, entries = _encode_pack(items)
+        self._write_file(self._packs_dir / f"{pid}.pack", pieces)
         # The idx rename is the commit point of the pack.
-        self._write_file(self._packs_dir / f"{pid}.idx", [body, blake3(body).digest()])
+        self._write_file(self._packs_dir / f"{pid}.idx", [idx])
         self._fsync_dir(self._packs_dir)
         members = [h for h, _ in items]
         for (h, _), e in zip(items, entries, strict=True):
@@ -416,19 +445,8 @@ class LocalObjectStore(ObjectStore):
             pack_size = (self._packs_dir / f"{pid}.pack").stat().st_size
         except FileNotFoundError:
             return None  # removed by a concurrent repack
-        body, digest = raw[:-32], raw[-32:]
-        ok = len(raw) >= 48 and body[:8] == _IDX_MAGIC and blake3(body).digest() == digest
-        if ok:
-            n = int(np.frombuffer(body, "<u8", 1, 8)[0])
-            ok = len(body) == 16 + n * _IDX_ENTRY.itemsize
-        if ok:
-            entries = np.frombuffer(body, _IDX_ENTRY, n, 16)
-            # off + len in uint64 wraps around; compare without adding.
-            lens = entries["len"]
-            ok = bool((lens <= pack_size).all()) and bool(
-                (entries["off"] <= np.uint64(pack_size) - lens).all()
-            )
-        if not ok:
+        entries = _decode_pack_index(raw, pack_size)
+        if entries is None:
             if path not in self.corrupt_indexes:
                 self.corrupt_indexes.append(path)
                 log.warning("pack index %s is corrupt; its objects are unavailable", path)

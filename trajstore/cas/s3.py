@@ -30,12 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from blake3 import blake3
 
 from trajstore.cas.objects import (
     _HASH_RE,
-    _IDX_ENTRY,
-    _IDX_MAGIC,
     _PACK_ID_RE,
     _PACK_MAGIC,
     _READ_GAP,
@@ -43,6 +40,8 @@ from trajstore.cas.objects import (
     ObjectInfo,
     ObjectStore,
     RepackResult,
+    _decode_pack_index,
+    _encode_pack,
     _Loc,
     _new_pack_id,
     _verified,
@@ -391,16 +390,11 @@ class S3ObjectStore(ObjectStore):
 
     def _write_pack(self, items: list[tuple[str, bytes]]) -> str:
         pid = _new_pack_id()
-        entries = np.empty(len(items), dtype=_IDX_ENTRY)
-        off = len(_PACK_MAGIC)
-        for i, (h, d) in enumerate(items):
-            entries[i] = (bytes.fromhex(h), off, len(d))
-            off += len(d)
-        self._put_raw(self._pack_key(pid, ".pack"), b"".join([_PACK_MAGIC, *(d for _, d in items)]))
-        body = _IDX_MAGIC + np.uint64(len(items)).tobytes() + entries.tobytes()
+        pieces, idx, entries = _encode_pack(items)
+        self._put_raw(self._pack_key(pid, ".pack"), b"".join(pieces))
         # The index object is the pack's commit point: written after the pack.
-        self._put_raw(self._pack_key(pid, ".idx"), body + blake3(body).digest())
-        self._keep_idx(pid, body + blake3(body).digest())
+        self._put_raw(self._pack_key(pid, ".idx"), idx)
+        self._keep_idx(pid, idx)
         members = [h for h, _ in items]
         for (h, _), e in zip(items, entries, strict=True):
             self._index[h] = _Loc(pid, int(e["off"]), int(e["len"]))
@@ -579,14 +573,8 @@ class S3ObjectStore(ObjectStore):
     @staticmethod
     def _parse_idx(raw: bytes) -> np.ndarray | None:
         """The entries of a pack index, or None unless its magic, length and checksum hold."""
-        body, digest = raw[:-32], raw[-32:]
-        ok = len(raw) >= 48 and body[:8] == _IDX_MAGIC and blake3(body).digest() == digest
-        if ok:
-            n = int(np.frombuffer(body, "<u8", 1, 8)[0])
-            ok = len(body) == 16 + n * _IDX_ENTRY.itemsize
-        if not ok:
-            return None
-        return np.frombuffer(body, _IDX_ENTRY, n, 16).copy()
+        entries = _decode_pack_index(raw)
+        return None if entries is None else entries.copy()
 
     # -- reading --
 
