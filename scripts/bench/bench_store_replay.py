@@ -1,0 +1,298 @@
+#!/usr/bin/env python
+"""Replay of one step straight from the store vs the same bundle exported to a directory.
+
+    .venv/bin/python scripts/bench/bench_store_replay.py [--quick] [--json OUT] [--cold]
+        [--reps N] [--workdir DIR] [--profile]
+
+Issue 15's figure: "replay of a step straight from the store, as a ratio to
+replaying the same bundle exported to a directory" (target >= 0.6x). In one
+script run:
+
+1. `make_big_store.py --distinct` builds a store of 256-sample steps of
+   ~1k-token samples (each step shares its rollout's rewards, old/ref
+   log-probs and advantages, as a real run does), and `trajstore export`
+   writes one step back to a directory;
+2. the user's path, whole command wall time (process start and imports
+   included), interleaved repetitions: `trajstore replay DIR` against
+   `trajstore replay --store S --run R --step R:S` (the default, which also
+   replays the step's rollout bundle to check the advantages it consumed:
+   the linkage) and the same with `--no-link`; ratio = median dir time /
+   median store time (>= 1 means the store is as fast);
+3. the same in one process (`open_target` + `replay_sources` against
+   `replay_stored`, a fresh `Store` and empty in-process caches each time).
+
+Every report is checked to be the same on both sides (status, first
+divergent stage). `--cold` drops the page cache (root only) before each
+timed run; without it the page cache is warm. `--json OUT` writes the issue
+15 contract document (figures, command, load). `--profile` prints a cProfile
+summary of each in-process path (where the time goes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+PY = sys.executable
+TRAJSTORE = str(Path(sys.executable).with_name("trajstore"))
+TARGET = 0.6
+RUN = "long"
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def load1() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def drop_caches(cold: bool) -> None:
+    """Empty the page cache (with --cold) so the next read comes from the disk."""
+    if not cold:
+        return
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root") from None
+
+
+def build(work: Path, steps: int, samples: int, mean_tokens: int) -> Path:
+    store = work / "store"
+    if (store / "refs").is_dir():
+        say(f"reusing the store in {store}")
+        return store
+    cmd = [
+        PY,
+        str(HERE / "make_big_store.py"),
+        str(store),
+        "--distinct",
+        "--steps",
+        str(steps),
+        "--steps-per-rollout",
+        str(steps),
+        "--samples",
+        str(samples),
+        "--mean-tokens",
+        str(mean_tokens),
+        "--jobs",
+        "1",
+        "--fault-every",
+        "1000",
+        "--clip-every",
+        "1000",
+        "--run",
+        RUN,
+    ]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return store
+
+
+def export(store: Path, step: tuple[int, int], out: Path) -> Path:
+    if not out.is_dir():
+        subprocess.run(
+            [TRAJSTORE, "export", "--store", str(store), "--run", RUN]
+            + ["--step", f"{step[0]}:{step[1]}", str(out)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    return out
+
+
+def timed_cli(argv: list[str], cold: bool) -> tuple[float, dict]:
+    """Wall seconds of one whole command, and its JSON report."""
+    drop_caches(cold)
+    t0 = time.perf_counter()
+    p = subprocess.run(argv + ["--json"], capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if p.returncode not in (0, 1):
+        raise SystemExit(f"{shlex.join(argv)} exited {p.returncode}: {p.stderr.strip()}")
+    return dt, json.loads(p.stdout)
+
+
+def verdict(report: dict) -> tuple[str, str | None]:
+    return report["status"], report.get("first_divergent_stage")
+
+
+def cli_figures(store: Path, exported: Path, step: str, reps: int, cold: bool) -> dict:
+    sides = {
+        "dir": [TRAJSTORE, "replay", str(exported)],
+        "store": [TRAJSTORE, "replay", "--store", str(store), "--run", RUN, "--step", step],
+        "store_nolink": [
+            TRAJSTORE,
+            "replay",
+            "--store",
+            str(store),
+            "--run",
+            RUN,
+            "--step",
+            step,
+            "--no-link",
+        ],
+    }
+    for argv in sides.values():  # warm-up: .pyc files, the page cache of the code
+        timed_cli(argv, False)
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    verdicts: dict[str, set] = {k: set() for k in sides}
+    for _ in range(reps):
+        for name, argv in sides.items():
+            dt, report = timed_cli(argv, cold)
+            times[name].append(dt)
+            verdicts[name].add(verdict(report))
+    if len({v for vs in verdicts.values() for v in vs}) != 1:
+        raise SystemExit(f"the reports differ between the sides: {verdicts}")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"median_s": med, "times_s": times, "commands": sides}
+
+
+def inproc_figures(
+    store: Path, exported: Path, step: tuple[int, int], reps: int, cold: bool, profile: bool
+) -> dict:
+    from trajstore.bundle.reader import open_target
+    from trajstore.replay.from_store import Target, replay_stored
+    from trajstore.replay.runner import replay_sources
+    from trajstore.store import Store
+
+    try:  # the decoded-chunk cache of this process (absent before issue 15's change)
+        from trajstore.cas.chunk_cache import CHUNK_CACHE
+    except ImportError:
+        CHUNK_CACHE = None
+
+    def fresh() -> None:
+        if CHUNK_CACHE is not None:
+            CHUNK_CACHE.clear()
+        drop_caches(cold)
+
+    def run_dir():  # noqa: ANN202
+        b = open_target(exported)
+        return replay_sources(b.bundles, label=b.first.bundle_id)
+
+    def run_store(link: bool):  # noqa: ANN202
+        with Store.open(store, create=False) as st:
+            return replay_stored(st, Target(run=RUN, step=step), link=link)
+
+    sides = {
+        "dir": run_dir,
+        "store": lambda: run_store(True),
+        "store_nolink": lambda: run_store(False),
+    }
+    for fn in sides.values():
+        fresh()
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    got = set()
+    for _ in range(reps):
+        for name, fn in sides.items():
+            fresh()
+            t0 = time.perf_counter()
+            report = fn()
+            times[name].append(time.perf_counter() - t0)
+            got.add((report.status, report.first_divergent_stage))
+    if len(got) != 1:
+        raise SystemExit(f"the in-process reports differ between the sides: {got}")
+    if profile:
+        for name, fn in sides.items():
+            fresh()
+            pr = cProfile.Profile()
+            pr.enable()
+            fn()
+            pr.disable()
+            say(f"--- profile, in process: {name}")
+            pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+    return {"median_s": {k: statistics.median(v) for k, v in times.items()}, "times_s": times}
+
+
+def figure(name: str, value: float, detail: str) -> dict:
+    return {
+        "name": name,
+        "target": f">= {TARGET}x",
+        "value": round(value, 3),
+        "unit": "x",
+        "met": value >= TARGET,
+        "detail": detail,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 min)")
+    ap.add_argument("--json", type=Path, metavar="OUT", help="write the figures here")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run")
+    ap.add_argument("--reps", type=int, help="interleaved repetitions (default 3 quick, 9 full)")
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--mean-tokens", type=int, default=1024)
+    ap.add_argument("--workdir", type=Path, help="keep the store here (reused when present)")
+    ap.add_argument("--profile", action="store_true", help="print cProfile of each path")
+    args = ap.parse_args()
+    reps = args.reps or (3 if args.quick else 9)
+    before = load1()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-store-replay-") as tmp:
+        work = args.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        store = build(work, 2, args.samples, args.mean_tokens)
+        step = (0, 1)
+        exported = export(store, step, work / "export-0-1")
+        tokens = json.loads((work / "store.truth.json").read_text())["response_tokens_per_bundle"]
+        say(f"store: 1 rollout + 2 steps of {args.samples} samples, ~{tokens} tokens per bundle")
+        cli = cli_figures(store, exported, f"{step[0]}:{step[1]}", reps, args.cold)
+        inp = inproc_figures(store, exported, step, reps, args.cold, args.profile)
+    after = load1()
+    cache = "cold" if args.cold else "warm"
+    size = f"256-sample step, {tokens} response tokens" if args.samples == 256 else f"{tokens} tok"
+    m, n = cli["median_s"], inp["median_s"]
+    figures = [
+        figure(
+            "store replay, CLI: `replay --store S --run R --step r:s` / `replay DIR`",
+            m["dir"] / m["store"],
+            f"whole command wall time, median of {reps} interleaved runs, page cache {cache}; "
+            f"{size}; dir {m['dir'] * 1e3:.0f} ms, store {m['store'] * 1e3:.0f} ms "
+            "(includes replaying the rollout bundle for the linkage check)",
+        ),
+        figure(
+            "store replay, CLI --no-link / replay DIR",
+            m["dir"] / m["store_nolink"],
+            f"as above without the rollout linkage: store {m['store_nolink'] * 1e3:.0f} ms",
+        ),
+        figure(
+            "store replay in process: replay_stored / replay_sources(open_target(dir))",
+            n["dir"] / n["store"],
+            f"median of {reps}, fresh Store and empty chunk cache each run, page cache {cache}; "
+            f"dir {n['dir'] * 1e3:.0f} ms, store {n['store'] * 1e3:.0f} ms (linkage included)",
+        ),
+        figure(
+            "store replay in process, link=False",
+            n["dir"] / n["store_nolink"],
+            f"store {n['store_nolink'] * 1e3:.0f} ms",
+        ),
+    ]
+    command = shlex.join([".venv/bin/python", "scripts/bench/bench_store_replay.py", *sys.argv[1:]])
+    say(f"load (1 min) {before} -> {after}; {time.perf_counter() - t_start:.0f} s")
+    for f in figures:
+        say(f"{f['name']}: {f['value']}x ({'met' if f['met'] else 'missed'}); {f['detail']}")
+    if args.json:
+        doc = {
+            "figures": figures,
+            "command": command,
+            "load": [before, after],
+            "raw": {"cli": cli, "in_process": inp},
+        }
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
