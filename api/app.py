@@ -26,6 +26,7 @@ from trajstore import __version__
 
 from . import web
 from .errors import ERRORS, error_response, install_error_handlers
+from .limits import BodyLimit
 from .routes import ROUTERS
 from .state import AppState
 
@@ -96,6 +97,7 @@ def create_app(
         lifespan=lifespan,
         responses=ERRORS,
     )
+    app.add_middleware(BodyLimit)  # inside the bearer check: no body is read before it
     if token:
         app.add_middleware(BearerAuth, token=token)
     install_error_handlers(app)

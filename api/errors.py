@@ -57,10 +57,17 @@ class ApiError(HTTPException):
         self.code = code
 
 
+#: a string detail is cut to this many characters: a library message may quote the request
+#: (a replay selection of 10 MB ids came back whole)
+MAX_DETAIL_CHARS = 2000
+
+
 def error_response(
     status: int, code: str, detail: Any, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     """The documented error body."""
+    if isinstance(detail, str) and len(detail) > MAX_DETAIL_CHARS:
+        detail = detail[:MAX_DETAIL_CHARS] + f"... ({len(detail)} characters)"
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
@@ -92,9 +99,15 @@ def _trajstore(_: Request, exc: TrajstoreError) -> JSONResponse:
     return error_response(400, "bad_request", str(exc))
 
 
+def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    # Starlette still re-raises it after this answer, so uvicorn logs the traceback
+    return error_response(500, "internal_error", f"{type(exc).__name__} (see the server log)")
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every failure through `error_response`."""
+    """Route every failure through `error_response` (a bug too: JSON 500, never plain text)."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation)
     app.add_exception_handler(TrajstoreError, _trajstore)
+    app.add_exception_handler(Exception, _unexpected)

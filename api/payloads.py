@@ -135,6 +135,16 @@ class RangeNotSatisfiable(Exception):
     pass
 
 
+#: a byte position with more digits than this is past any body (and `int()` refuses
+#: strings over 4,300 digits, which a hostile Range header would turn into a 500)
+_MAX_DIGITS = 18
+
+
+def _position(digits: str) -> int:
+    """A Range position; any number too long to be a body offset counts as 10**18."""
+    return int(digits) if len(digits) <= _MAX_DIGITS else 10**_MAX_DIGITS
+
+
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """One `bytes=a-b` range as inclusive (start, end); None means the whole body.
 
@@ -151,13 +161,13 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if not a and not b:
         return None
     if not a:  # suffix: the last b bytes
-        n = int(b)
+        n = _position(b)
         if n == 0 or size == 0:
             raise RangeNotSatisfiable
         return max(size - n, 0), size - 1
-    start = int(a)
-    end = size - 1 if not b else min(int(b), size - 1)
-    if b and int(b) < start:
+    start = _position(a)
+    end = size - 1 if not b else min(_position(b), size - 1)
+    if b and _position(b) < start:
         return None  # invalid range: ignore it
     if start >= size:
         raise RangeNotSatisfiable

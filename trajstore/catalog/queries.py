@@ -72,7 +72,20 @@ def _encode_cursor(tag: str, values: list) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def _decode_cursor(tag: str, cursor: str | None, width: int) -> list | None:
+def _cursor_value_ok(value: object, kind: str) -> bool:
+    """`kind` "s": a string; "i": an integer that fits BIGINT."""
+    if kind == "s":
+        return isinstance(value, str)
+    return type(value) is int and -(2**63) <= value < 2**63
+
+
+def _decode_cursor(tag: str, cursor: str | None, kinds: str) -> list | None:
+    """The keyset values of a cursor, one per letter of `kinds` (see `_cursor_value_ok`).
+
+    The types are checked because the values are bound into the page query: a
+    hand-made cursor with a list, or a string where an id goes, otherwise made
+    the database raise (a 500 instead of a 400).
+    """
     if cursor is None:
         return None
     try:
@@ -80,7 +93,12 @@ def _decode_cursor(tag: str, cursor: str | None, width: int) -> list | None:
         got_tag, values = json.loads(raw)
     except (ValueError, TypeError):
         raise UsageError("invalid cursor; pass the next_cursor of a previous page") from None
-    if got_tag != tag or not isinstance(values, list) or len(values) != width:
+    if (
+        got_tag != tag
+        or not isinstance(values, list)
+        or len(values) != len(kinds)
+        or not all(map(_cursor_value_ok, values, kinds))
+    ):
         raise UsageError(f"invalid cursor for this query ({tag})")
     return values
 
@@ -182,7 +200,7 @@ def list_bundles(
 ) -> dict:
     """Bundles ordered by (run, rollout_id, step_id, rank, attempt); a page."""
     limit = _limit(limit)
-    after = _decode_cursor("bundles", cursor, len(_BUNDLE_SORT))
+    after = _decode_cursor("bundles", cursor, "siiiis")
     q = sa.select(_B).where(_after(_BUNDLE_SORT, after))
     q = q.where(_B.c.removed_at.is_(None))
     if not include_all_attempts:
@@ -534,7 +552,8 @@ def query_steps(
         raise UsageError(f"sort must be one of {', '.join(STEP_SORTS)}, got {sort!r}")
     by_step = sort.removeprefix("-") == "step"
     tag = "steps" if sort == "step" else f"steps:{sort}"
-    after = _decode_cursor(tag, cursor, 4 if by_step else 5)
+    lead_kind = "i" if sort.removeprefix("-") == "tokens" else "s"
+    after = _decode_cursor(tag, cursor, "siii" if by_step else lead_kind + "siii")
     if status is not None and status not in STEP_STATUSES:
         raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
     prefilter = None if catalog.is_duckdb else first_divergent_stage
@@ -583,7 +602,7 @@ def query_divergences(
     Ordered by (run, rollout_id, step_id, result_id, position).
     """
     limit = _limit(limit)
-    after = _decode_cursor("divergences", cursor, 5)
+    after = _decode_cursor("divergences", cursor, "siiii")
     d = tables.divergences
     latest = _latest_results(run, kind=None)
     sort = [
@@ -680,7 +699,7 @@ def query_router_metrics(
     """Router consistency metrics of visible bundles (router-metrics.md names), with
     each bundle's router mode; ordered by (run, rollout_id, step_id, id)."""
     limit = _limit(limit)
-    after = _decode_cursor("router_metrics", cursor, 4)
+    after = _decode_cursor("router_metrics", cursor, "siii")
     metrics, lineage = tables.router_metrics, tables.router_lineage
     sort = [
         metrics.c.run,

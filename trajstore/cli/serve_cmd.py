@@ -75,7 +75,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token=os.environ.get("TRAJSTORE_API_TOKEN") or None,
         catalog_url=args.catalog,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    from trajstore.api.limits import GuardedH11Protocol
+
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, http=GuardedH11Protocol
+    )
     return 0
 
 
@@ -94,8 +98,17 @@ def run_workers(
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
+    from trajstore.api.limits import GuardedH11Protocol
+
+    # h11 with a deadline per request: a slow or idle client is not held forever
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, workers=workers, factory=factory
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        workers=workers,
+        factory=factory,
+        http=GuardedH11Protocol,
     )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
