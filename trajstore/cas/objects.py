@@ -392,8 +392,10 @@ class LocalObjectStore(ObjectStore):
     # -- discovering packs --
 
     def rescan(self) -> None:
-        """Load indexes of packs published since the last scan; forget removed packs."""
+        """Load indexes of packs published since the last scan; forget removed packs
+        and the loose names seen (gc may have removed them; they are re-stat'ed on use)."""
         with self._lock:
+            self._loose.clear()
             try:
                 names = os.listdir(self._packs_dir)
             except OSError as e:

@@ -1,13 +1,15 @@
 """fsck, gc and stats: the store's truth is its objects and refs, so these read only those.
 
 gc's safety argument: an object is deleted only if no live ref reaches it
-AND its file is older than the grace period. An ingest writes its objects
-before it publishes the ref, so every object of an in-flight ingest is
-younger than the grace (given an ingest of one bundle takes less than the
-grace) and survives. The one residual window: an in-flight ingest that
-deduplicates against an *old, unreachable* object (content of a removed
-bundle) while gc runs; fsck reports the missing object and re-running that
-ingest restores it.
+AND its file is older than the grace period, and gc marks and sweeps holding
+the store's gc lock exclusively (trajstore.store.gclock) while every writer
+holds it shared from its first object to its last ref, re-reading the object
+index after a gc. So no ingest is in flight during a sweep and none trusts an
+object a sweep removed: the rule holds at grace 0. On an S3 store there is no
+such lock and the grace is the only protection: an in-flight ingest's objects
+are younger than the grace (given one bundle's ingest takes less), and an
+ingest that deduplicates against an *old, unreachable* object while gc runs
+can lose it (fsck reports the ref; re-running that ingest restores it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from trajstore.cas import RepackResult, load_record, record_objects
 from trajstore.errors import TrajstoreError, UsageError
+from trajstore.store import gclock
 from trajstore.store.api import Store
 from trajstore.store.stored_bundle import get_json_blob, payload_file_bytes
 
@@ -153,8 +156,10 @@ def gc(store: Store, grace_s: float = 3600.0) -> dict[str, Any]:
     if grace_s < 0:
         raise UsageError("grace must be >= 0")
     started = time.time()
-    keep = live_objects(store)
-    res: RepackResult = store.objs.repack(lambda h: h in keep, older_than=grace_s)
+    # Exclusive against writers (gclock): no ref can appear for an object swept here.
+    with gclock.collecting(store.objs):
+        keep = live_objects(store)
+        res: RepackResult = store.objs.repack(lambda h: h in keep, older_than=grace_s)
     return {
         "live_objects": len(keep),
         "objects_dropped": res.objects_dropped,

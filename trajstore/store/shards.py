@@ -40,6 +40,7 @@ from trajstore.bundle.reader import open_bundle
 from trajstore.errors import BundleError, NotFoundError, StoreError
 from trajstore.jsonio import canonical_bytes, read_json
 from trajstore.schema import CohortComplete, RankShard
+from trajstore.store import gclock
 from trajstore.store.api import Store
 from trajstore.store.ingest import (
     REF_VERSION,
@@ -77,7 +78,15 @@ def store_rank_shard(
     and publish the cohort when every expected rank's shard is in the store.
 
     `session`, one id shared by every rank of a launch, names the shards' folder
-    (`s-<session>`) instead of the first free generation."""
+    (`s-<session>`) instead of the first free generation. Under the store's writer
+    lock: gc never runs between the shard's objects and the shard document."""
+    with gclock.writing(store.objs):
+        return _store_rank_shard(store, member, run, session=session)
+
+
+def _store_rank_shard(
+    store: Store, member: Path | str, run: str, *, session: str | None = None
+) -> ShardOutcome:
     check_run_name(run)
     member = Path(member)
     b = open_bundle(member, before_cohort=True)
@@ -157,7 +166,13 @@ def _read_shards(store: Store, folder: str) -> dict[int, dict[str, Any]]:
 
 def try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[str] | None:
     """Publish the cohort whose shards are in `folder` if every expected rank is there;
-    None (nothing done) otherwise. Safe to race: the ref space's conditional writes decide."""
+    None (nothing done) otherwise. Safe to race: the ref space's conditional writes decide.
+    Under the writer lock (its cohort COMPLETE blob is new until the refs name it)."""
+    with gclock.writing(store.objs):
+        return _try_publish_cohort(store, folder, expected)
+
+
+def _try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[str] | None:
     docs = _read_shards(store, folder)
     if sorted(docs) != expected:
         return None

@@ -1,0 +1,228 @@
+"""Races on one store, with real processes (issue 18 item 3).
+
+`gc --grace 0` in a loop while two ingests and a replay-all run: no published
+bundle loses an object, no reader sees a partial bundle (the gc lock,
+trajstore.store.gclock, makes the grace rule hold at 0). `rm` of a run while
+`trajstore serve` serves it: 404 afterwards, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import make_contents
+from test_store import cli, tree_equal
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.store import Store, export_bundles
+
+#: a loop of CLI passes in one process (`trajstore.cli.main`, no interpreter start per
+#: pass) until the stop file exists; writes "<passes> <bad exits> <objects dropped>"
+LOOP = """
+import contextlib, io, json, os, sys
+from trajstore.cli import main
+stop, out, ok = sys.argv[1], sys.argv[2], {int(c) for c in sys.argv[3].split(",")}
+argv = sys.argv[4:]
+passes = bad = dropped = 0
+while not os.path.exists(stop):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    passes += 1
+    if rc not in ok:
+        bad += 1
+        sys.stderr.write(f"exit {rc}\\n")
+    elif argv[0] == "gc":
+        dropped += json.loads(buf.getvalue())["objects_dropped"]
+with open(out, "w") as f:
+    f.write(f"{passes} {bad} {dropped}")
+"""
+
+
+def _capture(root: Path, steps: range, tokens: int = 1500, seed: int = 0) -> list[Path]:
+    """Bundles of steps 7:s; the same `seed` gives the same content (deduplicated)."""
+    return [
+        write_bundle(
+            root / f"replay-7-{s}", make_contents(lengths=tokens, step_id=s, seed=seed + s)
+        )
+        for s in steps
+    ]
+
+
+def _loop(tmp: Path, name: str, ok: str, *argv: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp / f"{name}.out"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOOP, str(tmp / "stop"), str(out), ok, *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, out
+
+
+def _every_bundle_intact(st: Path, run: str, targets: list[Path], tmp: Path) -> int:
+    store = Store.open(st, create=False)
+    for t in targets:
+        step = int(t.name.rsplit("-", 1)[1])
+        out = tmp / f"check-{run}-{step}"
+        export_bundles(store.step(run, 7, step), out)
+        assert tree_equal(t, out), (run, t)
+    return len(targets)
+
+
+def test_gc_grace_0_in_a_loop_beside_two_ingests_and_a_replay_all(tmp_path: Path) -> None:
+    st = tmp_path / "store"
+    # Garbage the ingests will deduplicate against: run "old" stored, then removed.
+    old = _capture(tmp_path / "old", range(0, 4))
+    assert cli("ingest", "--store", st, "--run", "old", tmp_path / "old").returncode == 0
+    assert cli("rm", "--store", st, "--run", "old").returncode == 0
+    # Two ingests of overlapping content: each deduplicates against the other's objects.
+    a = _capture(tmp_path / "a", range(0, 8))
+    b = _capture(tmp_path / "b", range(2, 10))
+    assert old and a and b
+    gc_proc, gc_out = _loop(tmp_path, "gc", "0", "gc", "--store", str(st), "--grace", "0", "--json")
+    replay_proc, replay_out = _loop(
+        tmp_path, "replay", "0,1", "replay", "--store", str(st), "--all", "--run", "a"
+    )
+    ingests = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trajstore", "ingest", "--store", str(st), "--run", run, str(p)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for run, p in (("a", tmp_path / "a"), ("b", tmp_path / "b"))
+    ]
+    try:
+        for p in ingests:
+            _, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err
+    finally:
+        (tmp_path / "stop").touch()
+    for proc in (gc_proc, replay_proc):
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+    gc_passes, gc_bad, dropped = map(int, gc_out.read_text().split())
+    replays, replay_bad, _ = map(int, replay_out.read_text().split())
+    print(f"gc passes {gc_passes} (objects dropped {dropped}), replay-all passes {replays}")
+    assert gc_bad == 0 and replay_bad == 0
+    assert gc_passes >= 2 and replays >= 1
+    assert dropped > 0  # the removed run's objects were collected while the ingests ran
+    fsck = cli("fsck", "--store", st)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    assert _every_bundle_intact(st, "a", a, tmp_path) == 8
+    assert _every_bundle_intact(st, "b", b, tmp_path) == 8
+    done = cli("replay", "--store", st, "--all", "--run", "b")
+    assert done.returncode in (0, 1), done.stderr
+
+
+# -- rm while serving -------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Path, httpx.Client]]:
+    st = tmp_path / "store"
+    with Store.open(st) as store:
+        for seed, run in ((0, "keep"), (100, "gone")):
+            outs = store.ingest(_capture(tmp_path / run, range(0, 3), seed=seed), run=run)
+            assert {o.status for o in outs} == {"published"}
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(st)]
+        + ["--port", str(port), "--log-level", "warning"],
+        env=env,
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                assert server.poll() is None, f"serve exited with {server.returncode}"
+                assert time.monotonic() < deadline, "serve did not answer"
+                try:
+                    if client.get("/v1/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            yield st, client
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _urls(client: httpx.Client, run: str) -> list[str]:
+    detail = client.get(f"/v1/runs/{run}/steps/7:1")
+    assert detail.status_code == 200, detail.text
+    key = detail.json()["bundles"][0]["key"]
+    return [
+        f"/v1/runs/{run}/steps/7:1",
+        f"/v1/bundles/{key}",
+        f"/v1/bundles/{key}/samples",
+        f"/v1/bundles/{key}/payloads/log_probs?format=raw",
+        f"/v1/bundles/{key}/payloads/kl?format=npy&sample=s-1",
+    ]
+
+
+def test_rm_of_a_served_run_answers_404_afterwards_never_500(
+    served: tuple[Path, httpx.Client],
+) -> None:
+    st, client = served
+    gone, keep = _urls(client, "gone"), _urls(client, "keep")
+    seen: dict[int, int] = {}
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            for u in gone + keep:
+                r = client.get(u)
+                seen[r.status_code] = seen.get(r.status_code, 0) + 1
+                if r.status_code not in ((200,) if u in keep else (200, 404)):
+                    errors.append(f"{u}: {r.status_code} {r.text[:200]}")
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        rm = cli("rm", "--store", st, "--run", "gone")
+        assert rm.returncode == 0, rm.stderr
+        gc = cli("gc", "--store", st, "--grace", "0", "--json")  # its objects go too
+        assert gc.returncode == 0, gc.stderr
+        assert json.loads(gc.stdout)["objects_dropped"] > 0
+        # The server notices the tombstone within its poll interval; from then on, 404.
+        deadline = time.monotonic() + 30
+        while client.get(gone[0]).status_code != 404:
+            assert time.monotonic() < deadline, "the removed run is still served"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the hammering threads keep asking after the 404 too
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    print(f"status counts while rm and gc ran: {seen}")
+    assert not errors, errors[:5]
+    for u in gone:
+        r = client.get(u)
+        assert r.status_code == 404 and r.json()["error"] == "not_found", (u, r.text)
+    for u in keep:
+        assert client.get(u).status_code == 200, u
