@@ -49,11 +49,11 @@ def npy_header_for(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
 
 
 def _windows(record: ArrayRecord) -> list[Window]:
-    tb, w = record.token_bytes, record.chunk_tokens
+    tb = record.token_bytes
     out: list[Window] = []
-    for length, chunks in zip(record.row_lengths, record.chunks, strict=True):
-        for j, h in enumerate(chunks):
-            out.append((h, min(w, length - j * w) * tb))
+    for i, chunks in enumerate(record.chunks):  # row_spans: a format-2 row has two segments
+        for h, (_, n) in zip(chunks, record.row_spans(i), strict=True):
+            out.append((h, n * tb))
     return out
 
 

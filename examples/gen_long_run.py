@@ -9,7 +9,8 @@ routes) and k step bundles `replay-R-S/` that each consume a subset of R's
 semantic groups (shuffled order, same per-sample values, so they dedup),
 optionally as multi-rank cohorts (`--ranks`). Response lengths are long-tailed
 in [50, 4000]; routes are [T, 48, 8] uint8 with ~18% of train-route
-token-layers differing from the rollout routes. `--resumed F` re-captures a
+token-layers differing from the rollout routes (`--shared-prompt-routes`: a
+group's prompt tokens route identically, rollout and train). `--resumed F` re-captures a
 fraction F of steps (after a "resume": log_probs recomputed) under
 `OUT/resumed/`, which ingest stores as attempt 2.
 
@@ -89,6 +90,14 @@ class Rollout:
             self.train_routes[diff] = rng.integers(
                 0, args.experts, (int(diff.sum()), args.topk), dtype=np.uint8
             )
+            if args.shared_prompt_routes:  # prefill of one prompt routes alike (no rng drawn)
+                off = np.concatenate([[0], np.cumsum(self.total)])
+                for first in range(0, n, per):
+                    a, p = int(off[first]), int(self.prompt[first])
+                    for i in range(first + 1, first + per):
+                        b = int(off[i])
+                        self.routes[b : b + p] = self.routes[a : a + p]
+                        self.train_routes[b : b + p] = self.train_routes[a : a + p]
         self.resp_off = np.concatenate([[0], np.cumsum(self.resp)])
         self.tot_off = np.concatenate([[0], np.cumsum(self.total)])
 
@@ -243,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.18,
         help="fraction of train-route token-layers differing",
+    )
+    ap.add_argument(
+        "--shared-prompt-routes",
+        action="store_true",
+        help="a group's prompt tokens get the same routes (as one prompt's prefill does)",
     )
     ap.add_argument(
         "--resumed",

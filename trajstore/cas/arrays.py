@@ -72,11 +72,15 @@ ZSTD_LEVEL = 3
 CHUNK_TOKENS_SCALAR = 4096
 CHUNK_TOKENS_TOKENWISE = 256
 RECORD_FORMAT = 1
+#: records whose rows are windowed in two segments (`ArrayRecord.heads`); format 1 readers refuse
+RECORD_FORMAT_HEADS = 2
 
 #: Sanity limits checked before anything is allocated from a record.
 MAX_ARRAY_BYTES = 1 << 36
 MAX_CHUNK_BYTES = 1 << 28
 MAX_ROWS = 1 << 24
+MAX_RECORD_BYTES = 1 << 30
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _MAX_DELTA_DEPTH = 4
 
 #: numpy dtype name -> zarr v3 fill value (JSON). The zarr data_type is the same name.
@@ -146,10 +150,13 @@ class ArrayRecord:
     """Where a payload array lives: its zarr.json object and, per row, its chunk objects.
 
     `chunks[i][j]` is the object of window j of row i (None: all fill, not
-    stored); row i has ceil(row_lengths[i] / chunk_tokens) windows. `base`,
-    when set, is the hash of the base record's JSON object and the chunks
-    are XOR deltas against the base's windows. JSON-able and itself
-    storable: `objs.put(record.to_json())`.
+    stored); row i has ceil(row_lengths[i] / chunk_tokens) windows. With
+    `heads` (record format 2), row i is windowed in two segments, its first
+    heads[i] tokens (a prompt) and the rest, so a prefix shared by several
+    rows is the same objects in each: ceil(h / W) + ceil((n - h) / W)
+    windows (`row_spans`). `base`, when set, is the hash of the base
+    record's JSON object and the chunks are XOR deltas against the base's
+    windows. JSON-able and itself storable: `objs.put(record.to_object())`.
     """
 
     meta: str
@@ -160,6 +167,7 @@ class ArrayRecord:
     row_lengths: tuple[int, ...]
     chunks: tuple[tuple[str | None, ...], ...]
     base: str | None = None
+    heads: tuple[int, ...] | None = None
 
     @property
     def token_shape(self) -> tuple[int, ...]:
@@ -178,8 +186,14 @@ class ArrayRecord:
     def num_tokens(self) -> int:
         return sum(self.row_lengths)
 
+    def row_spans(self, i: int) -> list[tuple[int, int]]:
+        """(first token, tokens) of each window of row i, in `chunks[i]` order."""
+        return _spans(
+            self.row_lengths[i], None if self.heads is None else self.heads[i], self.chunk_tokens
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": RECORD_FORMAT,
             "meta": self.meta,
             "dtype": self.dtype,
@@ -190,16 +204,42 @@ class ArrayRecord:
             "chunks": [list(r) for r in self.chunks],
             "base": self.base,
         }
+        if self.heads is not None:  # format 1 records stay byte-identical (same objects)
+            d["format"] = RECORD_FORMAT_HEADS
+            d["heads"] = list(self.heads)
+        return d
 
     def to_json(self) -> bytes:
         """Canonical JSON: equal records have equal bytes, hence one object."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
+    def to_object(self) -> bytes:
+        """The stored object: the canonical JSON zstd-compressed (deterministic, so equal
+        records are still one object); its 64-hex chunk names halve, and the records were
+        a tenth of a dense run's stored bytes."""
+        return _cctx().compress(self.to_json())
+
+    @classmethod
+    def from_object(cls, data: bytes) -> ArrayRecord:
+        """A record from its stored object: compressed JSON, or plain JSON as written before."""
+        if bytes(data[:4]) != _ZSTD_MAGIC:
+            return cls.from_json(data)
+        try:
+            declared = zstandard.frame_content_size(data)
+            if not 0 <= declared <= MAX_RECORD_BYTES:
+                raise IntegrityError(f"array record declares {declared} bytes")
+            text = _dctx().decompress(data, max_output_size=declared)
+        except zstandard.ZstdError as e:
+            raise IntegrityError(f"array record is not a valid zstd frame: {e}") from None
+        return cls.from_json(text)
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ArrayRecord:
         try:
-            if d.get("format") != RECORD_FORMAT:
-                raise ValueError(f"unknown record format {d.get('format')!r}")
+            fmt = d.get("format")
+            if fmt not in (RECORD_FORMAT, RECORD_FORMAT_HEADS) or type(fmt) is not int:
+                raise ValueError(f"unknown record format {fmt!r}")
+            heads = tuple(d["heads"]) if fmt == RECORD_FORMAT_HEADS else None
             rec = cls(
                 meta=d["meta"],
                 dtype=d["dtype"],
@@ -209,6 +249,7 @@ class ArrayRecord:
                 row_lengths=tuple(d["row_lengths"]),
                 chunks=tuple(tuple(r) for r in d["chunks"]),
                 base=d.get("base"),
+                heads=heads,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise IntegrityError(f"array record is malformed: {e}") from None
@@ -258,9 +299,16 @@ class ArrayRecord:
         if self.num_tokens * self.token_bytes > MAX_ARRAY_BYTES:
             raise bad(f"{self.num_tokens * self.token_bytes} bytes declared")
         w = self.chunk_tokens
-        for n, row in zip(self.row_lengths, self.chunks, strict=True):
-            if not isinstance(row, tuple) or len(row) != -(-n // w):
-                raise bad(f"a row of {n} tokens needs {-(-n // w)} chunks")
+        heads = self.heads
+        if heads is not None:
+            if len(heads) != rows or not all(type(h) is int for h in heads):
+                raise bad(f"{len(heads)} heads for {rows} rows, or a head is not an integer")
+            if not all(0 <= h <= n for h, n in zip(heads, self.row_lengths, strict=True)):
+                raise bad("a head is negative or longer than its row")
+        for i, (n, row) in enumerate(zip(self.row_lengths, self.chunks, strict=True)):
+            want = _num_windows(n, None if heads is None else heads[i], w)
+            if not isinstance(row, tuple) or len(row) != want:
+                raise bad(f"a row of {n} tokens needs {want} chunks")
         try:
             check_hash(self.meta)
             if self.base is not None:
@@ -280,9 +328,22 @@ class ArrayRecord:
         return out
 
 
+def _num_windows(n: int, head: int | None, w: int) -> int:
+    """Windows of a row of n tokens: ceil(n / w), or per segment when it has a head."""
+    if head is None:
+        return -(-n // w)
+    return -(-head // w) + -(-(n - head) // w)
+
+
+def _spans(n: int, head: int | None, w: int) -> list[tuple[int, int]]:
+    """(first token, tokens) of each window of a row of n tokens (see `ArrayRecord.heads`)."""
+    segments = ((0, n),) if head is None else ((0, head), (head, n - head))
+    return [(s + a, min(w, m - a)) for s, m in segments for a in range(0, m, w)]
+
+
 def load_record(objs: ObjectStore, h: str) -> ArrayRecord:
     """The record stored as object `h`."""
-    return ArrayRecord.from_json(objs.get(h))
+    return ArrayRecord.from_object(objs.get(h))
 
 
 def record_objects(objs: ObjectStore, record: ArrayRecord) -> set[str]:
@@ -415,21 +476,29 @@ def _padded_windows(
 
 
 def _check_same_geometry(base: ArrayRecord, rec: ArrayRecord) -> None:
-    same = (base.dtype, base.shape, base.chunk_tokens, base.row_lengths) == (
+    same = (base.dtype, base.shape, base.chunk_tokens, base.row_lengths, base.heads) == (
         rec.dtype,
         rec.shape,
         rec.chunk_tokens,
         rec.row_lengths,
+        rec.heads,
     )
     if not same:
         raise UsageError(
-            f"delta base must have the same dtype, shape, row lengths and chunking: "
+            f"delta base must have the same dtype, shape, row lengths, heads and chunking: "
             f"{base.dtype}{list(base.shape)} vs {rec.dtype}{list(rec.shape)}"
         )
 
 
-def _row_windows(flat: np.ndarray, lengths: Sequence[int], w: int, tb: int) -> list[Any]:
-    """Every row's windows of `w` tokens (bytes of `flat`), in order; a row's last one zero padded.
+def _row_windows(
+    flat: np.ndarray,
+    lengths: Sequence[int],
+    w: int,
+    tb: int,
+    heads: Sequence[int] | None = None,
+) -> list[Any]:
+    """Every row's windows of `w` tokens (bytes of `flat`), in order; a segment's last one
+    zero padded. With `heads`, each row is two segments: its head and the rest.
 
     Full windows are zero-copy views of `flat`.
     """
@@ -437,15 +506,18 @@ def _row_windows(flat: np.ndarray, lengths: Sequence[int], w: int, tb: int) -> l
     mv = memoryview(flat).cast("B")
     out: list[Any] = []
     pos = 0
-    for n in lengths:
-        end = pos + n * tb
+    for i, n in enumerate(lengths):
+        row_end = pos + n * tb
+        cuts = (row_end,) if heads is None else (pos + heads[i] * tb, row_end)
         a = pos
-        while a + size <= end:
-            out.append(mv[a : a + size])
-            a += size
-        if a < end:
-            out.append(mv[a:end].tobytes() + bytes(size - (end - a)))
-        pos = end
+        for end in cuts:
+            while a + size <= end:
+                out.append(mv[a : a + size])
+                a += size
+            if a < end:
+                out.append(mv[a:end].tobytes() + bytes(size - (end - a)))
+                a = end
+        pos = row_end
     return out
 
 
@@ -463,11 +535,30 @@ class _EncodeCache:
     compressed again. Per process, thread-safe, at most `max_bytes` held.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, max_names: int = 1 << 18) -> None:
         self.max_bytes = max_bytes
         self._d: OrderedDict[bytes, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        # Key -> (object name, size) of windows stored from this process, kept longer than
+        # their bytes (~200 B an entry): a window whose object the store is known to hold
+        # (`ObjectStore.has_cached`, no I/O) is neither compressed nor hashed again, even
+        # after its bytes were evicted (a rollout bundle ingested after its steps).
+        self.max_names = max_names
+        self._names: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
+
+    def name(self, key: bytes) -> tuple[str, int] | None:
+        with self._lock:
+            v = self._names.get(key)
+            if v is not None:
+                self._names.move_to_end(key)
+            return v
+
+    def add_name(self, key: bytes, h: str, size: int) -> None:
+        with self._lock:
+            self._names[key] = (h, size)
+            if len(self._names) > self.max_names:
+                self._names.popitem(last=False)
 
     def get(self, key: bytes) -> bytes | None:
         with self._lock:
@@ -479,6 +570,7 @@ class _EncodeCache:
     def clear(self) -> None:
         with self._lock:
             self._d.clear()
+            self._names.clear()
             self._bytes = 0
 
     def add(self, key: bytes, value: bytes) -> None:
@@ -497,27 +589,37 @@ class _EncodeCache:
 ENCODE_CACHE = _EncodeCache(64 << 20)
 
 
-def _encode_windows(wins: list[Any], size: int) -> list[bytes | None]:
-    """Stored bytes of each window (`encode_chunk`), None for an all-zero (fill) window.
+def _encode_windows(
+    wins: list[Any], size: int, objs: ObjectStore | None = None
+) -> tuple[list[bytes | str | None], list[bytes | None]]:
+    """Stored bytes of each window (`encode_chunk`), None for an all-zero (fill) window,
+    or the name of its object when `objs` is known to hold it already; and each key.
 
     The BLAKE3 of the window's bytes both detects fill windows and keys the
     encode cache.
     """
     tag = ZSTD_LEVEL.to_bytes(2, "little", signed=True)
     zero = _zero_key(size)
-    out: list[bytes | None] = []
+    out: list[bytes | str | None] = []
+    keys: list[bytes | None] = []
     for win in wins:
         digest = blake3(win).digest()
         if digest == zero:
             out.append(None)
+            keys.append(None)
             continue
         key = digest + tag
+        keys.append(key)
+        known = ENCODE_CACHE.name(key) if objs is not None else None
+        if known is not None and objs.has_cached(*known):
+            out.append(known[0])
+            continue
         data = ENCODE_CACHE.get(key)
         if data is None:
             data = encode_chunk(win)
             ENCODE_CACHE.add(key, data)
         out.append(data)
-    return out
+    return out, keys
 
 
 def write_array(
@@ -530,6 +632,7 @@ def write_array(
     base: ArrayRecord | None = None,
     base_values: np.ndarray | None = None,
     chunk_tokens: int | None = None,
+    heads: Sequence[int] | None = None,
 ) -> ArrayRecord:
     """Store a ragged payload (`values` = rows' tokens concatenated, [T, *token_shape]).
 
@@ -540,6 +643,9 @@ def write_array(
     reading the base back from the store. Objects may sit in the store's
     write buffer until `objs.flush()`. `chunk_tokens` overrides the
     store-wide W (dedup only holds between arrays written with the same W).
+    `heads` (one per row, 0 <= head <= row length) windows each row's first
+    `head` tokens apart from the rest (record format 2): rows sharing a
+    prefix, such as a group's prompt routes, then share its objects.
     """
     arr, lengths = _check_values(values, row_lengths)
     token_shape = tuple(arr.shape[1:])
@@ -550,6 +656,16 @@ def write_array(
         raise UsageError("torch.bfloat16 payloads must be passed as uint16 bits")
     if base_values is not None and base is None:
         raise UsageError("base_values needs base (the record they were written as)")
+    head_t: tuple[int, ...] | None = None
+    if heads is not None:
+        try:
+            head_t = tuple(int(h) for h in heads)
+        except (TypeError, ValueError):
+            raise UsageError("heads must be integers") from None
+        if len(head_t) != len(lengths) or not all(
+            0 <= h <= n for h, n in zip(head_t, lengths, strict=True)
+        ):
+            raise UsageError("heads must be one per row, each between 0 and its row's length")
     shape = (len(lengths), max(lengths, default=0), *token_shape)
     tb = arr.dtype.itemsize * math.prod(token_shape)
     flat = arr.reshape(-1).view(np.uint8)
@@ -561,7 +677,11 @@ def write_array(
             shape,
             w,
             tuple(lengths),
-            tuple((None,) * -(-n // w) for n in lengths),
+            tuple(
+                (None,) * _num_windows(n, None if head_t is None else head_t[i], w)
+                for i, n in enumerate(lengths)
+            ),
+            heads=head_t,
         )
         _check_same_geometry(base, probe)
     if base is not None and base_values is None:
@@ -572,21 +692,26 @@ def write_array(
             raise UsageError(f"base_values shape {list(bv.shape)} differs from {list(arr.shape)}")
         # Padding is zero on both sides, so XOR before windowing equals XOR of windows.
         flat = np.bitwise_xor(flat, bv.reshape(-1).view(np.uint8))
-    encoded = _encode_windows(_row_windows(flat, lengths, w, tb), w * tb)
-    stored = [d for d in encoded if d is not None]
-    hashes = iter(objs.put_many(stored))
-    slot_of = [None if d is None else next(hashes) for d in encoded]
+    encoded, keys = _encode_windows(_row_windows(flat, lengths, w, tb, head_t), w * tb, objs)
+    hashes = iter(objs.put_many([d for d in encoded if isinstance(d, bytes)]))
+    slot_of: list[str | None] = []
+    for d, key in zip(encoded, keys, strict=True):
+        if isinstance(d, bytes):
+            h = next(hashes)
+            ENCODE_CACHE.add_name(key, h, len(d))  # type: ignore[arg-type]
+            d = h
+        slot_of.append(d)
     table: list[tuple[str | None, ...]] = []
     k = 0
-    for n in lengths:
-        nw = -(-n // w)
+    for i, n in enumerate(lengths):
+        nw = _num_windows(n, None if head_t is None else head_t[i], w)
         table.append(tuple(slot_of[k : k + nw]))
         k += nw
 
     tattrs: dict[str, Any] = {"dtype_tag": dtype_tag, "row_lengths": lengths, "chunk_tokens": w}
     base_hash = None
     if base is not None:
-        base_hash = objs.put(base.to_json())
+        base_hash = objs.put(base.to_object())
         tattrs["delta_base"] = base_hash
     meta = objs.put(_zarr_metadata(arr.dtype, shape, w, tattrs, attributes or {}))
     return ArrayRecord(
@@ -598,6 +723,7 @@ def write_array(
         row_lengths=tuple(lengths),
         chunks=tuple(table),
         base=base_hash,
+        heads=head_t,
     )
 
 
@@ -625,10 +751,24 @@ def read_rows(objs: ObjectStore, record: ArrayRecord, rows: Sequence[int]) -> np
     out = np.zeros(total * tb, dtype=np.uint8)
     if record.base is not None:
         buf, _, starts = _padded_windows(objs, record, rows, 0)
-        flat = buf.reshape(-1)
         pos = 0
-        for n, k0 in zip(lengths, starts, strict=True):
-            out[pos : pos + n * tb] = flat[k0 * wb : k0 * wb + n * tb]
+        for r, n, k0 in zip(rows, lengths, starts, strict=True):
+            if record.heads is None:
+                out[pos : pos + n * tb] = buf.reshape(-1)[k0 * wb : k0 * wb + n * tb]
+            else:
+                for k, (s, c) in enumerate(record.row_spans(r), k0):
+                    out[pos + s * tb : pos + (s + c) * tb] = buf[k, : c * tb]
+            pos += n * tb
+    elif record.heads is not None:
+        wanted = list(dict.fromkeys(h for r in rows for h in record.chunks[r] if h is not None))
+        decoded = dict(zip(wanted, _decode_all(objs, record, wanted), strict=True))
+        pos = 0
+        for r, n in zip(rows, lengths, strict=True):
+            for h, (s, c) in zip(record.chunks[r], record.row_spans(r), strict=True):
+                if h is not None:
+                    out[pos + s * tb : pos + (s + c) * tb] = np.frombuffer(
+                        decoded[h], np.uint8, c * tb
+                    )
             pos += n * tb
     else:
         wanted = list(dict.fromkeys(h for r in rows for h in record.chunks[r] if h is not None))

@@ -10,8 +10,10 @@ Keys: `zarr.json` (the root group), `<name>/zarr.json` (the array's metadata
 object) and `<name>/c/<i>/<j>[/0...]` (chunk objects via the record's chunk
 table; all-fill chunks are absent, so zarr reads the fill value). Delta
 arrays are served as their values: each chunk is reconstructed from the base
-and re-encoded on request. trajstore itself reads through `arrays.read_rows`,
-which skips zarr-python's per-chunk overhead. Object reads are synchronous
+and re-encoded on request; so are the regular-grid windows of an array whose
+rows are windowed in two segments (record format 2, `ArrayRecord.heads`).
+trajstore itself reads through `arrays.read_rows`, which skips zarr-python's
+per-chunk overhead. Object reads are synchronous
 (local files); a remote backend would want an async `get_many` here.
 """
 
@@ -23,13 +25,18 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
-from trajstore.cas.arrays import ArrayRecord, encode_chunk, window_bytes
+from trajstore.cas.arrays import ArrayRecord, encode_chunk, read_rows, window_bytes
 from trajstore.cas.objects import ObjectStore
 from trajstore.errors import StoreError, UsageError
 
 __all__ = ["CASZarrStore"]
 
 _ROOT = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
+
+
+def _grid_windows(rec: ArrayRecord, i: int) -> int:
+    """Windows of row i in zarr's regular chunk grid (`[1, W, ...]`)."""
+    return -(-rec.row_lengths[i] // rec.chunk_tokens)
 
 
 class CASZarrStore(Store):
@@ -77,7 +84,7 @@ class CASZarrStore(Store):
         except ValueError:
             return None
         i, j, rest = idx[0], idx[1], idx[2:]
-        if any(rest) or not 0 <= i < len(rec.chunks) or not 0 <= j < len(rec.chunks[i]):
+        if any(rest) or not 0 <= i < len(rec.chunks) or not 0 <= j < _grid_windows(rec, i):
             return None
         return i, j
 
@@ -94,6 +101,11 @@ class CASZarrStore(Store):
         if slot is None:
             return None
         i, j = slot
+        if rec.heads is not None:  # stored windows are not the grid's: rebuild window j
+            row = read_rows(self._objs, rec, [i]).reshape(-1).view("u1")
+            size = rec.chunk_bytes
+            raw = row[j * size : (j + 1) * size].tobytes()
+            return encode_chunk(raw + bytes(size - len(raw)))
         if rec.base is None:
             h = rec.chunks[i][j]
             return None if h is None else self._objs.get(h)
@@ -106,6 +118,10 @@ class CASZarrStore(Store):
             yield f"{name}/zarr.json"
             tail = "/0" * len(rec.token_shape)
             for i, row in enumerate(rec.chunks):
+                if rec.heads is not None:  # every grid window of the row (rebuilt on request)
+                    for j in range(_grid_windows(rec, i)):
+                        yield f"{name}/c/{i}/{j}{tail}"
+                    continue
                 for j, h in enumerate(row):
                     # Delta arrays: a window exists unless both delta and base are fill;
                     # listing conservatively names every window of the row.

@@ -191,12 +191,20 @@ def _write_bundle_objects(
         shape = tuple(t.shape)
         lengths, rows = _row_lengths(name, shape, b)
         values = np.ascontiguousarray(t.array).reshape(sum(lengths), *shape[1:])
+        # Rows of prompt + response: the prompt is windowed apart, so a group's shared
+        # prompt (the same prefill routes) is the same objects in every sample.
+        heads = (
+            [max(0, s.total_length - s.response_length) for s in b.index.samples]
+            if rows == "total"
+            else None
+        )
         base_name = DELTA_BASES.get(name, "")
         base = records.get(base_name)
-        if base is not None and (base.dtype, base.shape[2:], base.row_lengths) != (
+        if base is not None and (base.dtype, base.shape[2:], base.row_lengths, base.heads) != (
             values.dtype.name,
             tuple(values.shape[1:]),
             tuple(lengths),
+            None if heads is None else tuple(heads),
         ):
             base = None
         record = write_array(
@@ -206,6 +214,7 @@ def _write_bundle_objects(
             dtype_tag=t.dtype,
             base=base,
             base_values=base_values.get(base_name) if base is not None else None,
+            heads=heads,
         )
         records[name] = record
         if name in _BASE_NAMES:
@@ -218,7 +227,7 @@ def _write_bundle_objects(
         else:
             f["whole"] = put_blob(rec, raw)
         payloads[name] = {
-            "record": rec.put(record.to_json()),
+            "record": rec.put(record.to_object()),
             "dtype": t.dtype,
             "shape": list(shape),
             "logical_bytes": int(values.nbytes),
