@@ -115,6 +115,12 @@ class ObjectStore(ABC):
     def has(self, h: str) -> bool:
         """Whether `h` is stored (a buffered object counts)."""
 
+    def has_cached(self, h: str, size: int) -> bool:
+        """Whether `h` is stored, known without any I/O (False when unsure): a writer may
+        then skip encoding and putting it. `size` (its length) is for wrappers that
+        account the bytes a writer names."""
+        return False
+
     @abstractmethod
     def iter_objects(self) -> Iterator[ObjectInfo]:
         """Every stored copy (a hash may appear more than once after concurrent writes)."""
@@ -562,6 +568,10 @@ class LocalObjectStore(ObjectStore):
                     raise IntegrityError(f"object {hashes[i]} is truncated in {where}")
                 out[i] = _verified(hashes[i], data, where).tobytes() if b - a > 1 else run
             a = b
+
+    def has_cached(self, h: str, size: int) -> bool:
+        with self._lock:
+            return h in self._pending or h in self._index or h in self._loose
 
     def has(self, h: str) -> bool:
         if not isinstance(h, str) or not _HASH_RE.match(h):

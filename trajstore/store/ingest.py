@@ -28,8 +28,11 @@ that died between the two steps is completed by the next ingest.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,11 +44,12 @@ import numpy as np
 from blake3 import blake3
 
 from trajstore.bundle.checks import ROUTE_PAYLOADS, bundle_problems
-from trajstore.bundle.reader import Bundle, open_target
+from trajstore.bundle.reader import Bundle, BundleSet, open_target
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.errors import StoreError, TrajstoreError
 from trajstore.jsonio import read_bytes
 from trajstore.refspace import RefSpace
+from trajstore.store import gclock
 from trajstore.store.layout import BUNDLE_REFS_KEY, CLAIMS_KEY, RefIndex, new_doc_name
 from trajstore.store.stored_bundle import put_blob
 
@@ -107,6 +111,12 @@ class _Recorder(ObjectStore):
     def has(self, h: str) -> bool:
         return self.inner.has(h)
 
+    def has_cached(self, h: str, size: int) -> bool:
+        if not self.inner.has_cached(h, size):
+            return False
+        self.sizes[h] = size  # named by the bundle as if put
+        return True
+
     def iter_objects(self):  # noqa: ANN201
         return self.inner.iter_objects()
 
@@ -164,6 +174,25 @@ class _Prepared:
     identity: tuple
     digest: str
     doc: dict[str, Any]
+
+
+@dataclass
+class _Gated:
+    """A target whose every rank passed the integrity gate; nothing of it is written yet."""
+
+    path: Path
+    bset: BundleSet
+    cohort_files: dict[int, dict[str, bytes]]
+    nbytes: int  # payload file bytes, for sizing a batch
+
+
+@dataclass
+class _Written:
+    """A target whose objects are written (maybe still buffered); no ref of it exists yet."""
+
+    path: Path
+    prepared: list[_Prepared]
+    logical: int
 
 
 def _write_bundle_objects(
@@ -266,6 +295,7 @@ class Ingestor:
         self.space = space
         self.objs = objs
         self.refs = refs
+        self._refs_lock = threading.Lock()  # RefIndex is not thread-safe; publishers may be
 
     # -- what is already published --
 
@@ -275,7 +305,23 @@ class Ingestor:
     # -- one target --
 
     def ingest_target(self, path: Path, run: str) -> IngestOutcome:
+        """Ingest one target: the whole gate, then its objects (flushed) and its refs, these
+        under the store's writer lock, so gc (even `--grace 0`) never runs while its
+        objects are written but its refs not yet created."""
         check_run_name(run)
+        gated = self.gate(path)
+        if isinstance(gated, IngestOutcome):
+            return gated
+        with gclock.writing(self.objs):
+            written = self.write(gated, run)
+            self.objs.flush()
+            return self.publish(written, self.live_keys())
+
+    def gate(self, path: Path) -> _Gated | IngestOutcome:
+        """Open `path` behind the whole integrity gate (every rank), or say why it is refused.
+
+        Writes nothing: a target is written only once all its ranks passed.
+        """
         try:
             bset = open_target(path)
         except TrajstoreError as e:
@@ -286,8 +332,7 @@ class Ingestor:
             for b in bset.bundles:
                 shard = read_bytes(path / f"COMPLETE.{b.rank}", f"COMPLETE.{b.rank}")
                 cohort_files[b.rank] = {"COMPLETE": whole, f"COMPLETE.{b.rank}": shard}
-        ranks = [b.rank for b in bset.bundles] if bset.is_cohort else None
-        # The whole gate first: nothing of a target is written unless every rank passes.
+        nbytes = 0
         for b in bset.bundles:
             try:
                 problems = bundle_problems(b)
@@ -297,13 +342,20 @@ class Ingestor:
                 where = f"rank {b.rank}: " if bset.is_cohort else ""
                 more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
                 return IngestOutcome(str(path), "refused", reason=f"{where}{problems[0]}{more}")
+            nbytes += sum(spec.bytes for spec in b.manifest.payloads.values())
             if len(bset.bundles) > 1:  # a cohort: keep memory to one rank (re-read on write)
                 b.release()
+        return _Gated(path, bset, cohort_files, nbytes)
+
+    def write(self, gated: _Gated, run: str) -> _Written:
+        """Write the objects of a gated target (they may stay buffered until `objs.flush()`)."""
         prepared: list[_Prepared] = []
         logical = 0
-        while bset.bundles:
-            b = bset.bundles.pop(0)
-            body, physical = _write_bundle_objects(self.objs, b, cohort_files.get(b.rank, {}))
+        bundles = gated.bset.bundles
+        ranks = [b.rank for b in bundles] if gated.bset.is_cohort else None
+        while bundles:
+            b = bundles.pop(0)
+            body, physical = _write_bundle_objects(self.objs, b, gated.cohort_files.get(b.rank, {}))
             identity = identity_of(run, b)
             ident = b.index.identity
             doc = {
@@ -322,11 +374,16 @@ class Ingestor:
             }
             logical += sum(p["logical_bytes"] for p in body["payloads"].values())
             prepared.append(_Prepared(identity, doc["content_digest"], doc))
-        self.objs.flush()
+        return _Written(gated.path, prepared, logical)
+
+    def publish(self, written: _Written, live: set[str]) -> IngestOutcome:
+        """Create the refs of a written target whose objects are durable (flushed).
+
+        `live` holds the keys already live (this call adds the ones it publishes).
+        """
         keys: list[str] = []
         published = False
-        live = self.live_keys()
-        for p in prepared:
+        for p in written.prepared:
             capture = p.doc["cohort_sentinels"].get("COMPLETE") or p.digest
             attempt = self._claim_attempt(p.identity[:4], capture)
             key = bundle_key(*p.identity, attempt)
@@ -336,9 +393,9 @@ class Ingestor:
             p.doc.update(key=key, attempt=attempt, published_at=_now())
             data = json.dumps(p.doc, sort_keys=True, indent=1).encode()
             published |= self._publish(key, data)
-        return IngestOutcome(
-            str(path), "published" if published else "unchanged", keys, None, logical
-        )
+            live.add(key)
+        status = "published" if published else "unchanged"
+        return IngestOutcome(str(written.path), status, keys, None, written.logical)
 
     def _held(self, claim: str) -> str:
         try:
@@ -367,13 +424,16 @@ class Ingestor:
             # whoever creates the guard fixes the ref's name for every writer of this key
             name = mine if self.space.create_if_absent(guard, mine.encode()) else self._held(guard)
             if self.space.create_if_absent(f"{BUNDLE_REFS_KEY}/{name}.json", data):
-                self.refs.invalidate()
+                with self._refs_lock:
+                    self.refs.invalidate()
                 return True
-            self.refs.refresh(force=True)
-            live = self.refs.live().get(key)
+            with self._refs_lock:
+                self.refs.refresh(force=True)
+                live = self.refs.live().get(key)
+                listed = {e.name for e in self.refs.all()}
             if live is not None and live.name >= name:
                 return False  # published by the other writer (or later): one ref per key
-            if live is None and name not in {e.name for e in self.refs.all()}:
+            if live is None and name not in listed:
                 # listed after its creation (a listing can lag): trust the existing object
                 return False
             g += 1  # that publication was removed (rm); the next one is new
@@ -426,10 +486,11 @@ def ingest_paths(
     progress: bool | None = None,
     on_outcome: Callable[[IngestOutcome], None] | None = None,
 ) -> list[IngestOutcome]:
-    """Ingest every bundle/cohort at or below `paths`, one at a time (bounded memory).
+    """Ingest every bundle/cohort at or below `paths`, as a pipeline (`_Pipeline`).
 
     `on_outcome` sees each outcome as soon as it is final (a published target's
-    refs are already created), in the order of the returned list.
+    refs are already created), in the order of the returned list (the targets'
+    order). Ctrl-C stores the targets that already passed the gate, then raises.
     """
     from trajstore.bundle.capture_dir import discover_targets
 
@@ -442,15 +503,200 @@ def ingest_paths(
             outcomes.append(IngestOutcome(str(p), "refused", reason=str(e)))
             if on_outcome is not None:
                 on_outcome(outcomes[-1])
+    if not targets:
+        return outcomes
+    check_run_name(run)
     bar = Progress(len(targets), progress)
+
+    def emit(out: IngestOutcome) -> None:
+        outcomes.append(out)
+        if on_outcome is not None:
+            bar.clear()
+            on_outcome(out)
+        bar.update(out)
+
     try:
-        for t in targets:
-            out = ingestor.ingest_target(t, run)
-            outcomes.append(out)
-            if on_outcome is not None:
-                bar.clear()
-                on_outcome(out)
-            bar.update(out)
+        _Pipeline(ingestor, targets, run).run(emit)
     finally:
         bar.close()
     return outcomes
+
+
+#: A batch of written targets ends (one pack flush, then their refs) at this many
+#: payload bytes or targets, ...
+BATCH_BYTES = 256 << 20
+BATCH_TARGETS = 64
+#: ... or when the gate has had none ready for this long (a slow or blocked source).
+_LINGER_S = 0.5
+#: threads creating a batch's refs (they wait on fsync, not on the CPU)
+_PUBLISHERS = 8
+_END = object()
+_POLL_S = 0.05
+
+
+class _Pipeline:
+    """Ingest of many targets on two threads: the gate runs one target ahead of the writer.
+
+    The per-byte work (reading, sha256, parsing and the finite-value checks of the
+    gate; BLAKE3, zstd and pack writes of the writer) is C code that releases the
+    GIL, so the two overlap. The writer batches: the objects of several gated
+    targets go to one pack (one fsync for the batch, not one per target), then the
+    refs of the batch are created in target order. The order of the crash-safety
+    argument is unchanged (a ref is created only after every object it names is
+    flushed; nothing of a target is written before its whole gate passed).
+
+    Memory: the gate holds at most two targets (the one it checks and one handed
+    over), the writer one target plus the pack buffer (`pack_max_bytes`).
+
+    Ctrl-C in the calling thread: the writer finishes the targets that already
+    passed the gate (writes, flushes and publishes them; their outcomes are
+    emitted), then `KeyboardInterrupt` is raised. A second Ctrl-C stops waiting.
+    """
+
+    def __init__(self, ingestor: Ingestor, targets: list[Path], run: str) -> None:
+        self.ing = ingestor
+        self.targets = targets
+        self.run_name = run
+        self.gated: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self.done: queue.Queue[Any] = queue.Queue()
+        self.stop = threading.Event()
+
+    def run(self, emit: Callable[[IngestOutcome], None]) -> None:
+        threads = [
+            threading.Thread(target=self._gate_loop, name="ingest-gate", daemon=True),
+            threading.Thread(target=self._write_loop, name="ingest-write", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        interrupted: KeyboardInterrupt | None = None
+        while True:
+            try:
+                item = self.done.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    self.stop.set()
+                    raise item
+                emit(item)
+            except KeyboardInterrupt as e:
+                if interrupted is not None:
+                    raise
+                interrupted = e
+                self.stop.set()
+        if interrupted is not None:
+            raise interrupted
+
+    def _hand_over(self, item: Any) -> bool:
+        """Put `item` for the writer; False if the pipeline stopped first."""
+        while True:
+            try:
+                self.gated.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                if self.stop.is_set():
+                    return False
+
+    def _gate_loop(self) -> None:
+        try:
+            for t in self.targets:
+                if self.stop.is_set() or not self._hand_over(self.ing.gate(t)):
+                    return
+            self._hand_over(_END)
+        except BaseException as e:  # handed to the writer, raised in the calling thread
+            self._hand_over(e)
+
+    def _take(self, wait_s: float | None) -> Any:
+        """The next gated item; None if none came within `wait_s` (None: no limit) or the
+        pipeline stopped (items already handed over are still returned first)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                return self.gated.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self.stop.is_set() or (deadline is not None and time.monotonic() > deadline):
+                    return None
+
+    def _publish_all(self, written: list[_Written]) -> dict[int, IngestOutcome]:
+        """Create the refs of flushed targets, by id; concurrently across anchors.
+
+        A ref create is two fsyncs (file, directory) and most of a small target's
+        fixed cost; concurrent fsyncs share the file system's journal commits.
+        Targets of one anchor (run, kind, rollout, step: e.g. a step and its resumed
+        re-capture) are published in order on one thread, so attempt numbers follow
+        the targets' order as they would one by one.
+        """
+        live = self.ing.live_keys()
+        groups: dict[tuple, list[_Written]] = {}
+        for w in written:
+            groups.setdefault(w.prepared[0].identity[:4] if w.prepared else (id(w),), []).append(w)
+
+        def publish_group(ws: list[_Written]) -> list[IngestOutcome]:
+            return [self.ing.publish(w, live) for w in ws]
+
+        outs: dict[int, IngestOutcome] = {}
+        if len(groups) == 1:
+            results = [publish_group(ws) for ws in groups.values()]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(_PUBLISHERS, len(groups))) as pool:
+                results = list(pool.map(publish_group, groups.values()))
+        for ws, res in zip(groups.values(), results, strict=True):
+            outs.update({id(w): o for w, o in zip(ws, res, strict=True)})
+        return outs
+
+    def _write_loop(self) -> None:
+        pending: list[_Written | IngestOutcome] = []
+        lock = contextlib.ExitStack()
+        nbytes = 0
+
+        def finish() -> None:
+            """Flush the batch's objects, then create its refs and emit its outcomes."""
+            nonlocal nbytes
+            try:
+                written = [x for x in pending if isinstance(x, _Written)]
+                outs: dict[int, IngestOutcome] = {}
+                if written:
+                    self.ing.objs.flush()
+                    outs = self._publish_all(written)
+                for x in pending:
+                    self.done.put(x if isinstance(x, IngestOutcome) else outs[id(x)])
+            finally:
+                pending.clear()
+                nbytes = 0
+                lock.close()  # the writer lock is held from a batch's first object to here
+
+        try:
+            while True:
+                item = self._take(_LINGER_S if pending else None)
+                if item is None:  # the gate is slow or blocked, or the pipeline stopped
+                    finish()
+                    if self.stop.is_set():
+                        break
+                    continue
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, IngestOutcome):
+                    pending.append(item)
+                    continue
+                if not any(isinstance(x, _Written) for x in pending):
+                    lock.enter_context(gclock.writing(self.ing.objs))
+                try:
+                    pending.append(self.ing.write(item, self.run_name))
+                except BaseException:
+                    pending_done = [x for x in pending if isinstance(x, _Written)]
+                    if pending_done:  # store what is whole, then report the failure
+                        with contextlib.suppress(Exception):
+                            finish()
+                    raise
+                nbytes += item.nbytes
+                if nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS:
+                    finish()
+            finish()
+            self.done.put(_END)
+        except BaseException as e:
+            self.stop.set()
+            lock.close()
+            self.done.put(e)

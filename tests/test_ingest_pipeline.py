@@ -1,0 +1,107 @@
+"""The pipelined ingest of many targets (gate thread ahead of the writer, batched packs and
+refs) answers exactly as ingesting them one at a time would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from conftest import edit_json, make_contents, resign_bundle
+from test_store import tree_equal
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.cas import LocalObjectStore, write_array
+from trajstore.cas.arrays import ENCODE_CACHE
+from trajstore.store import Store, export_bundles
+from trajstore.store.ingest import IngestOutcome, _Recorder
+from trajstore.store.maintenance import fsck
+
+
+def _steps(root: Path, steps: range, *, seed: int = 0, tokens: int = 300) -> list[Path]:
+    out = []
+    for s in steps:
+        dest = root / f"replay-7-{s}"
+        write_bundle(dest, make_contents(lengths=tokens, step_id=s, seed=seed + s))
+        out.append(dest)
+    return out
+
+
+def test_outcomes_arrive_in_target_order_with_their_refs_already_created(tmp_path: Path) -> None:
+    targets = _steps(tmp_path / "cap", range(12))
+    edit_json(targets[5] / "index.json", lambda d: d["samples"][0].update(response_length=0))
+    resign_bundle(targets[5])
+    seen: list[tuple[str, str, bool]] = []
+    with Store.open(tmp_path / "st") as store:
+
+        def check(o: IngestOutcome) -> None:
+            live = set(Store.open(tmp_path / "st").refs.live())  # a fresh reader: on disk
+            seen.append((o.path, o.status, all(k in live for k in o.keys)))
+
+        outs = store.ingest([tmp_path / "cap"], run="r", on_outcome=check)
+    order = sorted(targets)  # the order targets are found in
+    assert [o.path for o in outs] == [str(t) for t in order]
+    assert [s for _, s, _ in seen] == ["refused" if t == targets[5] else "published" for t in order]
+    assert all(ok for _, status, ok in seen if status == "published")
+    assert [(p, s) for p, s, _ in seen] == [(o.path, o.status) for o in outs]
+
+
+def test_a_step_and_its_recapture_in_one_batch_get_attempts_in_target_order(
+    tmp_path: Path,
+) -> None:
+    cap = tmp_path / "cap"
+    first = _steps(cap, range(6))
+    again = _steps(cap / "resumed", range(3), seed=50)  # same steps, new content
+    with Store.open(tmp_path / "st") as store:
+        outs = store.ingest([cap], run="r")
+    keys = {o.path: o.keys for o in outs}
+    assert [keys[str(t)] for t in first] == [[f"r/step-7-{s}/a1"] for s in range(6)]
+    assert [keys[str(t)] for t in again] == [[f"r/step-7-{s}/a2"] for s in range(3)]
+    out = tmp_path / "export"
+    with Store.open(tmp_path / "st") as store:
+        export_bundles(store.step("r", 7, 1, attempt=2), out)
+        assert tree_equal(again[1], out)
+        assert not fsck(store).problems
+
+
+def test_a_second_ingest_of_the_same_targets_changes_nothing(tmp_path: Path) -> None:
+    targets = _steps(tmp_path / "cap", range(8))
+    with Store.open(tmp_path / "st") as store:
+        store.ingest([tmp_path / "cap"], run="r")
+        refs = sorted(p.name for p in (tmp_path / "st" / "refs" / "bundles").iterdir())
+        again = store.ingest([tmp_path / "cap"], run="r")
+    assert [o.status for o in again] == ["unchanged"] * len(targets)
+    assert sorted(p.name for p in (tmp_path / "st" / "refs" / "bundles").iterdir()) == refs
+
+
+def test_windows_remembered_from_another_store_are_written_to_this_one(tmp_path: Path) -> None:
+    """The encode cache remembers object names per process; a store that lacks them gets
+    every object (`has_cached` is per store), and a bundle's physical bytes count them."""
+    _steps(tmp_path / "cap", range(3), tokens=5000)
+    docs = []
+    for name in ("a", "b"):
+        with Store.open(tmp_path / name) as store:
+            store.ingest([tmp_path / "cap"], run="r")
+            docs.append(
+                sorted(
+                    json.loads(p.read_bytes())["physical_bytes"]
+                    for p in (tmp_path / name / "refs" / "bundles").iterdir()
+                )
+            )
+            assert not fsck(store).problems
+    assert docs[0] == docs[1]
+
+
+def test_a_window_named_from_memory_gives_the_same_record_and_accounting(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    lengths = [700, 300, 1200]
+    routes = rng.integers(0, 128, (sum(lengths), 48, 8), dtype=np.uint8)
+    ENCODE_CACHE.clear()
+    objs = LocalObjectStore(tmp_path / "o")
+    cold = _Recorder(objs)
+    a = write_array(cold, routes, lengths, dtype_tag="torch.uint8")
+    objs.flush()
+    ENCODE_CACHE._d.clear()  # the bytes are evicted, the names are remembered
+    warm = _Recorder(objs)
+    b = write_array(warm, routes, lengths, dtype_tag="torch.uint8")
+    assert a == b and cold.sizes == warm.sizes
