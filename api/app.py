@@ -24,7 +24,7 @@ from fastapi import FastAPI
 
 from trajstore import __version__
 
-from . import web
+from . import links, web
 from .errors import ERRORS, error_response, install_error_handlers
 from .limits import BodyLimit
 from .routes import ROUTERS
@@ -101,6 +101,8 @@ def create_app(
     if token:
         app.add_middleware(BearerAuth, token=token)
     install_error_handlers(app)
+    generated_openapi = app.openapi
+    app.openapi = lambda: links.add_links(generated_openapi())  # type: ignore[method-assign]
     for router in ROUTERS:
         app.include_router(router, prefix="/v1")
     app.include_router(web.router)

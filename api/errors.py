@@ -34,6 +34,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "missing or wrong bearer token"),
         (404, "unknown run, step, bundle or payload"),
         (409, "the stored bundle cannot serve this request"),
+        (413, "request body over 4 MiB"),
         (422, "malformed parameter"),
     )
 }
