@@ -11,7 +11,7 @@ from collections import Counter
 
 import numpy as np
 
-from trajstore.bundle.reader import Bundle
+from trajstore.bundle.reader import KEEP_CHECKED_BYTES, Bundle
 from trajstore.errors import TrajstoreError
 from trajstore.schema import Sample
 
@@ -100,6 +100,7 @@ def payload_problems(bundle: Bundle) -> list[str]:
     samples = bundle.index.samples
     n_resp = sum(s.response_length for s in samples)
     n_total = sum(s.total_length for s in samples)
+    kept = 0  # bytes of checked payloads left cached for the caller (ingest writes them next)
     for name in bundle.payload_names():
         try:
             t = bundle.load_payload(name)
@@ -112,24 +113,45 @@ def payload_problems(bundle: Bundle) -> list[str]:
             )
         if name in ROUTE_PAYLOADS and (len(t.shape) != 3 or t.shape[0] != n_total):
             out.append(f"payload '{name}': shape {list(t.shape)}, expected [{n_total}, L, K]")
-        arr = t.array
-        if arr.dtype.kind == "f" and t.dtype != "torch.bfloat16":
-            bad = ~np.isfinite(arr)
-            if bad.any():
-                first = int(np.flatnonzero(bad.reshape(-1))[0])
-                out.append(
-                    f"payload '{name}': {int(bad.sum())} non-finite value(s) (NaN/Inf), first at "
-                    f"flat index {first}"
-                )
-        elif t.dtype == "torch.bfloat16":
-            exp_all_ones = (arr.reshape(-1) & 0x7F80) == 0x7F80
-            if exp_all_ones.any():
-                first = int(np.flatnonzero(exp_all_ones)[0])
-                out.append(
-                    f"payload '{name}': {int(exp_all_ones.sum())} non-finite value(s) (NaN/Inf), "
-                    f"first at flat index {first}"
-                )
+        problem = _non_finite(name, t.array, t.dtype)
+        if problem:
+            out.append(problem)
+        size = bundle.manifest.payloads[name].bytes
+        if kept + size > KEEP_CHECKED_BYTES:
+            bundle.release(name)  # re-read when written: one large payload in memory at a time
+        else:
+            kept += size
     return out
+
+
+#: elements scanned per step of the non-finite check (bounds its temporaries to ~16 MiB)
+_SCAN_ELEMENTS = 1 << 24
+
+
+def _non_finite(name: str, arr: np.ndarray, dtype: str) -> str | None:
+    """One line locating the first NaN/Inf of a float payload, scanned in bounded blocks."""
+    if dtype == "torch.bfloat16":
+        flat = arr.reshape(-1)
+
+        def bad_of(block: np.ndarray) -> np.ndarray:
+            return (block & 0x7F80) == 0x7F80  # exponent all ones: Inf or NaN
+    elif arr.dtype.kind == "f":
+        flat = arr.reshape(-1)
+
+        def bad_of(block: np.ndarray) -> np.ndarray:
+            return ~np.isfinite(block)
+    else:
+        return None
+    count, first = 0, -1
+    for start in range(0, flat.size, _SCAN_ELEMENTS):
+        bad = bad_of(flat[start : start + _SCAN_ELEMENTS])
+        n = int(np.count_nonzero(bad))
+        if n and first < 0:
+            first = start + int(np.flatnonzero(bad)[0])
+        count += n
+    if not count:
+        return None
+    return f"payload '{name}': {count} non-finite value(s) (NaN/Inf), first at flat index {first}"
 
 
 def bundle_problems(bundle: Bundle) -> list[str]:

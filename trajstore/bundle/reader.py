@@ -8,6 +8,7 @@ and every payload's size and sha256 are checked before its tensor is built.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +22,41 @@ from trajstore.jsonio import parse_json, read_bytes, read_json, sha256_bytes
 from trajstore.schema import CohortComplete, Complete, Index, Manifest, RankShard
 
 METADATA_FILES = ("manifest.json", "index.json", "expected.json")
-MAX_PAYLOAD_BYTES = 64 << 30
+#: Default cap on one payload file: ingest holds about one payload in memory (docs/store.md
+#: "Limits"), so a file the machine cannot hold is refused before any byte of it is read.
+MAX_PAYLOAD_BYTES = 16 << 30
+#: Environment variable overriding `MAX_PAYLOAD_BYTES` (bytes; 1 to 2**40).
+MAX_PAYLOAD_ENV = "TRAJSTORE_MAX_PAYLOAD_BYTES"
+#: Checked payloads up to this size stay cached for ingest; larger ones are re-read
+#: (and re-hashed) when written, so the gate never holds more than one large payload.
+KEEP_CHECKED_BYTES = 256 << 20
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SHARD_FILE = re.compile(r"^COMPLETE\.(\d+)$")
+
+
+def max_payload_bytes() -> int:
+    """The payload size cap: `TRAJSTORE_MAX_PAYLOAD_BYTES` if set, else `MAX_PAYLOAD_BYTES`."""
+    raw = os.environ.get(MAX_PAYLOAD_ENV, "").strip()
+    if not raw:
+        return MAX_PAYLOAD_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 0 < value <= 1 << 40:
+        raise BundleError(f"{MAX_PAYLOAD_ENV}={raw!r:.40}: expected a byte count from 1 to 2**40")
+    return value
+
+
+def check_payload_sizes(manifest: Manifest) -> None:
+    """Refuse, before reading any payload, one whose declared size is over the cap."""
+    limit = max_payload_bytes()
+    for name, spec in sorted(manifest.payloads.items()):
+        if spec.bytes > limit:
+            raise BundleError(
+                f"payload '{name}' declares {spec.bytes} bytes, beyond the limit of {limit} "
+                f"(set {MAX_PAYLOAD_ENV} to raise it; about that much memory is needed)"
+            )
 
 
 def check_payload_name(name: str) -> None:
@@ -112,7 +145,7 @@ class Bundle:
                 f"payload '{name}': size {size} bytes, manifest declares {spec.bytes} "
                 "(truncated or replaced)"
             )
-        data = read_bytes(path, f"payload '{name}'", limit=MAX_PAYLOAD_BYTES)
+        data = read_bytes(path, f"payload '{name}'", limit=max_payload_bytes())
         digest = sha256_bytes(data)
         if digest != spec.sha256:
             raise BundleError(
@@ -149,6 +182,7 @@ def _read_docs(path: Path) -> tuple[dict[str, bytes], Manifest, Index, dict[str,
         )
     for name in manifest.payloads:
         check_payload_name(name)
+    check_payload_sizes(manifest)
     return raw, manifest, index, expected
 
 
