@@ -8,6 +8,9 @@ a traceback.
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class TrajstoreError(Exception):
     """Base class: a clear, one-line, user-facing failure."""
@@ -37,3 +40,52 @@ class IntegrityError(TrajstoreError):
 
 class StoreError(TrajstoreError):
     """The store or its catalog is unusable (layout, lock, migration)."""
+
+
+class DiskFullError(StoreError):
+    """The file system holding the store (or an output) is full or over quota.
+
+    `kind` is the condition alone ("no space left on device", "disk quota exceeded"),
+    for counting and logging once per kind.
+    """
+
+    def __init__(self, message: str, kind: str = "no space left on device") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+#: errno values that mean "no room to write": a full device, an exhausted quota
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_DISK_FULL_TEXT = tuple(os.strerror(e) for e in sorted(DISK_FULL_ERRNOS))
+
+
+def disk_full_error(exc: BaseException) -> DiskFullError | None:
+    """A one-line DiskFullError if `exc` or what it wraps (`__cause__`/`__context__`,
+    e.g. a database driver's error) says the disk is full or over quota; else None.
+
+    Why one place: ENOSPC reaches the CLI from a pack write, an fsync, a ref's temp
+    file or the catalog's database, as an OSError or as a driver's own exception.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError):
+            return e
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            kind = os.strerror(e.errno).lower()
+            where = f" writing {e.filename}" if e.filename else ""
+            return DiskFullError(f"{kind}{where}{_AFTER}", kind)
+        text = str(e)
+        for why in _DISK_FULL_TEXT:
+            if why in text:
+                first = text.strip().splitlines()[0][:300]
+                return DiskFullError(f"{why.lower()} ({first}){_AFTER}", why.lower())
+        e = e.__cause__ or e.__context__
+    return None
+
+
+_AFTER = (
+    "; nothing half-written is visible (what was published before stays): "
+    "free space, then run the same command again"
+)

@@ -11,6 +11,7 @@ publishes the cohort ``COMPLETE``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -129,7 +130,10 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
                 "(a torch tensor, a NumPy array or torch.save bytes)"
             )
         tensor = as_torch(value)
-        torch.save(tensor, path)
+        try:
+            torch.save(tensor, path)
+        except RuntimeError as e:
+            raise _disk_full_or(e, path, tensor.nbytes) from e
         data = path.read_bytes()
         # Never write what the reader refuses (e.g. complex dtypes).
         t = read_pt_bytes(data, label=f"payload '{name}'")
@@ -141,6 +145,20 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
         "sha256": sha256_bytes(data),
         "shape": shape,
     }
+
+
+def _disk_full_or(error: RuntimeError, path: Path, nbytes: int) -> Exception:
+    """torch.save writes through C++ streams, whose failure carries no errno
+    ("basic_ios::clear: iostream error"): when the file system has less room than the
+    payload, call it what it most likely is, ENOSPC, so callers count and report a full
+    disk as such; otherwise the original error."""
+    try:
+        v = os.statvfs(path.parent)
+    except OSError:
+        return error
+    if v.f_bavail * v.f_frsize < nbytes + (64 << 10):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return error
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -221,7 +239,9 @@ def write_bundle(
         )
         try:
             os.rename(tmp, dest)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise  # e.g. a full disk: not a bundle that appeared meanwhile
             raise BundleError(f"{dest}: appeared while writing; refusing to overwrite") from None
         return dest
     finally:
@@ -232,14 +252,14 @@ def write_bundle(
 def _atomic_create(path: Path, data: bytes) -> bool:
     """Create ``path`` with ``data`` unless it exists (link is atomic, no overwrite)."""
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    _fsync_write(tmp, data)
     try:
+        _fsync_write(tmp, data)  # a full disk fails here: the temp file goes too
         os.link(tmp, path)
         return True
     except FileExistsError:
         return False
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def write_rank(

@@ -81,7 +81,7 @@ class CaptureWriter:
                 return
             try:
                 self._write(rec)
-                self.stats.written += 1
+                self.stats.count_written()
             except Exception:  # noqa: BLE001 - logged and counted, never raised
                 what = (
                     f"writing step {rec.rollout_id}:{rec.step_id}"

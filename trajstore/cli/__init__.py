@@ -14,7 +14,7 @@ import os
 import sys
 
 from trajstore import __version__
-from trajstore.errors import TrajstoreError
+from trajstore.errors import TrajstoreError, disk_full_error
 
 #: command modules, in the order their commands appear in --help
 COMMAND_MODULES = [
@@ -30,7 +30,8 @@ COMMAND_MODULES = [
 EXIT_CODES_HELP = """exit codes:
   0  success / every requested stage passes
   1  a divergence was found, or a requested stage is unsupported
-  2  invalid input, integrity failure, refused selection or usage error
+  2  invalid input, integrity failure, refused selection or usage error,
+     a full disk or exhausted quota (ENOSPC/EDQUOT: free space and rerun)
      (also an internal error; TRAJSTORE_DEBUG=1 shows its traceback)
 """
 
@@ -66,14 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:  # a bug, not bad input: still one line unless asked
-        if os.environ.get("TRAJSTORE_DEBUG"):
-            raise
-        print(
-            f"trajstore: internal error: {type(exc).__name__}: {exc} "
-            "(rerun with TRAJSTORE_DEBUG=1 for the traceback, and please report it)",
-            file=sys.stderr,
-        )
-        return 2
+        # A full disk (an OSError, or a catalog driver's error saying so) is the user's to
+        # fix, not a bug: one line and exit 2, like any refused input.
+        full = disk_full_error(exc)
+        if full is not None:
+            print(f"trajstore: error: {full}", file=sys.stderr)
+            return full.exit_code
+        return _internal(exc)
+
+
+def _internal(exc: Exception) -> int:
+    if os.environ.get("TRAJSTORE_DEBUG"):
+        raise exc
+    print(
+        f"trajstore: internal error: {type(exc).__name__}: {exc} "
+        "(rerun with TRAJSTORE_DEBUG=1 for the traceback, and please report it)",
+        file=sys.stderr,
+    )
+    return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
