@@ -387,7 +387,11 @@ class LocalObjectStore(ObjectStore):
         pieces, idx, entries = _encode_pack(items)
         self._write_file(self._packs_dir / f"{pid}.pack", pieces)
         # The idx rename is the commit point of the pack.
-        self._write_file(self._packs_dir / f"{pid}.idx", [idx])
+        try:
+            self._write_file(self._packs_dir / f"{pid}.idx", [idx])
+        except BaseException:  # e.g. a full disk: the pack was never published, free it now
+            (self._packs_dir / f"{pid}.pack").unlink(missing_ok=True)
+            raise
         self._fsync_dir(self._packs_dir)
         members = [h for h, _ in items]
         for (h, _), e in zip(items, entries, strict=True):

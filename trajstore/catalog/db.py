@@ -17,6 +17,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from trajstore.catalog.stillborn import drop_stillborn_duckdb
 from trajstore.catalog.tables import HEAD_REVISION, KNOWN_REVISIONS
 from trajstore.errors import StoreError, UsageError
 
@@ -296,6 +297,7 @@ def open_catalog(
     try:
         if catalog.file is not None:
             Path(catalog.file).parent.mkdir(parents=True, exist_ok=True)
+            drop_stillborn_duckdb(Path(catalog.file))
         current = catalog.revision()
         if current is not None and current not in KNOWN_REVISIONS:
             raise StoreError(
