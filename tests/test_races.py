@@ -226,3 +226,20 @@ def test_rm_of_a_served_run_answers_404_afterwards_never_500(
         assert r.status_code == 404 and r.json()["error"] == "not_found", (u, r.text)
     for u in keep:
         assert client.get(u).status_code == 200, u
+
+
+# -- where no lock reaches every writer -------------------------------------------
+
+
+def test_gc_refuses_a_short_grace_on_an_s3_store(s3_env, tmp_path: Path) -> None:  # noqa: ANN001
+    """On S3 nothing stops gc from sweeping another host's in-flight ingest: the CLI
+    refuses a grace under 10 minutes there, in one line, and keeps the store as it was."""
+    url = s3_env.fresh_url("grace")
+    with Store.open(url) as store:
+        store.ingest(_capture(tmp_path / "cap", range(0, 1)), run="r")
+    proc = cli("gc", "--store", url, "--grace", "0")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("trajstore: error: gc --grace 0s refused on s3://") and "10m" in line
+    assert cli("gc", "--store", url, "--grace", "10m").returncode == 0
+    assert cli("fsck", "--store", url).returncode == 0

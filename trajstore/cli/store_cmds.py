@@ -271,10 +271,11 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from trajstore.store.maintenance import gc, parse_duration
+    from trajstore.store.maintenance import check_cli_grace, gc, parse_duration
 
     grace = parse_duration(args.grace)
     with _open(args) as store:
+        check_cli_grace(store, grace)  # S3: no lock against writers, so no grace under 10m
         res = gc(store, grace)
     if args.json:
         print_json(res)
