@@ -46,6 +46,11 @@ _seen: dict[str, bytes] = {}  # per process: root -> the gc generation last acte
 _seen_mutex = threading.Lock()
 
 
+def protects(objs: ObjectStore) -> bool:
+    """Whether writers and gc of this object store take the lock (a directory store)."""
+    return isinstance(objs, LocalObjectStore)
+
+
 def _open(path: Path) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -68,9 +73,10 @@ def writing(objs: ObjectStore) -> Iterator[None]:
     Re-entrant within a thread (a shard store that publishes its cohort takes it
     once); a no-op for object stores without a directory (S3, memory).
     """
-    if not isinstance(objs, LocalObjectStore):
+    if not protects(objs):
         yield
         return
+    assert isinstance(objs, LocalObjectStore)
     root = str(objs.root)
     depths = _depths()
     if depths.get(root):
@@ -112,9 +118,10 @@ def writing(objs: ObjectStore) -> Iterator[None]:
 def collecting(objs: ObjectStore) -> Iterator[None]:
     """Hold the store's gc lock (exclusive): waits for writers in flight, holds new ones
     back, and bumps the generation before anything is deleted. No-op without a directory."""
-    if not isinstance(objs, LocalObjectStore):
+    if not protects(objs):
         yield
         return
+    assert isinstance(objs, LocalObjectStore)
     d = objs.root / LOCKS_DIR
     gate = _open(d / GATE)
     try:

@@ -151,6 +151,22 @@ def live_objects(store: Store) -> set[str]:
     return out
 
 
+#: the shortest grace `trajstore gc` accepts on a store without the gc lock (S3)
+UNLOCKED_MIN_GRACE_S = 600.0
+
+
+def check_cli_grace(store: Store, grace_s: float) -> None:
+    """Refuse a grace under 10 minutes where nothing stops gc from sweeping an in-flight
+    ingest's objects (an S3 store: no lock reaches writers on other hosts; there the
+    grace must outlast any one ingest). A directory store takes any grace, 0 included."""
+    if not gclock.protects(store.objs) and grace_s < UNLOCKED_MIN_GRACE_S:
+        raise UsageError(
+            f"gc --grace {grace_s:g}s refused on {store.url}: an object store has no lock "
+            "against writers on other hosts, so a grace shorter than an ingest could delete "
+            "the objects of one in flight; use --grace 10m or more"
+        )
+
+
 def gc(store: Store, grace_s: float = 3600.0) -> dict[str, Any]:
     """Delete objects unreachable from every live ref and older than `grace_s`."""
     if grace_s < 0:
