@@ -26,6 +26,7 @@ from test_store import cli, tree_equal
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.store import Store, export_bundles
+from trajstore.store.maintenance import fsck, gc
 
 #: a loop of CLI passes in one process (`trajstore.cli.main`, no interpreter start per
 #: pass) until the stop file exists; writes "<passes> <bad exits> <objects dropped>"
@@ -124,6 +125,23 @@ def test_gc_grace_0_in_a_loop_beside_two_ingests_and_a_replay_all(tmp_path: Path
     assert _every_bundle_intact(st, "b", b, tmp_path) == 8
     done = cli("replay", "--store", st, "--all", "--run", "b")
     assert done.returncode in (0, 1), done.stderr
+
+
+def test_a_writer_whose_index_predates_a_gc_stores_the_swept_objects_again(
+    tmp_path: Path,
+) -> None:
+    """A long-lived writer knows objects from before a gc swept them (its in-memory
+    pack index): its next ingest of the same content must write them again."""
+    st = tmp_path / "store"
+    cap = _capture(tmp_path / "cap", range(0, 2))
+    with Store.open(st) as writer:
+        writer.ingest(cap, run="old")
+        writer.remove(run="old")
+        with Store.open(st) as other:
+            assert gc(other, grace_s=0)["objects_dropped"] > 0
+        assert {o.status for o in writer.ingest(cap, run="new")} == {"published"}
+    assert fsck(Store.open(st, create=False)).ok
+    assert _every_bundle_intact(st, "new", cap, tmp_path) == 2
 
 
 # -- rm while serving -------------------------------------------------------------

@@ -32,6 +32,7 @@ import fcntl
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,7 +43,9 @@ GATE = "gc.gate"
 LOCK = "gc.lock"
 
 _state = threading.local()  # per thread: {root: depth} of the writer locks it holds
-_seen: dict[str, bytes] = {}  # per process: root -> the gc generation last acted on
+#: per object store instance: the gc generation its index was last re-read after (two
+#: instances on one root in a process each keep their own cache, so each re-reads)
+_seen: weakref.WeakKeyDictionary[LocalObjectStore, bytes] = weakref.WeakKeyDictionary()
 _seen_mutex = threading.Lock()
 
 
@@ -80,6 +83,7 @@ def writing(objs: ObjectStore) -> Iterator[None]:
     root = str(objs.root)
     depths = _depths()
     if depths.get(root):
+        _refresh(objs)  # another instance on this root may hold it: check this one's cache
         depths[root] += 1
         try:
             yield
@@ -97,13 +101,7 @@ def writing(objs: ObjectStore) -> Iterator[None]:
         fcntl.flock(gate, fcntl.LOCK_SH)  # queues behind a waiting gc
         fcntl.flock(lock, fcntl.LOCK_SH)
         fcntl.flock(gate, fcntl.LOCK_UN)
-        gen = os.pread(lock, 64, 0)
-        with _seen_mutex:
-            stale = _seen.get(root) != gen
-        if stale:  # gc ran since this process last looked (or it never looked)
-            objs.rescan()
-            with _seen_mutex:
-                _seen[root] = gen
+        _refresh(objs)
         depths[root] = 1
         try:
             yield
@@ -112,6 +110,21 @@ def writing(objs: ObjectStore) -> Iterator[None]:
     finally:
         os.close(lock)  # closing releases the flock
         os.close(gate)
+
+
+def _refresh(objs: LocalObjectStore) -> None:
+    """Re-read `objs`'s index if gc ran since it last did (or it never did); the caller
+    holds the writer lock, so no gc runs meanwhile."""
+    try:
+        gen = (objs.root / LOCKS_DIR / LOCK).read_bytes()
+    except FileNotFoundError:
+        gen = b""
+    with _seen_mutex:
+        stale = _seen.get(objs) != gen
+    if stale:
+        objs.rescan()
+        with _seen_mutex:
+            _seen[objs] = gen
 
 
 @contextlib.contextmanager
