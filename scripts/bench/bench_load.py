@@ -20,6 +20,9 @@ Needs `wrk` (Debian: `apt-get install -y wrk`).
    `trajstore ingest <batch> --store ... --run live` runs batch after batch in
    a subprocess until wrk ends (so the server's catalog snapshot resyncs
    under load).
+   Before that, unless --no-baseline, the same wrk run without the ingest:
+   the p99 during the ingest is reported as a ratio to it (same machine,
+   same load, a minute apart).
 4. Reports wrk's requests, requests/s, non-2xx responses, socket errors
    (connect/read/write/timeout), latency p50/p90/p99/max; the ingest's
    bundles and exit codes; the server's peak RSS (VmHWM of each serve
@@ -129,6 +132,7 @@ def build(root: Path, steps: int, per_rollout: int, batches: int, batch: int) ->
     plan = json.loads(plan_file.read_text())
     live = root / "live"
     shutil.rmtree(live, ignore_errors=True)
+    shutil.rmtree(root / "tmpl-scratch", ignore_errors=True)
     tmpl = build_templates(root / "tmpl-scratch", 64, 64, small=False)["step-ok"]
     cloner = Cloner(tmpl)
     # live rollout ids start past any earlier --keep run's (rollout ids are unique per run)
@@ -163,6 +167,32 @@ def ingest_loop(store: Path, live: Path, stop: threading.Event, out: dict) -> No
     out["ran_out"] = not stop.is_set()
 
 
+def run_wrk(cmd: list[str]) -> dict:
+    """One wrk run: the numbers its Lua `done` printed, plus its non-2xx count."""
+    wrk = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in wrk.stdout.splitlines() if x.startswith("WRKJSON ")), None)
+    if wrk.returncode != 0 or line is None:
+        raise SystemExit(f"wrk failed: {wrk.stdout[-2000:]} {wrk.stderr[-2000:]}")
+    result = json.loads(line.removeprefix("WRKJSON "))
+    result["non_2xx"] = 0
+    for x in wrk.stdout.splitlines():
+        if "Non-2xx or 3xx responses:" in x:
+            result["non_2xx"] = int(x.split(":")[1])
+    return result
+
+
+def summary(result: dict) -> dict:
+    seconds = result["duration_us"] / 1e6
+    return {
+        "requests": result["requests"],
+        "requests_per_s": round(result["requests"] / seconds, 1),
+        "non_2xx": result["non_2xx"],
+        "socket_errors": {k: result[k] for k in ("connect", "read", "write", "timeout")},
+        "latency_ms": {k: result[f"{k}_ms"] for k in ("p50", "p90", "p99", "max", "mean")},
+        "mb_received": round(result["bytes"] / 1e6, 1),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -173,6 +203,12 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--batch", type=int, default=20, help="bundles per ingest batch")
     ap.add_argument("--batches", type=int, default=60, help="ingest batches prepared")
+    ap.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip the first wrk run (same mix, no ingest) that the p99 is compared with",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="reuse (or build and keep) the store here")
     args = ap.parse_args()
@@ -231,25 +267,18 @@ def main() -> int:
                     "run": RUN,
                 }
             )
+            cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}s"]
+            cmd += ["--timeout", "30s", "--latency", "-s", str(lua), base]
+            quiet = run_wrk(cmd) if args.baseline else None
             stop = threading.Event()
             ingest: dict = {}
             loop = threading.Thread(
                 target=ingest_loop, args=(store, root / "live", stop, ingest), daemon=True
             )
-            cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}s"]
-            cmd += ["--timeout", "30s", "--latency", "-s", str(lua), base]
             loop.start()
-            wrk = subprocess.run(cmd, capture_output=True, text=True)
+            result = run_wrk(cmd)
             stop.set()
             loop.join()
-            line = next((x for x in wrk.stdout.splitlines() if x.startswith("WRKJSON ")), None)
-            if wrk.returncode != 0 or line is None:
-                raise SystemExit(f"wrk failed: {wrk.stdout[-2000:]} {wrk.stderr[-2000:]}")
-            result = json.loads(line.removeprefix("WRKJSON "))
-            non2xx = 0
-            for x in wrk.stdout.splitlines():
-                if "Non-2xx or 3xx responses:" in x:
-                    non2xx = int(x.split(":")[1])
             rss = {pid: round(peak_rss_mb(pid), 1) for pid in serve_processes(server.pid)}
             # what the ingest published is served (the snapshot resyncs within ~1 s)
             deadline = time.monotonic() + 30
@@ -269,18 +298,17 @@ def main() -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
-    seconds = result["duration_us"] / 1e6
-    socket_errors = sum(result[k] for k in ("connect", "read", "write", "timeout"))
+    during = summary(result)
+    errors = during["non_2xx"] + sum(during["socket_errors"].values())
     doc = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "wrk": " ".join(cmd[:-1] + ["URL"]),
         "store": {"bundles": plan["bundles"], "steps": plan["steps"], "payload_urls": len(paths)},
-        "requests": result["requests"],
-        "requests_per_s": round(result["requests"] / seconds, 1),
-        "non_2xx": non2xx,
-        "socket_errors": {k: result[k] for k in ("connect", "read", "write", "timeout")},
-        "latency_ms": {k: result[f"{k}_ms"] for k in ("p50", "p90", "p99", "max", "mean")},
-        "mb_received": round(result["bytes"] / 1e6, 1),
+        "during_ingest": during,
+        "without_ingest": summary(quiet) if quiet else None,
+        "p99_ratio_during_vs_without": (
+            round(during["latency_ms"]["p99"] / quiet["p99_ms"], 2) if quiet else None
+        ),
         "ingest": {
             "bundles": ingest["bundles"],
             "batches": ingest["batches"],
@@ -294,7 +322,7 @@ def main() -> int:
         "server_peak_rss_mb": rss,
         "load": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
-        "errors": non2xx + socket_errors,
+        "errors": errors,
     }
     print(json.dumps(doc, indent=2))
     if args.json:
