@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import edit_json, make_contents, resign_bundle
 from test_store import tree_equal
 
@@ -105,3 +106,16 @@ def test_a_window_named_from_memory_gives_the_same_record_and_accounting(tmp_pat
     warm = _Recorder(objs)
     b = write_array(warm, routes, lengths, dtype_tag="torch.uint8")
     assert a == b and cold.sizes == warm.sizes
+
+
+def test_a_document_changed_after_the_gate_is_refused_not_stored(tmp_path: Path) -> None:
+    from trajstore.bundle.reader import open_bundle
+    from trajstore.errors import BundleError
+    from trajstore.store.ingest import _write_bundle_objects
+
+    (target,) = _steps(tmp_path / "cap", range(1))
+    b = open_bundle(target)  # the gate read and checked index.json
+    edit_json(target / "index.json", lambda d: d["samples"][0].update(reward=9.0))
+    objs = LocalObjectStore(tmp_path / "o")
+    with pytest.raises(BundleError, match="index.json: changed after the integrity gate"):
+        _write_bundle_objects(objs, b, {})

@@ -44,10 +44,10 @@ import numpy as np
 from blake3 import blake3
 
 from trajstore.bundle.checks import ROUTE_PAYLOADS, bundle_problems
-from trajstore.bundle.reader import Bundle, BundleSet, open_target
+from trajstore.bundle.reader import METADATA_FILES, Bundle, BundleSet, open_target
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
-from trajstore.errors import StoreError, TrajstoreError
-from trajstore.jsonio import read_bytes
+from trajstore.errors import BundleError, StoreError, TrajstoreError
+from trajstore.jsonio import read_bytes, sha256_bytes
 from trajstore.refspace import RefSpace
 from trajstore.store import gclock
 from trajstore.store.layout import BUNDLE_REFS_KEY, CLAIMS_KEY, RefIndex, new_doc_name
@@ -195,16 +195,38 @@ class _Written:
     logical: int
 
 
+def _as_gated(b: Bundle, name: str, data: bytes) -> bytes:
+    """`data`, a document of `b` read again to be stored, if it is what the gate checked.
+
+    The documents are read again after the gate (a pipelined ingest writes a target
+    a while after checking it): one changed since is refused, never stored unchecked.
+    """
+    if name in METADATA_FILES:
+        same = b.complete is not None and sha256_bytes(data) == b.complete.metadata.get(name)
+    else:  # COMPLETE and the rank shards it lists (other files: never checked, kept as is)
+        r = name.partition(".")[2]
+        gated = b.complete if not r else b.shards.get(int(r)) if r.isdigit() else None
+        if gated is None:
+            return data
+        try:
+            same = json.loads(data) == gated.raw
+        except ValueError:
+            same = False
+    if not same:
+        raise BundleError(f"{b.path / name}: changed after the integrity gate; ingest it again")
+    return data
+
+
 def _write_bundle_objects(
     objs: ObjectStore, b: Bundle, cohort_sentinels: dict[str, bytes]
 ) -> tuple[dict, int]:
     rec = _Recorder(objs)
     docs = {
-        k: put_blob(rec, read_bytes(b.path / f"{k}.json", f"{k}.json"))
+        k: put_blob(rec, _as_gated(b, f"{k}.json", read_bytes(b.path / f"{k}.json", f"{k}.json")))
         for k in ("manifest", "index", "expected")
     }
     sentinels = {
-        p.name: put_blob(rec, read_bytes(p, p.name))
+        p.name: put_blob(rec, _as_gated(b, p.name, read_bytes(p, p.name)))
         for p in sorted(b.path.glob("COMPLETE*"))
         if p.is_file()
     }
@@ -530,6 +552,8 @@ BATCH_TARGETS = 64
 _LINGER_S = 0.5
 #: threads creating a batch's refs (they wait on fsync, not on the CPU)
 _PUBLISHERS = 8
+#: targets written at once (zstd, BLAKE3 and the pack writes release the GIL)
+_WRITERS = 2
 _END = object()
 _POLL_S = 0.05
 
@@ -645,56 +669,90 @@ class _Pipeline:
             outs.update({id(w): o for w, o in zip(ws, res, strict=True)})
         return outs
 
+    def _write_one(self, gated: _Gated) -> _Written | IngestOutcome:
+        """Write a gated target, or refuse it if its source changed since the gate."""
+        try:
+            return self.ing.write(gated, self.run_name)
+        except BundleError as e:
+            return IngestOutcome(str(gated.path), "refused", reason=str(e))
+
     def _write_loop(self) -> None:
-        pending: list[_Written | IngestOutcome] = []
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        pending: list[Future[_Written | IngestOutcome] | IngestOutcome] = []
         lock = contextlib.ExitStack()
         nbytes = 0
 
         def finish() -> None:
-            """Flush the batch's objects, then create its refs and emit its outcomes."""
+            """Wait for the batch's writes, flush its objects, then create its refs and
+            emit its outcomes in target order. A failed write still lets the targets
+            before it be published; its error is raised after them."""
             nonlocal nbytes
             try:
-                written = [x for x in pending if isinstance(x, _Written)]
+                failed: BaseException | None = None
+                written: list[_Written] = []
+                for x in pending:
+                    if isinstance(x, IngestOutcome):
+                        continue
+                    try:
+                        res = x.result()
+                    except BaseException as e:
+                        failed = failed or e
+                        continue
+                    if isinstance(res, _Written):
+                        written.append(res)
+                if failed is not None:  # keep what precedes the first failure
+                    k = next(
+                        i for i, x in enumerate(pending) if isinstance(x, Future) and x.exception()
+                    )
+                    del pending[k:]
+                    written = [
+                        r
+                        for x in pending
+                        if isinstance(x, Future) and isinstance(r := x.result(), _Written)
+                    ]
                 outs: dict[int, IngestOutcome] = {}
                 if written:
                     self.ing.objs.flush()
                     outs = self._publish_all(written)
                 for x in pending:
-                    self.done.put(x if isinstance(x, IngestOutcome) else outs[id(x)])
+                    r = x if isinstance(x, IngestOutcome) else x.result()
+                    self.done.put(r if isinstance(r, IngestOutcome) else outs[id(r)])
+                if failed is not None:
+                    raise failed
             finally:
                 pending.clear()
                 nbytes = 0
                 lock.close()  # the writer lock is held from a batch's first object to here
 
         try:
-            while True:
-                item = self._take(_LINGER_S if pending else None)
-                if item is None:  # the gate is slow or blocked, or the pipeline stopped
-                    finish()
-                    if self.stop.is_set():
+            with ThreadPoolExecutor(_WRITERS, thread_name_prefix="ingest-write") as pool:
+                while True:
+                    item = self._take(_LINGER_S if pending else None)
+                    if item is None:  # the gate is slow or blocked, or the pipeline stopped
+                        finish()
+                        if self.stop.is_set():
+                            break
+                        continue
+                    if item is _END:
                         break
-                    continue
-                if item is _END:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, IngestOutcome):
-                    pending.append(item)
-                    continue
-                if not any(isinstance(x, _Written) for x in pending):
-                    lock.enter_context(gclock.writing(self.ing.objs))
-                try:
-                    pending.append(self.ing.write(item, self.run_name))
-                except BaseException:
-                    pending_done = [x for x in pending if isinstance(x, _Written)]
-                    if pending_done:  # store what is whole, then report the failure
-                        with contextlib.suppress(Exception):
-                            finish()
-                    raise
-                nbytes += item.nbytes
-                if nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS:
-                    finish()
-            finish()
+                    if isinstance(item, BaseException):
+                        finish()  # store what passed before it, then raise it
+                        raise item
+                    if isinstance(item, IngestOutcome):
+                        pending.append(item)
+                        continue
+                    if not any(isinstance(x, Future) for x in pending):
+                        lock.enter_context(gclock.writing(self.ing.objs))
+                    # at most _WRITERS writes run; a third waits here (bounded memory)
+                    running = [x for x in pending if isinstance(x, Future) and not x.done()]
+                    if len(running) >= _WRITERS:
+                        running[0].exception()
+                    pending.append(pool.submit(self._write_one, item))
+                    nbytes += item.nbytes
+                    if nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS:
+                        finish()
+                finish()
             self.done.put(_END)
         except BaseException as e:
             self.stop.set()
