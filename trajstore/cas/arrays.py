@@ -36,11 +36,12 @@ stored, so "train routes == rollout routes" costs one metadata object.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,8 @@ RECORD_FORMAT_HEADS = 2
 #: Sanity limits checked before anything is allocated from a record.
 MAX_ARRAY_BYTES = 1 << 36
 MAX_CHUNK_BYTES = 1 << 28
+#: windows encoded and put per batch by `write_array` (bounds its memory, not the payload)
+WRITE_BATCH_BYTES = 64 << 20
 MAX_ROWS = 1 << 24
 MAX_RECORD_BYTES = 1 << 30
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -127,8 +130,15 @@ def chunk_tokens_for(token_shape: Sequence[int]) -> int:
 
 
 def encode_chunk(raw: bytes) -> bytes:
-    """The stored bytes of a chunk whose decoded bytes are `raw` (zarr's bytes+zstd)."""
-    return _cctx().compress(raw)
+    """The stored bytes of a chunk whose decoded bytes are `raw` (zarr's bytes+zstd).
+
+    Copied out when much smaller than `raw`: python-zstandard returns a bytes object
+    that keeps its worst-case allocation (16.5 KiB for a padded 1-token window whose
+    frame is 23 bytes), and the encode cache and the pending pack hold these by the
+    thousand (100,000 one-token samples: 1.6 GB per payload).
+    """
+    out = _cctx().compress(raw)
+    return bytes(memoryview(out)) if len(out) < len(raw) // 2 else out
 
 
 def decode_chunk(data: bytes, size: int, h: str = "?") -> bytes:
@@ -496,15 +506,15 @@ def _row_windows(
     w: int,
     tb: int,
     heads: Sequence[int] | None = None,
-) -> list[Any]:
+) -> Iterator[Any]:
     """Every row's windows of `w` tokens (bytes of `flat`), in order; a segment's last one
     zero padded. With `heads`, each row is two segments: its head and the rest.
 
-    Full windows are zero-copy views of `flat`.
+    Full windows are zero-copy views of `flat`. A generator: a padded window is a copy
+    (16 KiB for a 1-token row), so a million short rows are never all held at once.
     """
     size = w * tb
     mv = memoryview(flat).cast("B")
-    out: list[Any] = []
     pos = 0
     for i, n in enumerate(lengths):
         row_end = pos + n * tb
@@ -512,13 +522,12 @@ def _row_windows(
         a = pos
         for end in cuts:
             while a + size <= end:
-                out.append(mv[a : a + size])
+                yield mv[a : a + size]
                 a += size
             if a < end:
-                out.append(mv[a:end].tobytes() + bytes(size - (end - a)))
+                yield mv[a:end].tobytes() + bytes(size - (end - a))
                 a = end
         pos = row_end
-    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -692,15 +701,19 @@ def write_array(
             raise UsageError(f"base_values shape {list(bv.shape)} differs from {list(arr.shape)}")
         # Padding is zero on both sides, so XOR before windowing equals XOR of windows.
         flat = np.bitwise_xor(flat, bv.reshape(-1).view(np.uint8))
-    encoded, keys = _encode_windows(_row_windows(flat, lengths, w, tb, head_t), w * tb, objs)
-    hashes = iter(objs.put_many([d for d in encoded if isinstance(d, bytes)]))
+    windows = _row_windows(flat, lengths, w, tb, head_t)
     slot_of: list[str | None] = []
-    for d, key in zip(encoded, keys, strict=True):
-        if isinstance(d, bytes):
-            h = next(hashes)
-            ENCODE_CACHE.add_name(key, h, len(d))  # type: ignore[arg-type]
-            d = h
-        slot_of.append(d)
+    # Encoded in batches of WRITE_BATCH_BYTES of windows, each put before the next is
+    # encoded: memory stays at one batch whatever the payload's size (was all of it).
+    while wins := list(itertools.islice(windows, max(1, WRITE_BATCH_BYTES // (w * tb)))):
+        encoded, keys = _encode_windows(wins, w * tb, objs)
+        hashes = iter(objs.put_many([d for d in encoded if isinstance(d, bytes)]))
+        for d, key in zip(encoded, keys, strict=True):
+            if isinstance(d, bytes):
+                h = next(hashes)
+                ENCODE_CACHE.add_name(key, h, len(d))  # type: ignore[arg-type]
+                d = h
+            slot_of.append(d)
     table: list[tuple[str | None, ...]] = []
     k = 0
     for i, n in enumerate(lengths):
