@@ -41,16 +41,19 @@ def samples_summary(view: View, rows: list[dict[str, Any]]) -> models.SamplesSum
     groups: dict[tuple, list[str]] = {}
     micro_batches: dict[tuple, int] = {}
     num_samples = num_tokens = num_response_tokens = 0
+    digests = view.sample_digests([row["key"] for row in rows])
     for row in rows:
-        for sample in view.samples.get(row["key"], []):
-            num_samples += 1
-            num_tokens += sample["total_length"] or 0
-            num_response_tokens += sample["response_length"] or 0
-            group = (sample["semantic_group"], sample["group_index"])
-            groups.setdefault(group, []).append(sample["sample_id"])
-            rank = row["rank"] if sample["rank"] is None else sample["rank"]
-            micro_batch = (sample["micro_batch_id"], rank)
-            micro_batches[micro_batch] = micro_batches.get(micro_batch, 0) + 1
+        digest = digests.get(row["key"])
+        if digest is None:  # a bundle with no sample rows
+            continue
+        num_samples += digest.num_samples
+        num_tokens += digest.num_tokens
+        num_response_tokens += digest.num_response_tokens
+        for group, sample_ids in digest.groups.items():
+            groups.setdefault(group, []).extend(sample_ids)
+        for (micro_batch_id, sample_rank), count in digest.micro_batches.items():
+            micro_batch = (micro_batch_id, row["rank"] if sample_rank is None else sample_rank)
+            micro_batches[micro_batch] = micro_batches.get(micro_batch, 0) + count
     return models.SamplesSummary(
         num_samples=num_samples,
         num_tokens=num_tokens,

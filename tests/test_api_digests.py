@@ -1,0 +1,102 @@
+"""Step summaries from sample digests (api/snapshot.py): preloaded at the view build or
+loaded lazily in batches, they answer exactly what the sample rows say.
+
+In process (AppState over a real store in a temp dir); the HTTP path is covered by
+tests/test_api.py, which pins the summary against the bundles' index.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import CAPTURE_DIR, FIXTURES
+from trajstore.api import snapshot
+from trajstore.api.detail import group_detail, samples_summary
+from trajstore.api.state import AppState
+
+from trajstore.catalog.queries import samples_of
+from trajstore.store import Store
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The multi-rank capture (run "cap") and the single example bundle (run "ex")."""
+    root = tmp_path_factory.mktemp("digests") / "store"
+    with Store.open(root, durable=False) as st:
+        assert all(o.status == "published" for o in st.ingest([CAPTURE_DIR], run="cap"))
+        assert all(
+            o.status == "published" for o in st.ingest([FIXTURES / "example_bundle"], run="ex")
+        )
+    return root
+
+
+def _bodies(state: AppState) -> dict[tuple, bytes]:
+    """Every step's and rollout's detail JSON."""
+    return {
+        group: group_detail(state, *group, None).model_dump_json().encode()
+        for group in sorted(state.view.groups, key=str)
+    }
+
+
+def _oracle(state: AppState, key: str, rank: int | None) -> dict:
+    """The summary's counts, groups and micro-batches computed sample row by sample row."""
+    groups: dict[tuple, list[str]] = {}
+    micro_batches: dict[tuple, int] = {}
+    rows = samples_of(state.snap.catalog, key)
+    for sample in rows:
+        groups.setdefault((sample["semantic_group"], sample["group_index"]), []).append(
+            sample["sample_id"]
+        )
+        batch = (sample["micro_batch_id"], rank if sample["rank"] is None else sample["rank"])
+        micro_batches[batch] = micro_batches.get(batch, 0) + 1
+    return {
+        "num_samples": len(rows),
+        "num_tokens": sum(sample["total_length"] or 0 for sample in rows),
+        "num_response_tokens": sum(sample["response_length"] or 0 for sample in rows),
+        "groups": groups,
+        "micro_batches": micro_batches,
+    }
+
+
+def test_summary_of_each_bundle_matches_its_sample_rows(store: Path) -> None:
+    state = AppState(store, None, 60.0)
+    try:
+        rows = [state.view.bundles[key] for key in state.view.keys]
+        assert len(rows) > 3
+        for row in rows:
+            got = samples_summary(state.view, [row])
+            want = _oracle(state, row["key"], row["rank"])
+            assert want["num_samples"] > 0
+            assert got.num_samples == want["num_samples"]
+            assert got.num_tokens == want["num_tokens"]
+            assert got.num_response_tokens == want["num_response_tokens"]
+            assert {(g.semantic_group, g.group_index): g.sample_ids for g in got.groups} == want[
+                "groups"
+            ]
+            assert {(m.micro_batch_id, m.rank): m.num_samples for m in got.micro_batches} == want[
+                "micro_batches"
+            ]
+    finally:
+        state.close()
+
+
+def test_lazy_digests_give_the_preloaded_bodies(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preloaded = AppState(store, None, 60.0)
+    try:
+        want = _bodies(preloaded)
+    finally:
+        preloaded.close()
+    # nothing preloaded, one bundle besides the asked ones per batch: the lazy path
+    monkeypatch.setattr(snapshot, "PRELOAD_SAMPLES", 0)
+    monkeypatch.setattr(snapshot, "DIGEST_BATCH", 1)
+    lazy = AppState(store, None, 60.0)
+    try:
+        assert lazy.view.samples.digests([], ()) == {}
+        assert not lazy.view.samples._digests  # noqa: SLF001 (the path under test)
+        assert _bodies(lazy) == want
+        assert lazy.view.samples._digests  # noqa: SLF001
+    finally:
+        lazy.close()
