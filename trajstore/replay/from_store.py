@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from trajstore import __version__
-from trajstore.errors import NotFoundError, UsageError
+from trajstore.errors import NotFoundError, TrajstoreError, UsageError
 from trajstore.jsonio import json_safe
 from trajstore.replay import kernels
 from trajstore.replay.compare import compare_arrays
@@ -102,14 +102,27 @@ def _upstream_rewards(rollout_report: ReplayReport) -> dict[str, float]:
     return out
 
 
-def _replay_rollout(
-    store: Any, run: str, rollout_id: int, cache: dict[tuple[str, ...], ReplayReport] | None
-) -> ReplayReport | None:
-    """The stored rollout bundle's replay (None: not stored), through the cache."""
+def _rollout_sources(store: Any, run: str, rollout_id: int) -> list[Any] | None:
+    """The stored rollout bundle's ranks (None: not stored)."""
     try:
-        sources = store.rollout(run, rollout_id)
+        return store.rollout(run, rollout_id) or None
     except NotFoundError:
         return None
+
+
+def _replay_rollout(
+    store: Any,
+    run: str,
+    rollout_id: int,
+    cache: dict[tuple[str, ...], ReplayReport] | None,
+    sources: list[Any] | None = None,
+) -> ReplayReport | None:
+    """The stored rollout bundle's replay (None: not stored), through the cache.
+
+    `sources`: the rollout's ranks when the caller already looked them up.
+    """
+    if sources is None:
+        sources = _rollout_sources(store, run, rollout_id)
     if not sources:
         return None
     key = tuple(src.bundle_key for src in sources)
@@ -141,6 +154,7 @@ def replay_stored(
     request = request or StageRequest()
     sources = stored_sources(store, target)
     first = sources[0]
+    ahead = _read_ahead(store, sources, selection, link, rollout_cache)
     label = first.bundle_id if len(sources) == 1 else f"{first.bundle_id} ({len(sources)} ranks)"
     if first.index.identity.kind != "step":
         return replay_sources(sources, label=label, request=request, selection=selection)
@@ -153,7 +167,16 @@ def replay_stored(
         )
         return report
     run, rollout_id = first.ref["run"], first.index.identity.rollout_id
-    rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache)
+    if ahead is not None and ahead[0] == rollout_id:
+        # looked up by _read_ahead (the ref's rollout id is the index's)
+        ro_sources = ahead[1]
+        rollout_report = (
+            None
+            if ro_sources is None
+            else _replay_rollout(store, run, rollout_id, rollout_cache, ro_sources)
+        )
+    else:
+        rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache)
     rewards = {} if rollout_report is None else _upstream_rewards(rollout_report)
     upstream = None
     if rewards:
@@ -183,6 +206,43 @@ def replay_stored(
         report.root_bundle_key = rollout_report.first.bundle_key
         report.root_stage = rollout_report.first_divergent_stage
     return report
+
+
+def _read_ahead(
+    store: Any,
+    sources: list[Any],
+    selection: SelectionRequest | None,
+    link: bool,
+    rollout_cache: dict[tuple[str, ...], ReplayReport] | None,
+) -> tuple[int, list[Any] | None] | None:
+    """Start reading the payloads a whole-bundle replay is about to read: the stored
+    rollout's first (its replay comes first, for the linkage), then the target's.
+
+    The reads (fetch, hash check, zstd) run on threads while this one parses the
+    indexes and replays. Returns (rollout id, the rollout's ranks) when they were
+    looked up for a step, going by its ref (the index, checked later, decides).
+    """
+    if selection is not None and not selection.empty:
+        return None  # a selection reads only its samples' chunks, when the stage asks
+    first = sources[0]
+    found = None
+    if link and first.ref.get("kind") == "step":
+        rollout_id = int(first.ref["rollout_id"])
+        try:
+            ro = _rollout_sources(store, first.ref["run"], rollout_id)
+        except TrajstoreError:
+            ro = None  # raised again where the replay looks it up, after the step's checks
+        else:
+            found = (rollout_id, ro)
+        cached = (
+            ro and rollout_cache is not None and tuple(s.bundle_key for s in ro) in rollout_cache
+        )
+        if ro and not cached:
+            for src in ro:
+                src.prefetch()
+    for src in sources:
+        src.prefetch()
+    return found
 
 
 def check_linkage(

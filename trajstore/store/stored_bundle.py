@@ -17,13 +17,16 @@ payload or file, so nothing is handed out before every check has run.
 from __future__ import annotations
 
 import json
+import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zstandard
 
+from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
 from trajstore.cas import ArrayRecord, ObjectStore, load_record, read_array, read_rows
 from trajstore.errors import IntegrityError, NotFoundError
 from trajstore.jsonio import sha256_bytes
@@ -31,6 +34,29 @@ from trajstore.schema import Index, Manifest
 
 MAX_BLOB_BYTES = 1 << 31
 _ctx = threading.local()
+_pool_lock = threading.Lock()
+_prefetch_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The few threads that read payloads ahead (`StoredBundle.prefetch`)."""
+    global _prefetch_pool
+    with _pool_lock:
+        if _prefetch_pool is None:
+            _prefetch_pool = ThreadPoolExecutor(
+                min(4, os.cpu_count() or 1), thread_name_prefix="prefetch"
+            )
+        return _prefetch_pool
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there."""
+    global _prefetch_pool, _pool_lock
+    _pool_lock = threading.Lock()
+    _prefetch_pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _cctx() -> zstandard.ZstdCompressor:
@@ -127,6 +153,8 @@ class StoredBundle:
     # The index object's verified (compressed) bytes until `index` parses them.
     _index_object: bytes | None = field(default=None, init=False, repr=False)
     _index: Index | None = field(default=None, init=False, repr=False)
+    # Whole payloads being read ahead (`prefetch`): name -> (record, values).
+    _ahead: dict[str, Future] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         docs = self.ref["documents"]
@@ -187,10 +215,30 @@ class StoredBundle:
             self._records[name] = load_record(self.objs, self._entry(name)["record"])
         return self._records[name]
 
+    def prefetch(self) -> None:
+        """Start reading every per-token payload whole, on a few threads, while the caller
+        parses documents and replays (a whole-bundle replay reads them all in its sample
+        stage). Fetching, hash checks and decoding release the GIL; nothing read ahead is
+        handed out before `payload` has run every document check."""
+        for name in self.payload_names():
+            if name in PER_TOKEN_PAYLOADS and name not in self._ahead:
+                self._ahead[name] = _pool().submit(self._read_whole, self.ref["payloads"][name])
+
+    def _read_whole(self, entry: dict[str, Any]) -> tuple[ArrayRecord, np.ndarray]:
+        rec = load_record(self.objs, entry["record"])
+        return rec, read_array(self.objs, rec)
+
     def payload(self, name: str) -> np.ndarray:
         """The whole payload (torch dtype bits; bf16 as uint16), in its original shape."""
         entry = self._entry(name)
-        return read_array(self.objs, self.record(name)).reshape(entry["shape"])
+        self._checked()
+        ahead = self._ahead.pop(name, None)
+        if ahead is None:
+            values = read_array(self.objs, self.record(name))
+        else:
+            rec, values = ahead.result()  # raises what reading it raised
+            self._records.setdefault(name, rec)
+        return values.reshape(entry["shape"])
 
     def payload_rows(self, name: str, positions: np.ndarray) -> np.ndarray:
         """The tokens of the samples at `positions`, reading only their chunks."""
