@@ -11,6 +11,8 @@ reused). With the lock:
   shared from before its first object to after its refs exist, and, if gc ran since
   it last looked, re-reads the object index first (`on_gc`), so it never trusts an
   object gc removed;
+- fsck holds it shared too: a sweep between its listing and its checks would
+  read as a missing object;
 - gc holds it exclusive while it marks and sweeps, and bumps the generation first.
 
 So no target is in flight while gc runs: every object gc may delete is unreachable

@@ -88,7 +88,15 @@ def ref_closure(store: Store, ref: dict[str, Any]) -> dict[str, str]:
 
 def fsck(store: Store, *, deep: bool = True) -> FsckReport:
     """Re-hash every object; check every live ref's closure
-    (and, if deep, that each .pt reproduces)."""
+    (and, if deep, that each .pt reproduces).
+
+    Holds the gc lock shared, like a writer: a gc sweep rewriting a pack between the
+    listing of the objects and the check of a ref would read as a missing object."""
+    with gclock.writing(store.objs):
+        return _fsck(store, deep=deep)
+
+
+def _fsck(store: Store, *, deep: bool) -> FsckReport:
     rep = FsckReport()
     where: dict[str, str] = {}  # hash -> location of its first stored copy
     for info in store.objs.iter_objects():
