@@ -167,6 +167,12 @@ def ingest_loop(store: Path, live: Path, stop: threading.Event, out: dict) -> No
     out["ran_out"] = not stop.is_set()
 
 
+def live_bundles(base: str) -> int:
+    """Bundles of run "live" the server serves now."""
+    runs = httpx.get(f"{base}/v1/runs", timeout=60).json()["items"]
+    return sum(r["num_bundles"] for r in runs if r["run"] == LIVE)
+
+
 def run_wrk(cmd: list[str]) -> dict:
     """One wrk run: the numbers its Lua `done` printed, plus its non-2xx count."""
     wrk = subprocess.run(cmd, capture_output=True, text=True)
@@ -270,6 +276,7 @@ def main() -> int:
             cmd = ["wrk", f"-t{args.threads}", f"-c{args.connections}", f"-d{args.duration}s"]
             cmd += ["--timeout", "30s", "--latency", "-s", str(lua), base]
             quiet = run_wrk(cmd) if args.baseline else None
+            live_before = live_bundles(base)  # a --keep store holds earlier runs' batches
             stop = threading.Event()
             ingest: dict = {}
             loop = threading.Thread(
@@ -284,8 +291,7 @@ def main() -> int:
             deadline = time.monotonic() + 30
             served_live = 0
             while time.monotonic() < deadline:
-                runs = httpx.get(f"{base}/v1/runs", timeout=30).json()["items"]
-                served_live = sum(r["num_bundles"] for r in runs if r["run"] == LIVE)
+                served_live = live_bundles(base) - live_before
                 if served_live >= ingest["bundles"]:
                     break
                 time.sleep(0.5)
@@ -317,7 +323,7 @@ def main() -> int:
             if ingest["seconds"]
             else None,
             "ran_out_of_batches": ingest["ran_out"],
-            "served_afterwards": served_live,
+            "new_bundles_served_afterwards": served_live,
         },
         "server_peak_rss_mb": rss,
         "load": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
