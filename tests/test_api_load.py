@@ -1,0 +1,111 @@
+"""A few seconds of scripts/bench/bench_load.py's mix, checked answer by answer (issue 18, 6).
+
+`trajstore serve` (a subprocess) answers 6 client threads doing 7 step
+lookups to 3 payload downloads (npy, raw, a suffix Range) while `trajstore
+ingest` publishes 12 bundles into the same store in another process. Every
+answer must be a 2xx with the right body; afterwards the ingest exited 0 and
+everything it published is served. The 60 s wrk run with 64 connections and
+its p99 are the benchmark's (docs/benchmarks.md), not this test's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import make_contents
+from test_api_hostile import KEY, served, store  # noqa: F401  (the module's store fixture)
+
+from trajstore.bundle.writer import write_bundle
+
+LIVE_BUNDLES = 12
+THREADS = 6
+#: how long the clients keep going after the ingest started (at least until it ends)
+MIN_SECONDS = 3.0
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("live")
+    for i in range(LIVE_BUNDLES):
+        contents = make_contents(rollout_id=1000 + i, step_id=0, seed=i, lengths=32)
+        write_bundle(root / f"replay-{1000 + i}-0", contents)
+    return root
+
+
+def test_lookups_and_downloads_stay_correct_while_an_ingest_runs(
+    store: Path,  # noqa: F811
+    capture: Path,
+) -> None:
+    with served(store) as (_, port):
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=60) as client:
+            detail = client.get("/v1/runs/cap/steps/120:0").json()
+            urls = [p["url"] for b in detail["bundles"] for p in b["payloads"]]
+            expected = {
+                (url, fmt): client.get(url, params={"format": fmt}).content
+                for url in urls
+                for fmt in ("npy", "raw")
+            }
+        failures: list[str] = []
+        counts = [0] * THREADS
+        stop = threading.Event()
+
+        def one_client(t: int) -> None:
+            with httpx.Client(base_url=base, timeout=60) as c:
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    if n % 10 < 7:
+                        run = ("cap", "ex")[n % 2]
+                        got = c.get(f"/v1/runs/{run}/steps/120:0")
+                        ok = got.status_code == 200 and got.json()["run"] == run
+                    else:
+                        url, fmt = urls[n % len(urls)], ("npy", "raw")[n % 2]
+                        body = expected[(url, fmt)]
+                        if n % 4 == 0:
+                            got = c.get(url, params={"format": fmt}, headers={"Range": "bytes=-7"})
+                            ok = got.status_code == 206 and got.content == body[-7:]
+                        else:
+                            got = c.get(url, params={"format": fmt})
+                            ok = got.status_code == 200 and got.content == body
+                    if not ok:
+                        failures.append(f"{got.request.url}: {got.status_code} {got.text[:200]}")
+                counts[t] = n
+
+        threads = [threading.Thread(target=one_client, args=(t,)) for t in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        started = time.monotonic()
+        try:
+            ingest = subprocess.run(
+                [sys.executable, "-m", "trajstore", "ingest", str(capture)]
+                + ["--store", str(store), "--run", "live"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            time.sleep(max(0.0, MIN_SECONDS - (time.monotonic() - started)))
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=120)
+        assert ingest.returncode == 0, ingest.stderr[-2000:]
+        assert not failures, f"{len(failures)} of {sum(counts)}: {failures[:5]}"
+        assert sum(counts) >= THREADS * 10
+        # what the ingest published is served (the snapshot resyncs within about a second)
+        with httpx.Client(base_url=base, timeout=60) as client:
+            deadline = time.monotonic() + 60
+            while True:
+                runs = {r["run"]: r for r in client.get("/v1/runs").json()["items"]}
+                if runs.get("live", {}).get("num_bundles") == LIVE_BUNDLES:
+                    break
+                assert time.monotonic() < deadline, runs.get("live")
+                time.sleep(0.2)
+            last = client.get(f"/v1/runs/live/steps/{1000 + LIVE_BUNDLES - 1}:0")
+            assert last.status_code == 200
