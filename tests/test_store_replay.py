@@ -263,9 +263,13 @@ def test_replay_all_records_a_refused_bundle_as_refused(tmp_path: Path) -> None:
     root = tmp_path / "s"
     with Store.open(root) as store:
         store.ingest([FIXTURES / "example_bundle"], run="r")
+        (b,) = store.step("r", 120, 0)
+        victim = store.objs.get(b.ref["payloads"]["log_probs"]["record"])
     pack = max((root / "packs").glob("*.pack"), key=lambda p: p.stat().st_size)
     data = bytearray(pack.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # corrupt one stored object
+    at = data.find(victim)
+    assert at >= 0
+    data[at + len(victim) // 2] ^= 0xFF  # corrupt an object replay reads (a payload's record)
     pack.write_bytes(bytes(data))
     out = run_cli("replay", "--store", str(root), "--all", "--record", "--json")
     assert out.returncode == 2

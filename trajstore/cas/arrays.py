@@ -31,6 +31,13 @@ encoding is deterministic, so the stored bytes are the same either way.
 Delta arrays (`write_array(..., base=record)`): each chunk stores
 zstd(window XOR base window). Equal windows give zero bytes, which are not
 stored, so "train routes == rollout routes" costs one metadata object.
+
+Prompt-aligned rows (`write_array(..., heads=...)`, record format 2): a row
+of prompt + response tokens is windowed in two segments, so a prompt shared
+by a group's samples (their prefill routes) is the same objects in each;
+without heads a window mixes the prompt with the sample's own response.
+Records are stored zstd-compressed (`ArrayRecord.to_object`); plain-JSON
+records, as written before, still read.
 """
 
 from __future__ import annotations
