@@ -1,10 +1,11 @@
 """The import diet of the catalog-only commands (`ls`, `query`, `sql`).
 
 A fresh interpreter runs each command on a store whose catalog is already in
-step with the refs and reports which modules it imported: the catalog
-(SQLAlchemy, DuckDB) and nothing of the object layer, the replay engine or the
-server. A ref the catalog has not seen is still indexed (its documents are
-read through the object layer, imported for that). No timing is asserted.
+step with the refs and reports which modules it imported: DuckDB's driver and
+nothing of SQLAlchemy, the object layer, the replay engine or the server (the
+catalog is read directly, trajstore.catalog.direct). A ref the catalog has not
+seen is still indexed (its documents are read through the object layer,
+imported for that). No timing is asserted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import CAPTURE_DIR
 
+from trajstore.catalog import tables
 from trajstore.cli import _catalog
 from trajstore.errors import StoreError
 from trajstore.store import Store
@@ -24,6 +26,8 @@ from trajstore.store.layout import StoreLayout
 
 #: top-level packages (and trajstore modules) a catalog-only command must not import
 HEAVY = ("torch", "numpy", "zarr", "fastapi", "uvicorn", "pandas", "matplotlib", "pyarrow")
+#: ... nor, on a catalog in step with the refs, the full catalog stack
+CATALOG_STACK = ("sqlalchemy", "duckdb_engine", "alembic", "duckdb")
 HEAVY_TRAJSTORE = ("trajstore.store", "trajstore.cas", "trajstore.bundle", "trajstore.replay")
 
 PROBE = """
@@ -79,8 +83,10 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_catalog_only_command_imports_no_heavy_module(store_dir: Path, command: tuple) -> None:
     proc, modules = run_probe(*command, "--store", store_dir)
     assert proc.returncode == 0, proc.stderr
-    assert "sqlalchemy" in modules  # the probe does see the catalog's imports
+    assert "_duckdb" in modules  # the probe does see the catalog's imports
     assert heavy(modules) == []
+    assert sorted(m for m in modules if m.split(".")[0] in CATALOG_STACK) == []
+    assert "trajstore.catalog.sync" not in modules
 
 
 def test_a_new_ref_is_still_indexed_through_the_object_layer(
@@ -114,3 +120,113 @@ def test_store_check_mirrors_the_store_layout(tmp_path: Path) -> None:
     assert str(not_store.value) == str(by_store.value)
     layout.ensure()
     assert _catalog.store_root(tmp_path) == tmp_path
+
+
+# -- when the catalog is synced (trajstore.catalog.direct: the listing record) ----------
+
+
+def copy_store(src: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dest)
+    return dest
+
+
+def sql_rows(store: Path, sql: str) -> list[dict]:
+    proc, _ = run_probe("sql", sql, "--format", "json", "--store", store)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout[: proc.stdout.rindex("]") + 1])
+
+
+def listed_names(store: Path, directory: str) -> int:
+    (row,) = sql_rows(store, f"SELECT listing FROM sync_state WHERE directory = '{directory}'")
+    return json.loads(row["listing"])["names"]
+
+
+def test_unchanged_refs_are_read_without_a_sync(store_dir: Path, tmp_path: Path) -> None:
+    st = copy_store(store_dir, tmp_path / "store")
+    with Store.open(st) as store:
+        expected = store.bundles(all_attempts=True)
+    for _ in range(2):
+        proc, modules = run_probe("ls", "--json", "--all-attempts", "--store", st)
+        assert proc.returncode == 0, proc.stderr
+        assert "trajstore.catalog.sync" not in modules
+        rows = json.loads(proc.stdout[: proc.stdout.rindex("]") + 1])
+        assert [r["key"] for r in rows] == [r["key"] for r in expected]
+
+
+def test_a_new_ref_is_synced_once_then_read_directly(store_dir: Path, tmp_path: Path) -> None:
+    st = copy_store(store_dir, tmp_path / "store")
+    with Store.open(st) as store:
+        store.ingest([CAPTURE_DIR], run="other")  # refs only: ingest never touches the catalog
+    proc, modules = run_probe("ls", "--store", st)
+    assert proc.returncode == 0, proc.stderr
+    assert "trajstore.catalog.sync" in modules
+    assert any(line.startswith("other/") for line in proc.stdout.splitlines())
+    proc, modules = run_probe("ls", "--store", st)
+    assert proc.returncode == 0, proc.stderr
+    assert "trajstore.catalog.sync" not in modules
+
+
+def test_a_removed_ref_is_noticed(store_dir: Path, tmp_path: Path) -> None:
+    st = copy_store(store_dir, tmp_path / "store")
+    refs = sorted((st / _catalog.BUNDLE_REFS).iterdir())
+    before = listed_names(st, "bundles")
+    assert before == len(refs)
+    refs[-1].unlink()
+    proc, modules = run_probe("ls", "--store", st)
+    assert proc.returncode == 0, proc.stderr
+    assert "trajstore.catalog.sync" in modules
+    assert listed_names(st, "bundles") == before - 1
+
+
+def test_a_new_tombstone_is_synced(store_dir: Path, tmp_path: Path) -> None:
+    st = copy_store(store_dir, tmp_path / "store")
+    with Store.open(st) as store:
+        key = store.bundles()[0]["key"]
+        store.remove([key])
+    proc, modules = run_probe("ls", "--store", st)
+    assert proc.returncode == 0, proc.stderr
+    assert "trajstore.catalog.sync" in modules
+    assert key not in proc.stdout.split()
+
+
+def set_revision(store: Path, revision: str, *, drop_listing: bool = False) -> None:
+    import duckdb
+
+    con = duckdb.connect(str(store / "catalog.duckdb"))
+    try:
+        if drop_listing:  # the schema of 0003
+            con.execute("ALTER TABLE sync_state DROP COLUMN listing")
+        con.execute("UPDATE alembic_version SET version_num = ?", [revision])
+    finally:
+        con.close()
+
+
+def test_an_older_catalog_is_migrated_as_before(store_dir: Path, tmp_path: Path) -> None:
+    st = copy_store(store_dir, tmp_path / "store")
+    expected, _ = run_probe("query", "bundles", "--store", st)
+    set_revision(st, "0003", drop_listing=True)
+    proc, modules = run_probe("query", "bundles", "--store", st)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected.stdout
+    assert "alembic" in modules
+    assert sql_rows(st, "SELECT version_num FROM alembic_version") == [
+        {"version_num": tables.HEAD_REVISION}
+    ]
+
+
+def test_a_newer_catalog_is_refused_in_one_line(store_dir: Path, tmp_path: Path) -> None:
+    from trajstore.catalog import open_catalog
+
+    st = copy_store(store_dir, tmp_path / "store")
+    set_revision(st, "9999")
+    with pytest.raises(StoreError) as full_open:
+        open_catalog(st)
+    for command in (("ls",), ("query", "steps"), ("sql", "SELECT 1")):
+        proc, modules = run_probe(*command, "--store", st)
+        assert proc.returncode == 2
+        assert proc.stdout == ""
+        assert proc.stderr.splitlines()[0] == f"trajstore: error: {full_open.value}"
+        assert "9999" in proc.stderr and "upgrade trajstore" in proc.stderr
+        assert "sqlalchemy" not in modules  # refused by the direct reader itself

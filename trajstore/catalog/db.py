@@ -10,13 +10,15 @@ then syncs new documents into the snapshot itself, never holding the file.
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
 
+from trajstore.catalog.direct import CATALOG_FILE
+from trajstore.catalog.direct import is_lock_error as _is_lock_error  # noqa: F401
+from trajstore.catalog.direct import retry_lock as _retry_lock
 from trajstore.catalog.stillborn import drop_stillborn_duckdb
 from trajstore.catalog.tables import HEAD_REVISION, KNOWN_REVISIONS
 from trajstore.errors import StoreError, UsageError
@@ -25,9 +27,7 @@ from trajstore.errors import StoreError, UsageError
 # distributions' entry points (importlib.metadata) costs tens of ms on every process start.
 sa.dialects.registry.register("duckdb", "duckdb_engine", "Dialect")
 
-CATALOG_FILE = "catalog.duckdb"
 DEFAULT_LOCK_TIMEOUT = 30.0
-_LOCK_MARKER = "Could not set lock"
 
 
 def catalog_url(store_dir: Path | str | None, url: str | None = None) -> str:
@@ -82,29 +82,6 @@ def _duckdb_file(url: sa.engine.URL) -> str | None:
         return None
     db = url.database or ":memory:"
     return None if db.startswith(":memory:") else db
-
-
-def _is_lock_error(exc: BaseException) -> bool:
-    return _LOCK_MARKER in str(exc)
-
-
-def _retry_lock(action, what: str, timeout: float):
-    """Run action(), retrying DuckDB's file-lock error with backoff until timeout."""
-    deadline = time.monotonic() + timeout
-    delay = 0.02
-    while True:
-        try:
-            return action()
-        except Exception as exc:  # duckdb.IOException, maybe wrapped by SQLAlchemy
-            if not _is_lock_error(exc):
-                raise
-            if time.monotonic() >= deadline:
-                raise StoreError(
-                    f"catalog {what} is locked by another process ({_LOCK_MARKER}) for more "
-                    f"than {timeout:g}s; wait for it to finish or raise the lock timeout"
-                ) from None
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 1.6, 0.5)
 
 
 class Catalog:

@@ -10,49 +10,25 @@ asked for), and the results of either.
 from __future__ import annotations
 
 import base64
-import datetime as dt
-import decimal
 import json
-import re
-import uuid
 from typing import Any
 
 import sqlalchemy as sa
 
 from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog
+from trajstore.catalog.direct import (  # noqa: F401  (JSON_COLUMNS: re-exported)
+    JSON_COLUMNS,
+    MAX_SQL_ROWS,
+    jsonable,
+    readonly_sql_duckdb,
+)
+from trajstore.catalog.direct import check_readonly as _check_readonly
 from trajstore.errors import UsageError
 from trajstore.vocab import STEP_STATUSES, UNREPLAYED
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
-JSON_COLUMNS = frozenset(
-    {"cohort_ranks", "shape", "per_layer_mismatch", "metric_error", "selection"}
-)
-
-
-# -- row conversion and paging --------------------------------------------------
-
-
-def jsonable(name: str, value: Any) -> Any:
-    """A catalog value as the JSON every reader returns (one name per number)."""
-    if value is None:
-        return None
-    if name in JSON_COLUMNS and isinstance(value, str):
-        return json.loads(value)
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is not None:
-            value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
-        return value.isoformat() + "Z"
-    if isinstance(value, dt.date):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return float(value)
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).hex()
-    return value
 
 
 def _row(row: Any) -> dict:
@@ -778,44 +754,6 @@ def stats(catalog: Catalog, run: str | None = None) -> dict:
 
 # -- read-only SQL -----------------------------------------------------------
 
-_READ_TYPES = {"SELECT"}
-_SAFE_PRAGMAS = {
-    "table_info",
-    "show_tables",
-    "show_tables_expanded",
-    "database_size",
-    "storage_info",
-    "version",
-    "show",
-}
-_PRAGMA_RE = re.compile(r"^\s*pragma\s+([a-z_]+)", re.IGNORECASE)
-_EXPLAIN_RE = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?", re.IGNORECASE)
-MAX_SQL_ROWS = 100_000
-
-
-def _check_readonly(sql: str) -> None:
-    """Refuse anything but one read-only statement, using DuckDB's own parser."""
-    import duckdb
-
-    try:
-        statements = duckdb.extract_statements(sql)
-    except duckdb.Error as exc:
-        raise UsageError(f"SQL does not parse: {str(exc).splitlines()[0]}") from None
-    if len(statements) != 1:
-        raise UsageError(f"give exactly one SQL statement, got {len(statements)}")
-    (stmt,) = statements
-    kind = stmt.type.name
-    if kind in _READ_TYPES:
-        return
-    if kind == "EXPLAIN":
-        _check_readonly(_EXPLAIN_RE.sub("", stmt.query, count=1))
-        return
-    if kind == "PRAGMA":
-        m = _PRAGMA_RE.match(stmt.query)
-        if m and m.group(1).lower() in _SAFE_PRAGMAS:
-            return
-    raise UsageError(f"only read-only SQL is allowed (SELECT, WITH, EXPLAIN, ...), not {kind}")
-
 
 def run_readonly_sql(
     catalog: Catalog, sql: str, *, max_rows: int = MAX_SQL_ROWS
@@ -831,31 +769,18 @@ def run_readonly_sql(
     if catalog.is_duckdb:
         raw = catalog.engine.raw_connection()
         try:
-            cur = raw.driver_connection.cursor()
-            try:
-                cur.execute("SET enable_external_access = false")
-                cur.execute("BEGIN TRANSACTION READ ONLY")
-                try:
-                    cur.execute(sql)
-                    columns = [d[0] for d in (cur.description or [])]
-                    rows = cur.fetchmany(max_rows) if columns else []
-                finally:
-                    cur.execute("ROLLBACK")
-            except UsageError:
-                raise
-            except Exception as exc:
-                raise UsageError(f"SQL failed: {str(exc).splitlines()[0]}") from None
+            columns, rows = readonly_sql_duckdb(raw.driver_connection, sql, max_rows)
         finally:
             raw.close()
-    else:
-        with catalog.connect() as conn:
-            try:
-                conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-                result = conn.exec_driver_sql(sql)
-                columns = list(result.keys())
-                rows = result.fetchmany(max_rows)
-            except sa.exc.DBAPIError as exc:
-                raise UsageError(f"SQL failed: {str(exc.orig).splitlines()[0]}") from None
-            finally:
-                conn.rollback()
+        return columns, rows
+    with catalog.connect() as conn:
+        try:
+            conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+            result = conn.exec_driver_sql(sql)
+            columns = list(result.keys())
+            rows = result.fetchmany(max_rows)
+        except sa.exc.DBAPIError as exc:
+            raise UsageError(f"SQL failed: {str(exc.orig).splitlines()[0]}") from None
+        finally:
+            conn.rollback()
     return columns, [[jsonable("", v) for v in row] for row in rows]

@@ -23,6 +23,7 @@ import sqlalchemy as sa
 
 from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
+from trajstore.catalog.direct import dir_stat, listing_record
 from trajstore.errors import NotFoundError, StoreError
 from trajstore.refspace import DEFAULT_MARGIN_S, DocRef, LocalRefSpace, RefSpace
 from trajstore.vocab import Stage
@@ -838,6 +839,23 @@ def _analyze_if_bulk(catalog: Catalog, applied: int) -> None:
         conn.exec_driver_sql(f"ANALYZE {names}")
 
 
+def _record_listing(catalog: Catalog, directory: str, record: str) -> None:
+    """Store the listing a sync has just applied in full (sync_state.listing), so that a
+    reader which lists the same skips the sync (trajstore.catalog.direct). Stat and names
+    were taken before the applies: the record never names a document that is not in the
+    catalog. Written only when it changed."""
+    state = tables.sync_state
+    with catalog.begin() as conn:
+        conn.execute(
+            state.update()
+            .where(
+                state.c.directory == directory,
+                sa.or_(state.c.listing.is_(None), state.c.listing != record),
+            )
+            .values(listing=record)
+        )
+
+
 def _source(catalog: Catalog, store_dir: StoreSource | None) -> RefSpace:
     source = store_dir if store_dir is not None else catalog.store_dir
     if source is None:
@@ -863,6 +881,9 @@ def sync_catalog(
     counts = {}
     # tombstones first: a ref removed (and perhaps collected) is then indexed as removed
     for directory in ("tombstones", "bundles", "results"):
+        folder = store.root / DIRECTORIES[directory] if isinstance(store, LocalRefSpace) else None
+        listed_ns = time.time_ns()
+        stat = dir_stat(folder) if folder is not None else None
         names = _list_names(store, directory)
         with catalog.connect() as conn:
             done = _synced_names(conn, directory)
@@ -873,6 +894,8 @@ def sync_catalog(
             counts[directory] += _apply_batch(catalog, store, directory, batch, load_document)
         if not catalog.is_duckdb:
             _raise_mark(catalog, directory, names)
+        elif folder is not None:
+            _record_listing(catalog, directory, listing_record(names, stat, listed_ns))
     _analyze_if_bulk(catalog, sum(counts.values()))
     return SyncStats(
         new_refs=counts["bundles"],
@@ -1024,7 +1047,7 @@ def reindex(
             _writer_lock(conn)  # a server catalog's writers wait, then see the empty tables
             for table in tables.INDEX_TABLES:
                 conn.execute(table.delete())
-            conn.execute(tables.sync_state.update().values(high_water=None))
+            conn.execute(tables.sync_state.update().values(high_water=None, listing=None))
             if conn.dialect.name == "postgresql":
                 # ids restart as in a new catalog, so the rebuilt one answers identically
                 # (DuckDB cannot restart a sequence; its reindex of a readable file keeps

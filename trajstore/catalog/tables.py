@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-# Ordered list of revisions this code knows; the last one is the head.
-KNOWN_REVISIONS: tuple[str, ...] = ("0001", "0002", "0003")
-HEAD_REVISION = KNOWN_REVISIONS[-1]
+# The revisions this code knows (the last one is the head) live in revisions.py, which
+# the CLI's direct reader imports without SQLAlchemy.
+from trajstore.catalog.revisions import HEAD_REVISION, KNOWN_REVISIONS  # noqa: E402, F401
 
 metadata = sa.MetaData()
 
@@ -251,7 +251,9 @@ synced_documents = sa.Table(
 # results), created by the migration. `high_water`: the newest document name a
 # listing sync has seen; the incremental sync (sync_new) lists only names after
 # it minus a clock-skew margin. `applied`: documents applied so far, a change
-# counter that a server polls instead of listing the store.
+# counter that a server polls instead of listing the store. `listing` (0004): JSON text
+# naming the last full listing of the directory whose documents were all applied
+# (trajstore.catalog.listing); a reader that lists the same skips the sync.
 SYNC_DIRECTORIES: tuple[str, ...] = ("bundles", "tombstones", "results")
 
 sync_state = sa.Table(
@@ -260,6 +262,7 @@ sync_state = sa.Table(
     sa.Column("directory", sa.String, primary_key=True),
     sa.Column("high_water", sa.String),
     sa.Column("applied", sa.BigInteger, nullable=False),
+    sa.Column("listing", sa.Text),
 )
 
 # Tables whose rows derive from documents; reindex empties exactly these.

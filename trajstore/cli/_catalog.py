@@ -1,12 +1,14 @@
-"""The synced catalog of a store, for the catalog-only commands (ls, query, sql).
+"""The catalog of a store, for the catalog-only commands (ls, query, sql).
 
-These commands need the catalog (SQLAlchemy + DuckDB) and nothing of the object
-layer: `trajstore.store` pulls in numpy, zstandard, blake3 and the bundle
-reader, a few hundred ms before the first row. The store's object layer is
-imported only when the sync meets a ref not yet in the catalog (its documents
-are loaded from the object store); a catalog already in step with the refs is
-read without it. Same checks and messages as `Store.open(create=False)` and
-`Store.catalog()`.
+These commands need the catalog and nothing of the object layer: `trajstore.store`
+pulls in numpy, zstandard, blake3 and the bundle reader. On a local store's own
+DuckDB file that is at the head revision and in step with the refs (the listing its
+last sync applied is unchanged), they read it through the `duckdb` module alone
+(trajstore.catalog.direct: no SQLAlchemy, no migration check, no sync). Otherwise
+the catalog is opened the full way (SQLAlchemy, migrations, a sync from the refs),
+and the store's object layer is imported only when the sync meets a ref not yet in
+the catalog. Same checks, rows and messages either way as `Store.open(create=False)`
+and `Store.catalog()`.
 """
 
 from __future__ import annotations
@@ -77,22 +79,79 @@ def synced_catalog(path: str | Path, url: str | None = None) -> Iterator[Any]:
             store.close()
 
 
-def all_bundles(cat: Any, run: str | None, kind: str | None, all_attempts: bool) -> list[dict]:
-    """Every catalog row of published bundles, page by page (as Store.bundles)."""
-    from trajstore.catalog.queries import MAX_PAGE_SIZE, list_bundles
+def _all_pages(fn: Any, limit: int | None, **kw: Any) -> list[dict]:
+    """Every row of a paged catalog query (up to `limit`), page by page."""
+    from trajstore.catalog.queries import MAX_PAGE_SIZE
 
     out: list[dict] = []
     cursor = None
     while True:
-        page = list_bundles(
-            cat,
-            run=run,
-            kind=kind,
-            include_all_attempts=all_attempts,
-            limit=MAX_PAGE_SIZE,
+        page = fn(
+            limit=MAX_PAGE_SIZE if limit is None else min(limit - len(out), MAX_PAGE_SIZE),
             cursor=cursor,
+            **kw,
         )
         out += page["items"]
         cursor = page.get("next_cursor")
-        if not cursor:
+        if not cursor or (limit is not None and len(out) >= limit):
             return out
+
+
+class PagedReader:
+    """The reads of ls/query/sql over an open Catalog (SQLAlchemy, any backend), with the
+    methods and results of trajstore.catalog.direct.DirectCatalog."""
+
+    def __init__(self, catalog: Any) -> None:
+        self.catalog = catalog
+
+    def _pages(self, name: str, limit: int | None, **kw: Any) -> list[dict]:
+        from functools import partial
+
+        from trajstore.catalog import queries
+
+        return _all_pages(partial(getattr(queries, name), self.catalog), limit, **kw)
+
+    def bundles(self, limit: int | None = None, columns: Any = None, **kw: Any) -> list[dict]:
+        """`columns` is a hint: whole rows are returned."""
+        return self._pages("list_bundles", limit, **kw)
+
+    def steps(self, limit: int | None = None, columns: Any = None, **kw: Any) -> list[dict]:
+        """`columns` is a hint: whole items are returned."""
+        return self._pages("query_steps", limit, **kw)
+
+    def divergences(self, limit: int | None = None, **kw: Any) -> list[dict]:
+        return self._pages("query_divergences", limit, **kw)
+
+    def router_metrics(self, limit: int | None = None, **kw: Any) -> list[dict]:
+        return self._pages("query_router_metrics", limit, **kw)
+
+    def readonly_sql(self, sql: str) -> tuple[list[str], list[list]]:
+        from trajstore.catalog.queries import run_readonly_sql
+
+        return run_readonly_sql(self.catalog, sql)
+
+
+@contextlib.contextmanager
+def catalog_reader(path: str | Path, url: str | None = None) -> Iterator[Any]:
+    """The store's catalog for ls/query/sql, synced, held for the `with` block: a
+    DirectCatalog when the store's own DuckDB file can be read as it is, else a
+    PagedReader over the full open + sync (synced_catalog)."""
+    if url is None and not str(path).startswith("s3://"):
+        from trajstore.catalog.direct import DirectCatalog, NeedsFullOpen
+
+        root = store_root(path)
+        try:
+            direct = DirectCatalog.open(root)
+        except NeedsFullOpen:
+            pass
+        else:
+            with direct:
+                yield direct
+            return
+    with synced_catalog(path, url) as cat:
+        yield PagedReader(cat)
+
+
+def all_bundles(cat: Any, run: str | None, kind: str | None, all_attempts: bool) -> list[dict]:
+    """Every catalog row of published bundles, page by page (as Store.bundles)."""
+    return PagedReader(cat).bundles(run=run, kind=kind, include_all_attempts=all_attempts)

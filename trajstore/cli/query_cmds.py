@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
@@ -90,14 +89,14 @@ def _need_store(args: argparse.Namespace):  # noqa: ANN202
     return Store.open(args.store, create=False, catalog_url=args.catalog)
 
 
-def _synced_catalog(args: argparse.Namespace):  # noqa: ANN202
+def _catalog_reader(args: argparse.Namespace):  # noqa: ANN202
     """The store's synced catalog, without importing the store's object layer."""
-    from trajstore.cli._catalog import synced_catalog
+    from trajstore.cli._catalog import catalog_reader
     from trajstore.errors import UsageError
 
     if not args.store:
         raise UsageError("--store DIR is required (or set TRAJSTORE_STORE)")
-    return synced_catalog(args.store, args.catalog)
+    return catalog_reader(args.store, args.catalog)
 
 
 def emit_rows(rows: list[dict[str, Any]], columns: list[str], fmt: str) -> None:
@@ -105,6 +104,8 @@ def emit_rows(rows: list[dict[str, Any]], columns: list[str], fmt: str) -> None:
         print_json(rows)
         return
     if fmt == "csv":
+        import csv
+
         w = csv.writer(sys.stdout)
         w.writerow(columns)
         for r in rows:
@@ -186,27 +187,7 @@ ROUTE_COLUMNS = [
 ]
 
 
-def _all_pages(fn, limit: int | None, **kw: Any) -> list[dict]:  # noqa: ANN001
-    from trajstore.catalog import MAX_PAGE_SIZE
-
-    out: list[dict] = []
-    cursor = None
-    while True:
-        page = fn(
-            limit=MAX_PAGE_SIZE if limit is None else min(limit - len(out), MAX_PAGE_SIZE),
-            cursor=cursor,
-            **kw,
-        )
-        out += page["items"]
-        cursor = page.get("next_cursor")
-        if not cursor or (limit is not None and len(out) >= limit):
-            return out
-
-
 def cmd_query(args: argparse.Namespace) -> int:
-    from functools import partial
-
-    from trajstore.catalog import queries as q
     from trajstore.errors import UsageError
 
     if args.limit is not None and args.limit < 1:
@@ -218,11 +199,13 @@ def cmd_query(args: argparse.Namespace) -> int:
     ):
         raise UsageError("--rollout-from is after --rollout-to")
     rng = {"rollout_from": args.rollout_from, "rollout_to": args.rollout_to}
-    with _synced_catalog(args) as cat:
+    # table and csv print only their columns; json prints whole rows
+    projected = args.format != "json"
+    with _catalog_reader(args) as cat:
         if args.what == "steps":
-            rows = _all_pages(
-                partial(q.query_steps, cat),
-                args.limit,
+            rows = cat.steps(
+                columns=tuple(STEP_COLUMNS) if projected else None,
+                limit=args.limit,
                 run=args.run,
                 first_divergent_stage=args.first_divergent_stage,
                 status=args.status,
@@ -230,9 +213,9 @@ def cmd_query(args: argparse.Namespace) -> int:
             )
             cols = STEP_COLUMNS
         elif args.what == "bundles":
-            rows = _all_pages(
-                partial(q.list_bundles, cat),
-                args.limit,
+            rows = cat.bundles(
+                columns=tuple(BUNDLE_COLUMNS) if projected else None,
+                limit=args.limit,
                 run=args.run,
                 kind=args.kind,
                 include_all_attempts=args.all_attempts,
@@ -240,9 +223,8 @@ def cmd_query(args: argparse.Namespace) -> int:
             )
             cols = BUNDLE_COLUMNS
         elif args.what == "divergences":
-            rows = _all_pages(
-                partial(q.query_divergences, cat),
-                args.limit,
+            rows = cat.divergences(
+                limit=args.limit,
                 run=args.run,
                 stage=args.stage,
                 min_abs_err=args.min_abs_err,
@@ -251,23 +233,15 @@ def cmd_query(args: argparse.Namespace) -> int:
             )
             cols = DIVERGENCE_COLUMNS
         else:
-            rows = _all_pages(
-                partial(q.query_router_metrics, cat),
-                args.limit,
-                run=args.run,
-                source=args.source,
-                **rng,
-            )
+            rows = cat.router_metrics(limit=args.limit, run=args.run, source=args.source, **rng)
             cols = ROUTE_COLUMNS
     emit_rows(rows, [c for c in cols if not rows or c in rows[0]] or cols, args.format)
     return 0
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from trajstore.catalog import run_readonly_sql
-
-    with _synced_catalog(args) as cat:
-        columns, rows = run_readonly_sql(cat, args.sql)
+    with _catalog_reader(args) as cat:
+        columns, rows = cat.readonly_sql(args.sql)
     emit_rows([dict(zip(columns, r, strict=True)) for r in rows], columns, args.format)
     return 0
 

@@ -188,15 +188,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+#: what the text listing of `ls` prints (its JSON has every column)
+LS_COLUMNS = ("key", "bundle_id", "num_samples", "logical_bytes", "is_latest")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     # the catalog alone: the object layer (numpy, zstandard, ...) is not imported
-    from trajstore.cli._catalog import all_bundles, synced_catalog
+    from trajstore.cli._catalog import catalog_reader
     from trajstore.errors import UsageError
 
     if not args.store:
         raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
-    with synced_catalog(args.store, args.catalog) as cat:
-        rows = all_bundles(cat, run=args.run, kind=args.kind, all_attempts=args.all_attempts)
+    with catalog_reader(args.store, args.catalog) as reader:
+        rows = reader.bundles(
+            run=args.run,
+            kind=args.kind,
+            include_all_attempts=args.all_attempts,
+            columns=None if args.json else LS_COLUMNS,
+        )
     if args.json:
         print_json(rows)
         return 0
