@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from pydantic import BaseModel
 
-from trajstore.errors import StoreError
+from trajstore.errors import StoreError, TrajstoreError
 from trajstore.store import Store
 from trajstore.store.stored_bundle import StoredBundle
 
@@ -32,6 +33,8 @@ _MAX_OPEN_BUNDLES = 256
 _MAX_CAPABILITY_ENTRIES = 10000
 #: encoded step/rollout details kept (a few KiB each)
 _MAX_DETAILS = 20000
+#: start-up time given to reading the bundles' capabilities (the rest load on first use)
+_PRELOAD_CAPABILITIES_S = 5.0
 
 
 class AppState:
@@ -55,6 +58,8 @@ class AppState:
         self.bodies = BodyCache(int(os.environ.get("TRAJSTORE_API_CACHE_MB", "512")) << 20)
         self._details: OrderedDict[tuple, bytes] = OrderedDict()
         self._details_generation = -1
+        if not str(store_dir).startswith("s3://"):  # on S3 each manifest is a GET: lazily
+            self.preload_capabilities(_PRELOAD_CAPABILITIES_S)
 
     def detail_json(self, key: tuple, build: Callable[[], BaseModel]) -> bytes:
         """The JSON of a step/rollout detail, built once per catalog generation.
@@ -101,6 +106,28 @@ class AppState:
             while len(self._bundles) > _MAX_OPEN_BUNDLES:
                 self._bundles.popitem(last=False)
         return stored_bundle
+
+    def preload_capabilities(self, budget_s: float) -> int:
+        """Read the capabilities of the visible bundles now, for at most `budget_s` seconds
+        and up to the cache's bound; the number of manifests read.
+
+        Reason: the manifest read was a third of a step's first lookup (after the sample
+        digests), paid by every worker for every step. A manifest that cannot be read is
+        skipped here; its lookup reports the error as before.
+        """
+        deadline = time.monotonic() + budget_s
+        read = 0
+        for row in self.view.bundles.values():
+            if read >= _MAX_CAPABILITY_ENTRIES or time.monotonic() > deadline:
+                break
+            if row["removed_at"] is not None or row.get("manifest_hash") in self._capabilities:
+                continue
+            try:
+                self.capabilities(row)
+            except TrajstoreError:
+                continue
+            read += 1
+        return read
 
     def capabilities(self, row: dict[str, Any]) -> dict[str, str]:
         """Stage -> declared capability of a bundle, from its manifest (cached by hash)."""

@@ -1,5 +1,6 @@
-"""Step summaries from sample digests (api/snapshot.py): preloaded at the view build or
-loaded lazily in batches, they answer exactly what the sample rows say.
+"""A step's first lookup: summaries from sample digests (api/snapshot.py), preloaded at
+the view build or loaded lazily in batches, answer exactly what the sample rows say; the
+capabilities preloaded at start-up skip a damaged manifest without stopping the server.
 
 In process (AppState over a real store in a temp dir); the HTTP path is covered by
 tests/test_api.py, which pins the summary against the bundles' index.json.
@@ -16,6 +17,7 @@ from trajstore.api.detail import group_detail, samples_summary
 from trajstore.api.state import AppState
 
 from trajstore.catalog.queries import samples_of
+from trajstore.errors import IntegrityError
 from trajstore.store import Store
 
 
@@ -100,3 +102,29 @@ def test_lazy_digests_give_the_preloaded_bodies(
         assert lazy.view.samples._digests  # noqa: SLF001
     finally:
         lazy.close()
+
+
+def test_a_damaged_manifest_is_skipped_at_start_and_fails_its_lookup(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with Store.open(root, durable=False) as st:
+        assert all(
+            o.status == "published" for o in st.ingest([FIXTURES / "example_bundle"], run="ex")
+        )
+    first = AppState(root, None, 60.0)  # syncs the catalog file while the manifest is whole
+    try:
+        (group,) = [g for g in first.view.groups if g[1] == "step"]
+        (row,) = first.view.groups[group]
+    finally:
+        first.close()
+    with Store.open(root, create=False) as st:
+        loc = st.objs._index[row["manifest_hash"]]  # noqa: SLF001 (where to damage it)
+        pack = root / "packs" / f"{loc.pack}.pack"
+    data = bytearray(pack.read_bytes())
+    data[loc.offset + loc.length // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    state = AppState(root, None, 60.0)
+    try:
+        with pytest.raises(IntegrityError, match=row["manifest_hash"]):
+            group_detail(state, *group, None)
+    finally:
+        state.close()
