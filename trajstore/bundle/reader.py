@@ -18,7 +18,7 @@ import numpy as np
 
 from trajstore.bundle.ptfile import PtTensor, read_pt_bytes
 from trajstore.errors import BundleError
-from trajstore.jsonio import parse_json, read_bytes, read_json, sha256_bytes
+from trajstore.jsonio import MAX_JSON_BYTES, parse_json, read_bytes, read_json, sha256_bytes
 from trajstore.schema import CohortComplete, Complete, Index, Manifest, RankShard
 
 METADATA_FILES = ("manifest.json", "index.json", "expected.json")
@@ -27,6 +27,14 @@ METADATA_FILES = ("manifest.json", "index.json", "expected.json")
 MAX_PAYLOAD_BYTES = 16 << 30
 #: Environment variable overriding `MAX_PAYLOAD_BYTES` (bytes; 1 to 2**40).
 MAX_PAYLOAD_ENV = "TRAJSTORE_MAX_PAYLOAD_BYTES"
+#: index.json may be larger than the other documents (jsonio's 256 MiB): it lists every
+#: sample, ~275 bytes each for a 1-token sample as the writer indents it (1M samples: 275 MiB).
+MAX_INDEX_BYTES = 1 << 30
+#: Default cap on samples per bundle: every command holds a few KB per sample (docs/store.md
+#: "Limits"); checked right after index.json parses, before any sample object is built.
+MAX_SAMPLES = 1 << 21
+#: Environment variable overriding `MAX_SAMPLES` (1 to 2**24, the store's row limit).
+MAX_SAMPLES_ENV = "TRAJSTORE_MAX_SAMPLES"
 #: Checked payloads up to this size stay cached for ingest; larger ones are re-read
 #: (and re-hashed) when written, so the gate never holds more than one large payload.
 KEEP_CHECKED_BYTES = 256 << 20
@@ -34,18 +42,42 @@ _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SHARD_FILE = re.compile(r"^COMPLETE\.(\d+)$")
 
 
-def max_payload_bytes() -> int:
-    """The payload size cap: `TRAJSTORE_MAX_PAYLOAD_BYTES` if set, else `MAX_PAYLOAD_BYTES`."""
-    raw = os.environ.get(MAX_PAYLOAD_ENV, "").strip()
+def _env_limit(name: str, default: int, most: int, what: str) -> int:
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return MAX_PAYLOAD_BYTES
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = 0
-    if not 0 < value <= 1 << 40:
-        raise BundleError(f"{MAX_PAYLOAD_ENV}={raw!r:.40}: expected a byte count from 1 to 2**40")
+    if not 0 < value <= most:
+        raise BundleError(f"{name}={raw!r:.40}: expected {what} from 1 to {most}")
     return value
+
+
+def max_payload_bytes() -> int:
+    """The payload size cap: `TRAJSTORE_MAX_PAYLOAD_BYTES` if set, else `MAX_PAYLOAD_BYTES`."""
+    return _env_limit(MAX_PAYLOAD_ENV, MAX_PAYLOAD_BYTES, 1 << 40, "a byte count")
+
+
+def max_samples() -> int:
+    """The samples-per-bundle cap: `TRAJSTORE_MAX_SAMPLES` if set, else `MAX_SAMPLES`."""
+    return _env_limit(MAX_SAMPLES_ENV, MAX_SAMPLES, 1 << 24, "a sample count")
+
+
+def document_limit(name: str) -> int:
+    """The size cap of a bundle document (index.json's is larger: it grows with samples)."""
+    return MAX_INDEX_BYTES if name == "index.json" else MAX_JSON_BYTES
+
+
+def check_sample_count(index: Any) -> None:
+    """Refuse a parsed index.json listing more samples than the cap, before building them."""
+    samples = index.get("samples") if isinstance(index, dict) else None
+    if isinstance(samples, list) and len(samples) > max_samples():
+        raise BundleError(
+            f"index.json lists {len(samples)} samples, beyond the limit of {max_samples()} "
+            f"(set {MAX_SAMPLES_ENV} to raise it; each costs a few KB of memory)"
+        )
 
 
 def check_payload_sizes(manifest: Manifest) -> None:
@@ -169,9 +201,14 @@ class Bundle:
 
 
 def _read_docs(path: Path) -> tuple[dict[str, bytes], Manifest, Index, dict[str, Any]]:
-    raw = {name: read_bytes(path / name, name) for name in METADATA_FILES}
+    raw = {name: read_bytes(path / name, name, document_limit(name)) for name in METADATA_FILES}
     manifest = Manifest.from_dict(parse_json(raw["manifest.json"], "manifest.json"))
-    index = Index.from_dict(parse_json(raw["index.json"], "index.json"))
+    for name in manifest.payloads:
+        check_payload_name(name)
+    check_payload_sizes(manifest)  # up front: before index.json's samples are even built
+    parsed_index = parse_json(raw["index.json"], "index.json")
+    check_sample_count(parsed_index)
+    index = Index.from_dict(parsed_index)
     expected = parse_json(raw["expected.json"], "expected.json")
     if not isinstance(expected, dict):
         raise BundleError("expected.json: expected a JSON object keyed by stage")
@@ -180,9 +217,6 @@ def _read_docs(path: Path) -> tuple[dict[str, bytes], Manifest, Index, dict[str,
             f"bundle_id differs: manifest.json {manifest.bundle_id!r}, index.json "
             f"{index.bundle_id!r}"
         )
-    for name in manifest.payloads:
-        check_payload_name(name)
-    check_payload_sizes(manifest)
     return raw, manifest, index, expected
 
 

@@ -44,7 +44,13 @@ import numpy as np
 from blake3 import blake3
 
 from trajstore.bundle.checks import ROUTE_PAYLOADS, bundle_problems
-from trajstore.bundle.reader import METADATA_FILES, Bundle, BundleSet, open_target
+from trajstore.bundle.reader import (
+    METADATA_FILES,
+    Bundle,
+    BundleSet,
+    document_limit,
+    open_target,
+)
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.errors import BundleError, StoreError, TrajstoreError
 from trajstore.jsonio import read_bytes, sha256_bytes
@@ -195,6 +201,11 @@ class _Written:
     logical: int
 
 
+def _read_doc(path: Path) -> bytes:
+    """A bundle document's bytes, under the gate's cap for it (index.json's is larger)."""
+    return read_bytes(path, path.name, document_limit(path.name))
+
+
 def _as_gated(b: Bundle, name: str, data: bytes) -> bytes:
     """`data`, a document of `b` read again to be stored, if it is what the gate checked.
 
@@ -222,7 +233,7 @@ def _write_bundle_objects(
 ) -> tuple[dict, int]:
     rec = _Recorder(objs)
     docs = {
-        k: put_blob(rec, _as_gated(b, f"{k}.json", read_bytes(b.path / f"{k}.json", f"{k}.json")))
+        k: put_blob(rec, _as_gated(b, f"{k}.json", _read_doc(b.path / f"{k}.json")))
         for k in ("manifest", "index", "expected")
     }
     sentinels = {
