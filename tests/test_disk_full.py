@@ -141,10 +141,20 @@ def test_ingest_into_a_full_disk_exits_2_in_one_line_and_completes_once_space_is
 
 
 def _write_point(exc: BaseException) -> str:
-    """Where an ingest met the full disk: the innermost trajstore frame of the first error."""
-    while exc.__context__ is not None:
-        exc = exc.__context__
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "trajstore" in f.filename]
+    """Where an ingest met the full disk: the innermost trajstore frames of the error the
+    ingest raised (not a later one from the store's close, which retries the flush)."""
+    chain = [exc]
+    while chain[-1].__context__ is not None:
+        chain.append(chain[-1].__context__)
+    # the ingest's own error: not the store's close (which retries the flush), not the
+    # file object's close inside the failed write (whose traceback is one frame)
+    tbs = [traceback.extract_tb(e.__traceback__) for e in chain]
+    exc = max(
+        (e for e, tb in zip(chain, tbs, strict=True) if "close" not in {f.name for f in tb}),
+        key=lambda e: len(traceback.extract_tb(e.__traceback__)),
+        default=exc,
+    )
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/trajstore/" in f.filename]
     idx = any(".idx" in (f.line or "") for f in frames)  # a pack's index, not its body
     return " > ".join(f.name for f in frames[-3:]) + (" (index)" if idx else "")
 
@@ -166,7 +176,7 @@ def test_enospc_at_every_write_point_leaves_nothing_half_published(
     shutil.rmtree(probe)
     page = 4096
     levels = sorted({need * k // 6 // page * page for k in range(6)})
-    levels += [need - k * page for k in range(1, 8)]  # the tail: claims and refs
+    levels += [need - k * page for k in range(1, 13)]  # the tail: index, claims, refs
     points: dict[str, int] = {}
     for i, leave in enumerate(levels):
         st = small_fs / f"store-{i}"
@@ -191,6 +201,7 @@ def test_enospc_at_every_write_point_leaves_nothing_half_published(
     print(f"ENOSPC points over {len(levels)} levels (need {need} B): {points}")
     assert any("pack" in p or "_write_file" in p for p in points), points
     assert any("atomic_create" in p for p in points), points  # a claim or a ref
+    assert len(set(points) - {"completed"}) >= 3, points
 
 
 def test_a_catalog_write_on_a_full_disk_is_one_line_and_heals(
