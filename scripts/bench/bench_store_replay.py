@@ -35,6 +35,7 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import shlex
 import statistics
 import subprocess
@@ -112,22 +113,31 @@ def export(store: Path, step: tuple[int, int], out: Path) -> Path:
     return out
 
 
-def timed_cli(argv: list[str], cold: bool) -> tuple[float, dict]:
-    """Wall seconds of one whole command, and its JSON report."""
+def timed_cli(argv: list[str], cold: bool, env: dict | None = None) -> tuple[float, float, dict]:
+    """Wall and CPU (user + sys) seconds of one whole command, and its JSON report."""
     drop_caches(cold)
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    p = subprocess.run(argv + ["--json"], capture_output=True, text=True)
+    # a baseline runs from its own directory: `-m` puts the working directory first
+    cwd = env["PYTHONPATH"] if env else None
+    p = subprocess.run(argv + ["--json"], capture_output=True, text=True, env=env, cwd=cwd)
     dt = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if p.returncode not in (0, 1):
         raise SystemExit(f"{shlex.join(argv)} exited {p.returncode}: {p.stderr.strip()}")
-    return dt, json.loads(p.stdout)
+    return dt, cpu, json.loads(p.stdout)
 
 
 def verdict(report: dict) -> tuple[str, str | None]:
     return report["status"], report.get("first_divergent_stage")
 
 
-def cli_figures(store: Path, exported: Path, step: str, reps: int, cold: bool) -> dict:
+def cli_figures(
+    store: Path, exported: Path, step: str, reps: int, cold: bool, baseline: Path | None
+) -> dict:
+    """Interleaved whole-command runs of each side; with `baseline` (a checkout of the
+    code before a change) its store commands run too, as `python -m trajstore`."""
     sides = {
         "dir": [TRAJSTORE, "replay", str(exported)],
         "store": [TRAJSTORE, "replay", "--store", str(store), "--run", RUN, "--step", step],
@@ -143,19 +153,38 @@ def cli_figures(store: Path, exported: Path, step: str, reps: int, cold: bool) -
             "--no-link",
         ],
     }
-    for argv in sides.values():  # warm-up: .pyc files, the page cache of the code
-        timed_cli(argv, False)
+    envs: dict[str, dict | None] = {k: None for k in sides}
+    if baseline is not None:
+        env = {**os.environ, "PYTHONPATH": str(baseline.resolve())}
+        for k in ("store", "store_nolink"):
+            sides[f"{k}_baseline"] = [PY, "-m", "trajstore", *sides[k][1:]]
+            envs[f"{k}_baseline"] = env
+    for name, argv in sides.items():  # warm-up: .pyc files, the page cache of the code
+        timed_cli(argv, False, envs[name])
     times: dict[str, list[float]] = {k: [] for k in sides}
+    cpus: dict[str, list[float]] = {k: [] for k in sides}
     verdicts: dict[str, set] = {k: set() for k in sides}
     for _ in range(reps):
         for name, argv in sides.items():
-            dt, report = timed_cli(argv, cold)
+            dt, cpu, report = timed_cli(argv, cold, envs[name])
             times[name].append(dt)
+            cpus[name].append(cpu)
             verdicts[name].add(verdict(report))
     if len({v for vs in verdicts.values() for v in vs}) != 1:
         raise SystemExit(f"the reports differ between the sides: {verdicts}")
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"median_s": med, "times_s": times, "commands": sides}
+    cpu_med = {k: statistics.median(v) for k, v in cpus.items()}
+    say(
+        "CLI medians (wall / CPU ms): "
+        + ", ".join(f"{k} {med[k] * 1e3:.0f} / {cpu_med[k] * 1e3:.0f}" for k in sides)
+    )
+    return {
+        "median_s": med,
+        "cpu_median_s": cpu_med,
+        "times_s": times,
+        "cpu_s": cpus,
+        "commands": {k: shlex.join(v) for k, v in sides.items()},
+    }
 
 
 def inproc_figures(
@@ -236,31 +265,41 @@ def main() -> int:
     ap.add_argument("--mean-tokens", type=int, default=1024)
     ap.add_argument("--workdir", type=Path, help="keep the store here (reused when present)")
     ap.add_argument("--profile", action="store_true", help="print cProfile of each path")
+    ap.add_argument(
+        "--baseline-src",
+        type=Path,
+        metavar="DIR",
+        help="also time the store commands with the trajstore package of this checkout "
+        "(e.g. a `git worktree` of the commit before a change), interleaved",
+    )
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 9)
     before = load1()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-store-replay-") as tmp:
-        work = args.workdir or Path(tmp)
+        work = (args.workdir or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
         store = build(work, 2, args.samples, args.mean_tokens)
         step = (0, 1)
         exported = export(store, step, work / "export-0-1")
         tokens = json.loads((work / "store.truth.json").read_text())["response_tokens_per_bundle"]
         say(f"store: 1 rollout + 2 steps of {args.samples} samples, ~{tokens} tokens per bundle")
-        cli = cli_figures(store, exported, f"{step[0]}:{step[1]}", reps, args.cold)
+        cli = cli_figures(
+            store, exported, f"{step[0]}:{step[1]}", reps, args.cold, args.baseline_src
+        )
         inp = inproc_figures(store, exported, step, reps, args.cold, args.profile)
     after = load1()
     cache = "cold" if args.cold else "warm"
     size = f"256-sample step, {tokens} response tokens" if args.samples == 256 else f"{tokens} tok"
-    m, n = cli["median_s"], inp["median_s"]
+    m, n, c = cli["median_s"], inp["median_s"], cli["cpu_median_s"]
     figures = [
         figure(
             "store replay, CLI: `replay --store S --run R --step r:s` / `replay DIR`",
             m["dir"] / m["store"],
             f"whole command wall time, median of {reps} interleaved runs, page cache {cache}; "
             f"{size}; dir {m['dir'] * 1e3:.0f} ms, store {m['store'] * 1e3:.0f} ms "
-            "(includes replaying the rollout bundle for the linkage check)",
+            "(includes replaying the rollout bundle for the linkage check); CPU ratio "
+            f"{c['dir'] / c['store']:.2f}x",
         ),
         figure(
             "store replay, CLI --no-link / replay DIR",
@@ -279,6 +318,16 @@ def main() -> int:
             f"store {n['store_nolink'] * 1e3:.0f} ms",
         ),
     ]
+    if "store_baseline" in m:
+        figures.append(
+            figure(
+                "store replay, CLI, the --baseline-src code",
+                m["dir"] / m["store_baseline"],
+                f"same runs, interleaved: store {m['store_baseline'] * 1e3:.0f} ms, "
+                f"--no-link {m['store_nolink_baseline'] * 1e3:.0f} ms; CPU ratio "
+                f"{c['dir'] / c['store_baseline']:.2f}x",
+            )
+        )
     command = shlex.join([".venv/bin/python", "scripts/bench/bench_store_replay.py", *sys.argv[1:]])
     say(f"load (1 min) {before} -> {after}; {time.perf_counter() - t_start:.0f} s")
     for f in figures:
