@@ -7,10 +7,10 @@ may be about to be named by a ref. A grace period covers the first case only whi
 an ingest is shorter than the grace, and never the second (an old unreachable object
 reused). With the lock:
 
-- a writer (ingest of one target, a cohort shard, a cohort's publication) holds it
-  shared from before its first object to after its refs exist, and, if gc ran since
-  it last looked, re-reads the object index first (`on_gc`), so it never trusts an
-  object gc removed;
+- a writer (ingest of one target or of a batch, a cohort shard, a cohort's
+  publication) holds it shared from before its first object to after its refs
+  exist, and, if gc ran since it last looked, re-reads the object index first
+  (`LocalObjectStore.rescan`), so it never trusts an object gc removed;
 - fsck holds it shared too: a sweep between its listing and its checks would
   read as a missing object;
 - gc holds it exclusive while it marks and sweeps, and bumps the generation first.
