@@ -14,6 +14,7 @@ they receive through ``Depends`` in ``state.py``, error bodies in ``errors.py``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hmac
 import os
 from collections.abc import AsyncIterator
@@ -82,6 +83,12 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = AppState(store_dir, token, poll_s, catalog_url=catalog_url)
+        # the start-up heap (modules, the catalog view, digests: ~500k objects on a
+        # 2,000-step store) is long-lived: a full collection walking it stalled every
+        # request for 1-2 s on a loaded box (issue 15's p99); refcounting still frees it.
+        # Collected first, so no cyclic garbage of the start-up is frozen with it
+        gc.collect()
+        gc.freeze()
         state.snap.start()
         app.state.trajstore = state
         try:
