@@ -230,3 +230,42 @@ def test_a_newer_catalog_is_refused_in_one_line(store_dir: Path, tmp_path: Path)
         assert proc.stderr.splitlines()[0] == f"trajstore: error: {full_open.value}"
         assert "9999" in proc.stderr and "upgrade trajstore" in proc.stderr
         assert "sqlalchemy" not in modules  # refused by the direct reader itself
+
+
+def test_the_command_map_names_the_module_that_registers_each_command() -> None:
+    import argparse
+    import importlib
+
+    from trajstore.cli import COMMAND_MODULES, COMMANDS
+
+    registered = {}
+    for name in COMMAND_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(name).register(sub)
+        registered.update(dict.fromkeys(sub.choices, name))
+    assert registered == COMMANDS
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("ls", "--bogus"), ("query", "stepz"), ("sql",), ("ls", "--help"), ("diff", "--help")],
+)
+def test_a_command_parsed_alone_reads_as_with_every_command(argv: tuple) -> None:
+    """Usage, help and errors of a command line are those of the full parser."""
+    import contextlib
+    import io
+
+    from trajstore.cli import _command_of, build_parser
+
+    def parse(parser) -> tuple:  # noqa: ANN001
+        out, err = io.StringIO(), io.StringIO()
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            pytest.raises(SystemExit) as done,
+        ):
+            parser.parse_args(list(argv))
+        return done.value.code, out.getvalue(), err.getvalue()
+
+    assert _command_of(list(argv)) == argv[0]
+    assert parse(build_parser(argv[0])) == parse(build_parser())

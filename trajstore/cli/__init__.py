@@ -27,6 +27,22 @@ COMMAND_MODULES = [
     "trajstore.cli.demo_cmd",
 ]
 
+#: each command and the module that registers it: a command line naming one builds the
+#: parser of that module only (argparse's subparsers cost ~20 ms a module here, mostly
+#: gettext lookups). tests/test_cli_imports.py pins this against the modules' register().
+COMMANDS = {
+    **dict.fromkeys(("inspect", "validate"), "trajstore.cli.bundle_cmds"),
+    "replay": "trajstore.cli.replay_cmd",
+    **dict.fromkeys(
+        ("ingest", "export", "ls", "stats", "fsck", "rm", "gc", "reindex"),
+        "trajstore.cli.store_cmds",
+    ),
+    **dict.fromkeys(("query", "sql", "diff"), "trajstore.cli.query_cmds"),
+    "router": "trajstore.cli.router_cmd",
+    "serve": "trajstore.cli.serve_cmd",
+    "demo": "trajstore.cli.demo_cmd",
+}
+
 EXIT_CODES_HELP = """exit codes:
   0  success / every requested stage passes
   1  a divergence was found, or a requested stage is unsupported
@@ -36,7 +52,9 @@ EXIT_CODES_HELP = """exit codes:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or only of `command`'s module when it is one of
+    COMMANDS (the same subparser, so the same usage, help and errors)."""
     parser = argparse.ArgumentParser(
         prog="trajstore",
         description="Store and replay what asynchronous RL training actually consumed.",
@@ -45,14 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"trajstore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in [COMMANDS[command]] if command in COMMANDS else COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
 
+def _command_of(argv: list[str] | None) -> str | None:
+    """The command a command line names: its first word (the top-level options take no
+    value, so a command line whose first word is one of them is parsed in full)."""
+    words = sys.argv[1:] if argv is None else argv
+    return words[0] if words and words[0] in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()
+        parser = build_parser(_command_of(argv))
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()
