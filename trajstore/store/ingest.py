@@ -570,18 +570,18 @@ _POLL_S = 0.05
 
 
 class _Pipeline:
-    """Ingest of many targets on two threads: the gate runs one target ahead of the writer.
+    """Ingest of many targets on threads: the gate runs one target ahead of the writers.
 
     The per-byte work (reading, sha256, parsing and the finite-value checks of the
-    gate; BLAKE3, zstd and pack writes of the writer) is C code that releases the
-    GIL, so the two overlap. The writer batches: the objects of several gated
+    gate; BLAKE3, zstd and pack writes of the writers) is C code that releases the
+    GIL, so they overlap. The writer loop batches: the objects of several gated
     targets go to one pack (one fsync for the batch, not one per target), then the
-    refs of the batch are created in target order. The order of the crash-safety
+    refs of the batch are created (`_publish_all`). The order of the crash-safety
     argument is unchanged (a ref is created only after every object it names is
     flushed; nothing of a target is written before its whole gate passed).
 
     Memory: the gate holds at most two targets (the one it checks and one handed
-    over), the writer one target plus the pack buffer (`pack_max_bytes`).
+    over), the writers `_WRITERS` targets plus the pack buffer (`pack_max_bytes`).
 
     Ctrl-C in the calling thread: the writer finishes the targets that already
     passed the gate (writes, flushes and publishes them; their outcomes are
@@ -604,20 +604,22 @@ class _Pipeline:
         for t in threads:
             t.start()
         interrupted: KeyboardInterrupt | None = None
-        while True:
-            try:
-                item = self.done.get()
-                if item is _END:
-                    break
-                if isinstance(item, BaseException):
+        try:
+            while True:
+                try:
+                    item = self.done.get()
+                    if item is _END:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    emit(item)
+                except KeyboardInterrupt as e:
+                    if interrupted is not None:
+                        raise
+                    interrupted = e
                     self.stop.set()
-                    raise item
-                emit(item)
-            except KeyboardInterrupt as e:
-                if interrupted is not None:
-                    raise
-                interrupted = e
-                self.stop.set()
+        finally:
+            self.stop.set()  # whatever ends this loop (an error, `emit` raising) stops the threads
         if interrupted is not None:
             raise interrupted
 
