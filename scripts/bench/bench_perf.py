@@ -154,7 +154,7 @@ def run_script(
         res.problem = f"failed: its --json file is not valid: {e}"
         return res
     if isinstance(doc.get("command"), str) and doc["command"]:
-        res.command = doc["command"].replace(str(out), out.name)
+        res.command = doc["command"].replace(str(out), out.name).replace(f"{ROOT}/", "")
     lo = doc.get("load")
     if isinstance(lo, list) and len(lo) == 2 and all(isinstance(x, (int, float)) for x in lo):
         res.load = (float(lo[0]), float(lo[1]))
