@@ -208,7 +208,7 @@ def main() -> int:
     if args.json:
         doc = {
             "figures": figures,
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
             "load": [load0, load1],
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
