@@ -24,19 +24,22 @@ import pytest
 from conftest import make_contents
 from test_store import cli, tree_equal
 
-from trajstore.bundle.writer import write_bundle
+from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.store import Store, export_bundles
 from trajstore.store.maintenance import fsck, gc
 
 #: a loop of CLI passes in one process (`trajstore.cli.main`, no interpreter start per
-#: pass) until the stop file exists; writes "<passes> <bad exits> <objects dropped>"
+#: pass) up to a pass that began after the stop file appeared; writes
+#: "<passes> <bad exits> <objects dropped by gc, or bundles replayed>"
 LOOP = """
 import contextlib, io, json, os, sys
 from trajstore.cli import main
 stop, out, ok = sys.argv[1], sys.argv[2], {int(c) for c in sys.argv[3].split(",")}
 argv = sys.argv[4:]
 passes = bad = dropped = 0
-while not os.path.exists(stop):
+done = False
+while not done:  # at least one pass, and one more after the stop file appears
+    done = os.path.exists(stop)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = main(argv)
@@ -46,19 +49,33 @@ while not os.path.exists(stop):
         sys.stderr.write(f"exit {rc}\\n")
     elif argv[0] == "gc":
         dropped += json.loads(buf.getvalue())["objects_dropped"]
+    else:  # replay --json: bundles replayed; a refused (unreadable) one counts as bad
+        report = json.loads(buf.getvalue())
+        dropped += report["total"]
+        bad += report["refused"]
 with open(out, "w") as f:
     f.write(f"{passes} {bad} {dropped}")
 """
 
 
-def _capture(root: Path, steps: range, tokens: int = 1500, seed: int = 0) -> list[Path]:
-    """Bundles of steps 7:s; the same `seed` gives the same content (deduplicated)."""
-    return [
-        write_bundle(
-            root / f"replay-7-{s}", make_contents(lengths=tokens, step_id=s, seed=seed + s)
-        )
-        for s in steps
-    ]
+def _capture(
+    root: Path, steps: range, tokens: int = 1500, seed: int = 0, cohort: int | None = None
+) -> list[Path]:
+    """Bundles of steps 7:s (step `cohort` a 2-rank cohort); the same `seed` gives the
+    same content (deduplicated)."""
+    out = []
+    for s in steps:
+        dest = root / f"replay-7-{s}"
+        if s == cohort:
+            for r in (0, 1):
+                contents = make_contents(
+                    lengths=tokens, step_id=s, seed=seed + s, rank=r, world=2, bundle_id="c"
+                )
+                write_rank(dest, contents, rank=r, expected_ranks=[0, 1])
+        else:
+            write_bundle(dest, make_contents(lengths=tokens, step_id=s, seed=seed + s))
+        out.append(dest)
+    return out
 
 
 def _loop(tmp: Path, name: str, ok: str, *argv: str) -> tuple[subprocess.Popen, Path]:
@@ -88,13 +105,14 @@ def test_gc_grace_0_in_a_loop_beside_two_ingests_and_a_replay_all(tmp_path: Path
     old = _capture(tmp_path / "old", range(0, 4))
     assert cli("ingest", "--store", st, "--run", "old", tmp_path / "old").returncode == 0
     assert cli("rm", "--store", st, "--run", "old").returncode == 0
-    # Two ingests of overlapping content: each deduplicates against the other's objects.
-    a = _capture(tmp_path / "a", range(0, 8))
-    b = _capture(tmp_path / "b", range(2, 10))
+    # Two ingests of overlapping content (step 5 a 2-rank cohort): each deduplicates
+    # against the other's objects.
+    a = _capture(tmp_path / "a", range(0, 8), cohort=5)
+    b = _capture(tmp_path / "b", range(2, 10), cohort=5)
     assert old and a and b
     gc_proc, gc_out = _loop(tmp_path, "gc", "0", "gc", "--store", str(st), "--grace", "0", "--json")
     replay_proc, replay_out = _loop(
-        tmp_path, "replay", "0,1", "replay", "--store", str(st), "--all", "--run", "a"
+        tmp_path, "replay", "0,1", "replay", "--store", str(st), "--all", "--run", "a", "--json"
     )
     ingests = [
         subprocess.Popen(
@@ -114,10 +132,13 @@ def test_gc_grace_0_in_a_loop_beside_two_ingests_and_a_replay_all(tmp_path: Path
         _, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, err
     gc_passes, gc_bad, dropped = map(int, gc_out.read_text().split())
-    replays, replay_bad, _ = map(int, replay_out.read_text().split())
-    print(f"gc passes {gc_passes} (objects dropped {dropped}), replay-all passes {replays}")
+    replays, replay_bad, replayed = map(int, replay_out.read_text().split())
+    print(
+        f"gc passes {gc_passes} (objects dropped {dropped}), "
+        f"replay-all passes {replays} ({replayed} bundles replayed)"
+    )
     assert gc_bad == 0 and replay_bad == 0
-    assert gc_passes >= 2 and replays >= 1
+    assert gc_passes >= 2 and replays >= 1 and replayed >= 1
     assert dropped > 0  # the removed run's objects were collected while the ingests ran
     fsck = cli("fsck", "--store", st)
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
