@@ -33,6 +33,9 @@ from trajstore.jsonio import sha256_bytes
 from trajstore.schema import Index, Manifest
 
 MAX_BLOB_BYTES = 1 << 31
+#: a bundle whose per-token payloads are larger is not read ahead (`StoredBundle.prefetch`):
+#: a step read ahead while its rollout replays holds two bundles' payloads at once
+READ_AHEAD_MAX_BYTES = 512 << 20
 _ctx = threading.local()
 _pool_lock = threading.Lock()
 _prefetch_pool: ThreadPoolExecutor | None = None
@@ -219,10 +222,19 @@ class StoredBundle:
         """Start reading every per-token payload whole, on a few threads, while the caller
         parses documents and replays (a whole-bundle replay reads them all in its sample
         stage). Fetching, hash checks and decoding release the GIL; nothing read ahead is
-        handed out before `payload` has run every document check."""
-        for name in self.payload_names():
-            if name in PER_TOKEN_PAYLOADS and name not in self._ahead:
-                self._ahead[name] = _pool().submit(self._read_whole, self.ref["payloads"][name])
+        handed out before `payload` has run every document check. A bundle larger than
+        `READ_AHEAD_MAX_BYTES` is read when asked, as before."""
+        names = [n for n in self.payload_names() if n in PER_TOKEN_PAYLOADS]
+        entries = self.ref["payloads"]
+        try:
+            size = sum(int(entries[n].get("logical_bytes") or 0) for n in names)
+        except (TypeError, ValueError, AttributeError):
+            return  # an odd ref: read as before, where its checks report it
+        if size > READ_AHEAD_MAX_BYTES:
+            return
+        for name in names:
+            if name not in self._ahead:
+                self._ahead[name] = _pool().submit(self._read_whole, entries[name])
 
     def _read_whole(self, entry: dict[str, Any]) -> tuple[ArrayRecord, np.ndarray]:
         rec = load_record(self.objs, entry["record"])
