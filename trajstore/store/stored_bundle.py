@@ -36,6 +36,8 @@ MAX_BLOB_BYTES = 1 << 31
 #: a bundle whose per-token payloads are larger is not read ahead (`StoredBundle.prefetch`):
 #: a step read ahead while its rollout replays holds two bundles' payloads at once
 READ_AHEAD_MAX_BYTES = 512 << 20
+#: payloads read ahead at once (each read decodes a bounded run of rows at a time)
+READ_AHEAD_THREADS = min(2, os.cpu_count() or 1)
 _ctx = threading.local()
 _pool_lock = threading.Lock()
 _prefetch_pool: ThreadPoolExecutor | None = None
@@ -46,9 +48,7 @@ def _pool() -> ThreadPoolExecutor:
     global _prefetch_pool
     with _pool_lock:
         if _prefetch_pool is None:
-            _prefetch_pool = ThreadPoolExecutor(
-                min(4, os.cpu_count() or 1), thread_name_prefix="prefetch"
-            )
+            _prefetch_pool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="prefetch")
         return _prefetch_pool
 
 
