@@ -36,6 +36,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (409, "the stored bundle cannot serve this request"),
         (413, "request body over 4 MiB"),
         (422, "malformed parameter"),
+        (503, "the replay queue is full (busy) or the store cannot be read (store_error)"),
     )
 }
 

@@ -14,12 +14,19 @@ Two gaps a hostile client found in the stack below the endpoints
   stayed open). `GuardedH11Protocol` closes a connection whose request
   (headers and body) has not fully arrived within `request_timeout_s()`
   of its first byte (or of the connection, for the first request).
+
+And one gap above them: replays (and router comparisons and diffs) run one
+at a time, each waiting request holding a thread of the pool (40) that
+every sync endpoint shares; `QueueLimitedLock` refuses one more waiter
+than `max_queued_replays()` with a JSON 503 `busy` instead of letting a
+flood of them take every thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from typing import Any
 
 import h11
@@ -122,3 +129,41 @@ class GuardedH11Protocol(H11Protocol):
         self._request_deadline = None
         if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
             self.transport.close()
+
+
+#: requests allowed to wait for the replay lock (beyond the one holding it)
+QUEUE_ENV = "TRAJSTORE_API_MAX_QUEUED_REPLAYS"
+DEFAULT_MAX_QUEUED_REPLAYS = 8
+
+
+def max_queued_replays() -> int:
+    """`TRAJSTORE_API_MAX_QUEUED_REPLAYS` (default 8; 0: no waiting, one at a time)."""
+    try:
+        value = int(os.environ.get(QUEUE_ENV) or DEFAULT_MAX_QUEUED_REPLAYS)
+    except ValueError:
+        return DEFAULT_MAX_QUEUED_REPLAYS
+    return max(value, 0)
+
+
+class QueueLimitedLock:
+    """A lock for ``with``: one holder, at most `max_waiting` waiters; one more is refused
+    with `ApiError` 503 ``busy`` (the thread pool stays free for lookups)."""
+
+    def __init__(self, max_waiting: int | None = None) -> None:
+        self.max_waiting = max_queued_replays() if max_waiting is None else max_waiting
+        self._lock = threading.Lock()
+        self._admitted = threading.BoundedSemaphore(self.max_waiting + 1)
+
+    def __enter__(self) -> None:
+        if not self._admitted.acquire(blocking=False):
+            raise ApiError(
+                503,
+                "busy",
+                f"{self.max_waiting + 1} replays, comparisons or diffs are running or "
+                "queued; retry later",
+            )
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._admitted.release()

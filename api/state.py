@@ -24,6 +24,7 @@ from trajstore.store import Store
 from trajstore.store.stored_bundle import StoredBundle
 
 from .errors import ApiError
+from .limits import QueueLimitedLock
 from .payloads import BodyCache
 from .snapshot import CatalogSnapshot, View
 
@@ -54,7 +55,8 @@ class AppState:
         self._bundles: OrderedDict[str, StoredBundle] = OrderedDict()
         self._capabilities: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
-        self.replay_lock = threading.Lock()  # RefIndex (used by replay) is not thread-safe
+        # RefIndex (used by replay) is not thread-safe; a full queue answers 503 busy
+        self.replay_lock = QueueLimitedLock()
         self.bodies = BodyCache(int(os.environ.get("TRAJSTORE_API_CACHE_MB", "512")) << 20)
         self._details: OrderedDict[tuple, bytes] = OrderedDict()
         self._details_generation = -1

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import CAPTURE_DIR, FIXTURES
+from trajstore.api.errors import ApiError
+from trajstore.api.limits import QueueLimitedLock
 
 from trajstore.store import Store
 
@@ -482,3 +485,57 @@ def test_a_kept_alive_connection_outlives_the_request_deadline(server: tuple[int
             time.sleep(0.2)
     assert first.status_code == 200
     assert len(sockets_used) == 1, sockets_used
+
+
+def test_the_replay_lock_refuses_one_waiter_too_many() -> None:
+    """The lock replays, comparisons and diffs share: one holder, `max_waiting` waiters,
+    then 503 busy at once (a flood would otherwise hold every thread of the pool)."""
+    gate = QueueLimitedLock(max_waiting=1)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gate:
+            holding.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(60)
+    waiter = threading.Thread(target=lambda: gate.__enter__() or gate.__exit__())
+    waiter.start()  # the one allowed waiter
+    deadline = time.monotonic() + 60
+    while gate._admitted._value and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ApiError) as refused:
+        gate.__enter__()
+    assert (refused.value.status_code, refused.value.code) == (503, "busy")
+    release.set()
+    holder.join(60)
+    waiter.join(60)
+    with gate:  # free again
+        pass
+
+
+def test_a_flood_of_replays_is_answered_200_or_busy_and_lookups_go_on(store: Path) -> None:
+    with served(store, TRAJSTORE_API_MAX_QUEUED_REPLAYS="2") as (_, port):
+        base = f"http://127.0.0.1:{port}"
+        answers: list[tuple[int, str]] = []
+
+        def replay(i: int) -> None:
+            with httpx.Client(base_url=base, timeout=120) as c:
+                got = c.post("/v1/replay", json={"run": "cap", "step": "120:0"})
+                code = got.json().get("error", "") if got.status_code != 200 else ""
+                answers.append((got.status_code, code))
+
+        flood = [threading.Thread(target=replay, args=(i,)) for i in range(24)]
+        for thread in flood:
+            thread.start()
+        with httpx.Client(base_url=base, timeout=120) as client:
+            for _ in range(10):
+                got = client.get("/v1/runs/cap/steps/120:0")
+                assert got.status_code == 200 and got.json()["step_id"] == 0
+        for thread in flood:
+            thread.join(120)
+    assert len(answers) == 24
+    assert set(answers) <= {(200, ""), (503, "busy")}, answers
+    assert (200, "") in answers
