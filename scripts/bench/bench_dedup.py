@@ -26,8 +26,10 @@ once as one zstd-3 frame of exactly its tokens (no windows, no padding, no
 per-object overhead), an all-zero row free, train routes as the zstd-3 frame
 of their XOR with the same sample's rollout routes, and the documents as
 stored. That is what perfect sample-aligned, route-aware dedup with the
-store's own compressor costs; the store can beat it only by dedup finer than
-a sample (a shared prompt's windows). `--quick`: 2 rollouts, same shapes.
+store's own compressor costs. The **prefix ideal** also stores a prompt +
+response row (routes) as two frames, each distinct segment once: what
+perfect dedup of a group's shared prompt adds. `--quick`: 2 rollouts, same
+shapes.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def measure(cap: Path, store_dir: Path) -> dict[str, Any]:
     from trajstore.cas import load_record, read_array
     from trajstore.store import Store
     from trajstore.store.maintenance import ref_closure, stats
+    from trajstore.store.stored_bundle import get_json_blob
 
     logical = file_bytes(cap)
     t0 = time.perf_counter()
@@ -76,6 +79,11 @@ def measure(cap: Path, store_dir: Path) -> dict[str, Any]:
     cctx = zstandard.ZstdCompressor(level=3, write_checksum=False, write_content_size=True)
     parts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     ideal_seen: set[bytes] = set()
+    prefix_seen: set[bytes] = set()
+
+    def frame(row: np.ndarray) -> int:
+        return len(cctx.compress(row.tobytes())) if row.any() else 0
+
     with Store.open(store_dir) as store:
         s = stats(store)
         sizes = {i.hash: i.size for i in store.objs.iter_objects()}
@@ -90,6 +98,9 @@ def measure(cap: Path, store_dir: Path) -> dict[str, Any]:
 
         for e in sorted(store.refs.live().values(), key=lambda e: e.name):
             ref = store.refs.read(e.name)
+            samples = get_json_blob(store.objs, ref["documents"]["index"])["samples"]
+            total = [s["total_length"] for s in samples]
+            prompts = [s["total_length"] - s["response_length"] for s in samples]
             values: dict[str, np.ndarray] = {}
             records = {n: load_record(store.objs, p["record"]) for n, p in ref["payloads"].items()}
             for name in sorted(ref["payloads"], key=lambda n: n in ROUTES_BASE):
@@ -104,22 +115,30 @@ def measure(cap: Path, store_dir: Path) -> dict[str, Any]:
                 if name in ROUTES_BASE and ROUTES_BASE[name] in values:
                     vals = vals ^ values[ROUTES_BASE[name]]
                 tb = rec.token_bytes
+                split = list(rec.row_lengths) == total  # prompt + response rows (routes)
                 pos = 0
-                for n in rec.row_lengths:
+                for i, n in enumerate(rec.row_lengths):
                     row = vals[pos : pos + n * tb]
                     pos += n * tb
                     key = blake3(row).digest() + name.encode()
-                    if key in ideal_seen:
-                        continue
-                    ideal_seen.add(key)
-                    if row.any():
-                        parts[name]["ideal"] += len(cctx.compress(row.tobytes()))
+                    if key not in ideal_seen:
+                        ideal_seen.add(key)
+                        parts[name]["ideal"] += frame(row)
+                    # prefix-aware: the prompt and the response each stored once
+                    cut = prompts[i] * tb if split else 0
+                    for seg in (row[:cut], row[cut:]):
+                        skey = blake3(seg).digest() + name.encode() + len(seg).to_bytes(8, "little")
+                        if seg.size and skey not in prefix_seen:
+                            prefix_seen.add(skey)
+                            parts[name]["prefix_ideal"] += frame(seg)
             docs = set(ref_closure(store, ref)) - charged
             before = parts["documents"]["physical"]
             charge("documents", docs)
             parts["documents"]["ideal"] += parts["documents"]["physical"] - before
+            parts["documents"]["prefix_ideal"] += parts["documents"]["physical"] - before
     physical = s["physical_bytes"]
     ideal = sum(v["ideal"] for v in parts.values())
+    prefix_ideal = sum(v["prefix_ideal"] for v in parts.values())
     return {
         "bundles": s["bundles"],
         "logical": logical,
@@ -127,6 +146,8 @@ def measure(cap: Path, store_dir: Path) -> dict[str, Any]:
         "ratio": physical / logical,
         "ideal": ideal,
         "ideal_ratio": ideal / logical,
+        "prefix_ideal": prefix_ideal,
+        "prefix_ideal_ratio": prefix_ideal / logical,
         "objects": s["objects"],
         "ingest_s": t_ingest,
         "parts": {k: dict(v) for k, v in parts.items()},
@@ -138,21 +159,23 @@ def table(title: str, m: dict[str, Any]) -> str:
     lines = [
         f"\n{title}: {m['bundles']} bundles, {lg / 1e6:.1f} MB of bundle files, "
         f"{m['objects']} objects, ingest {m['ingest_s']:.1f} s\n",
-        "| part | files MB | stored MB | stored/logical | ideal MB | stored/ideal |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| part | files MB | stored MB | stored/logical | sample ideal MB | prefix ideal MB "
+        "| stored/prefix ideal |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     order = sorted(m["parts"].items(), key=lambda kv: -kv[1].get("physical", 0))
     for name, v in order:
-        ph, idl = v.get("physical", 0), v.get("ideal", 0)
-        rel = f"{ph / idl:.2f}" if idl else "-"
+        ph, idl, pre = v.get("physical", 0), v.get("ideal", 0), v.get("prefix_ideal", 0)
+        rel = f"{ph / pre:.2f}" if pre else "-"
         lines.append(
             f"| {name} | {v.get('logical', 0) / 1e6:.1f} | {ph / 1e6:.2f} | {ph / lg:.4f} | "
-            f"{idl / 1e6:.2f} | {rel} |"
+            f"{idl / 1e6:.2f} | {pre / 1e6:.2f} | {rel} |"
         )
     lines.append(
         f"| **total** | {lg / 1e6:.1f} | {m['physical'] / 1e6:.2f} | **{m['ratio']:.4f}** | "
-        f"{m['ideal'] / 1e6:.2f} (ideal/logical {m['ideal_ratio']:.4f}) | "
-        f"{m['physical'] / m['ideal']:.2f} |"
+        f"{m['ideal'] / 1e6:.2f} ({m['ideal_ratio']:.4f}) | "
+        f"{m['prefix_ideal'] / 1e6:.2f} ({m['prefix_ideal_ratio']:.4f}) | "
+        f"{m['physical'] / m['prefix_ideal']:.2f} |"
     )
     return "\n".join(lines)
 
@@ -186,7 +209,8 @@ def main() -> int:
         detail = (
             f"gen_long_run {' '.join(gen_args)} --seed 1: {m['physical'] / 1e6:.1f} MB stored "
             f"of {m['logical'] / 1e6:.1f} MB bundle files ({m['bundles']} bundles); "
-            f"sample-aligned ideal {m['ideal_ratio']:.4f}"
+            f"sample-aligned ideal {m['ideal_ratio']:.4f}, prefix-aware ideal "
+            f"{m['prefix_ideal_ratio']:.4f}"
         )
         if limit is not None:
             figures.append(
