@@ -114,11 +114,15 @@ def emit_rows(rows: list[dict[str, Any]], columns: list[str], fmt: str) -> None:
     if not rows:
         print("(no rows)")
         return
-    cells = [[_cell(r.get(c), c) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    # column by column, then one write: the same bytes as a print of each ljust-ed row,
+    # at a fraction of the cost for 10,000 rows
+    by_column = [
+        [v if type(v) is str else _cell(v, c) for v in [r.get(c) for r in rows]] for c in columns
+    ]
+    widths = [max(len(c), *map(len, cells)) for c, cells in zip(columns, by_column, strict=True)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [line.format(*columns), *(line.format(*row) for row in zip(*by_column, strict=True))]
+    sys.stdout.write("\n".join(out) + "\n")
 
 
 #: columns of compared values: printed to round-trip (two different values never print the same)

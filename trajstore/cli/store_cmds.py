@@ -209,12 +209,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
         return 0
-    print(f"{'key':48} {'bundle_id':20} {'samples':>7} {'logical':>10} latest")
-    for r in rows:
-        print(
-            f"{r['key']:48} {str(r['bundle_id']):20} {r['num_samples']:>7} "
-            f"{_human(r['logical_bytes']):>10} {'yes' if r['is_latest'] else 'no'}"
-        )
+    lines = [f"{'key':48} {'bundle_id':20} {'samples':>7} {'logical':>10} latest"]
+    lines += [
+        f"{r['key']:48} {str(r['bundle_id']):20} {r['num_samples']:>7} "
+        f"{_human(r['logical_bytes']):>10} {'yes' if r['is_latest'] else 'no'}"
+        for r in rows
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")  # one write: 10,000 prints cost ~30 ms
     return 0
 
 
