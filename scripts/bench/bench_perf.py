@@ -33,10 +33,12 @@ JSON and log there. Exit status: 0 when every script ran (met or missed),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -128,14 +130,23 @@ def run_script(
     out.unlink(missing_ok=True)
     before = load1()
     t0 = time.perf_counter()
-    try:
-        with log.open("w") as fh:
-            proc = subprocess.run(
-                argv, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout
-            )
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        rc = None
+    with log.open("w") as fh:
+        # its own session, so that a timeout also ends the servers and workers it started
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except BaseException:  # Ctrl-C: end what this script started, then stop
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
     res.seconds = time.perf_counter() - t0
     res.load = (before, load1())
     if rc is None:
