@@ -119,3 +119,14 @@ def test_a_document_changed_after_the_gate_is_refused_not_stored(tmp_path: Path)
     objs = LocalObjectStore(tmp_path / "o")
     with pytest.raises(BundleError, match="index.json: changed after the integrity gate"):
         _write_bundle_objects(objs, b, {})
+
+
+def test_a_writer_sees_a_gc_waiting_only_while_one_holds_the_turnstile(tmp_path: Path) -> None:
+    """A batch ends when gc waits, so gc is held back by one target at most."""
+    from trajstore.store import gclock
+
+    with Store.open(tmp_path / "st") as store:
+        assert not gclock.gc_waiting(store.objs)
+        with gclock.collecting(store.objs):
+            assert gclock.gc_waiting(store.objs)
+        assert not gclock.gc_waiting(store.objs)

@@ -114,6 +114,26 @@ def writing(objs: ObjectStore) -> Iterator[None]:
         os.close(gate)
 
 
+def gc_waiting(objs: ObjectStore) -> bool:
+    """Whether a gc holds the turnstile (it waits for the lock, or holds it): a writer
+    holding the lock across several targets (a pipelined ingest's batch) then ends its
+    batch, so gc waits for at most one target's write, as with one lock per target."""
+    if not protects(objs):
+        return False
+    assert isinstance(objs, LocalObjectStore)
+    try:
+        fd = os.open(objs.root / LOCKS_DIR / GATE, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a probe that succeeded
+    return False
+
+
 def _refresh(objs: LocalObjectStore) -> None:
     """Re-read `objs`'s index if gc ran since it last did (or it never did); the caller
     holds the writer lock, so no gc runs meanwhile."""

@@ -556,7 +556,7 @@ def ingest_paths(
 
 
 #: A batch of written targets ends (one pack flush, then their refs) at this many
-#: payload bytes or targets, ...
+#: payload bytes or targets, when a gc waits for the writer lock, ...
 BATCH_BYTES = 256 << 20
 BATCH_TARGETS = 64
 #: ... or when the gate has had none ready for this long (a slow or blocked source).
@@ -763,7 +763,8 @@ class _Pipeline:
                         running[0].exception()
                     pending.append(pool.submit(self._write_one, item))
                     nbytes += item.nbytes
-                    if nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS:
+                    full = nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS
+                    if full or gclock.gc_waiting(self.ing.objs):  # never hold gc back long
                         finish()
                 finish()
             self.done.put(_END)
