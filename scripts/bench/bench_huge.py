@@ -251,10 +251,15 @@ def tensor_sha256(pt_file: Path) -> tuple[str, int]:
     return h.hexdigest(), int(flat.size)
 
 
+#: seconds `trajstore serve` may take to answer /v1/health (its catalog grows with samples)
+SERVE_START_S = [900.0]
+
+
 def serve_download(store: Path, key: str, name: str, out: Path) -> tuple[Measured, int, str]:
     """Start `trajstore serve`, stream one payload (format=raw) to `out`; the server's peak RSS.
 
-    Returns (the server's Measured, bytes received, sha256 of the body).
+    Returns (the server's Measured, bytes received, sha256 of the body); the Measured's
+    stderr names how long the server took to answer its first health check.
     """
     import httpx
 
@@ -272,7 +277,8 @@ def serve_download(store: Path, key: str, name: str, out: Path) -> tuple[Measure
     got = 0
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            deadline = time.monotonic() + 120
+            started = time.monotonic()
+            deadline = started + SERVE_START_S[0]
             while True:
                 if server.poll() is not None:
                     raise SystemExit(f"serve exited with {server.returncode}")
@@ -284,6 +290,7 @@ def serve_download(store: Path, key: str, name: str, out: Path) -> tuple[Measure
                         raise SystemExit("serve did not answer") from None
                     time.sleep(0.2)
             start = time.monotonic()
+            up = start - started
             url = f"/v1/bundles/{key}/payloads/{name}"
             with client.stream("GET", url, params={"format": "raw"}) as resp, out.open("wb") as f:
                 if resp.status_code != 200:
@@ -304,7 +311,7 @@ def serve_download(store: Path, key: str, name: str, out: Path) -> tuple[Measure
             server.wait()
     err.seek(0)
     text = err.read().decode(errors="replace").strip()
-    return Measured(0, wall, rss, text[-200:]), got, h.hexdigest()
+    return Measured(0, wall, rss, f"up in {up:.0f} s; {text[-200:]}"), got, h.hexdigest()
 
 
 def _mb(n: int) -> str:
@@ -346,7 +353,7 @@ def bench_one(kind: str, contents: BundleContents, work: Path, big: str) -> list
     m, got, sha = serve_download(store, key, big, out)
     ok = got == want_len and sha == want_sha
     m.rc = 0 if ok else 1
-    m.stderr = f"{got} bytes, {'identical' if ok else 'DIFFERENT'}"
+    m.stderr = f"{m.stderr.split(';')[0]}; {got} bytes, {'identical' if ok else 'DIFFERENT'}"
     out.unlink(missing_ok=True)
     rows.append((kind, f"serve + download {big}", m))
     _print_rows(rows[-1:])
@@ -370,8 +377,10 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir")
     ap.add_argument("--only", choices=("payload", "samples"), default=None)
     ap.add_argument("--mem-limit-gib", type=int, default=16, help="RLIMIT_AS of each stage")
+    ap.add_argument("--serve-start-s", type=float, default=900.0, help="serve's start-up limit")
     a = ap.parse_args()
     MEM_LIMIT[0] = a.mem_limit_gib << 30
+    SERVE_START_S[0] = a.serve_start_s
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-huge-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}; work {work}", flush=True)
