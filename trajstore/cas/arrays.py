@@ -781,30 +781,57 @@ def read_rows(objs: ObjectStore, record: ArrayRecord, rows: Sequence[int]) -> np
                     out[pos + s * tb : pos + (s + c) * tb] = buf[k, : c * tb]
             pos += n * tb
     elif record.heads is not None:
-        wanted = list(dict.fromkeys(h for r in rows for h in record.chunks[r] if h is not None))
-        decoded = dict(zip(wanted, _decode_all(objs, record, wanted), strict=True))
         pos = 0
-        for r, n in zip(rows, lengths, strict=True):
-            for h, (s, c) in zip(record.chunks[r], record.row_spans(r), strict=True):
-                if h is not None:
-                    out[pos + s * tb : pos + (s + c) * tb] = np.frombuffer(
-                        decoded[h], np.uint8, c * tb
-                    )
-            pos += n * tb
+        for part in _row_batches(record, rows):
+            decoded = _decode_rows(objs, record, part)
+            for r in part:
+                for h, (s, c) in zip(record.chunks[r], record.row_spans(r), strict=True):
+                    if h is not None:
+                        out[pos + s * tb : pos + (s + c) * tb] = np.frombuffer(
+                            decoded[h], np.uint8, c * tb
+                        )
+                pos += record.row_lengths[r] * tb
     else:
-        wanted = list(dict.fromkeys(h for r in rows for h in record.chunks[r] if h is not None))
-        decoded = dict(zip(wanted, _decode_all(objs, record, wanted), strict=True))
         pos = 0
-        for r, n in zip(rows, lengths, strict=True):
-            end = pos + n * tb
-            a = pos
-            for h in record.chunks[r]:
-                b = min(a + wb, end)
-                if h is not None:
-                    out[a:b] = np.frombuffer(decoded[h], np.uint8, b - a)
-                a = b
-            pos = end
+        for part in _row_batches(record, rows):
+            decoded = _decode_rows(objs, record, part)
+            for r in part:
+                end = pos + record.row_lengths[r] * tb
+                a = pos
+                for h in record.chunks[r]:
+                    b = min(a + wb, end)
+                    if h is not None:
+                        out[a:b] = np.frombuffer(decoded[h], np.uint8, b - a)
+                    a = b
+                pos = end
     return out.view(record.dtype).reshape(total, *record.token_shape)
+
+
+#: decoded window bytes `read_rows` holds at once besides its output (one batch of rows)
+READ_BATCH_BYTES = 64 << 20
+
+
+def _row_batches(record: ArrayRecord, rows: list[int]) -> Iterator[list[int]]:
+    """`rows` in consecutive runs whose windows decode to about READ_BATCH_BYTES: the
+    decoded chunks are dropped after each run is copied out (a 1-token row decodes a
+    16 KiB window, so a million rows at once was 16 GiB beside a 4 MB output)."""
+    per_batch = max(1, READ_BATCH_BYTES // record.chunk_bytes)
+    part: list[int] = []
+    windows = 0
+    for r in rows:
+        part.append(r)
+        windows += len(record.chunks[r])
+        if windows >= per_batch:
+            yield part
+            part, windows = [], 0
+    if part:
+        yield part
+
+
+def _decode_rows(objs: ObjectStore, record: ArrayRecord, rows: list[int]) -> dict[str, bytes]:
+    """The decoded chunks of `rows` by name (each distinct chunk fetched and decoded once)."""
+    wanted = list(dict.fromkeys(h for r in rows for h in record.chunks[r] if h is not None))
+    return dict(zip(wanted, _decode_all(objs, record, wanted), strict=True))
 
 
 def read_array(objs: ObjectStore, record: ArrayRecord) -> np.ndarray:
