@@ -285,7 +285,10 @@ def test_the_replayed_loss_matches_to_float32_round_off(run, name: str) -> None:
         path = capture_dir / f"replay-0-{step}"
         loss = read_json(path / "expected.json")["loss.policy"]["loss"]
         outcome = stage(replay(path), "loss.policy")
-        assert outcome.max_abs_error <= 4 * 2**-24 * max(abs(loss), 1.0)
+        # TRL and the replay reduce the same float32 terms in different orders, and CPUs take
+        # different SIMD paths: a few ulp of the loss's scale (4.14 ulp measured on an AMD
+        # EPYC for is-sequence_mask), far inside the stage's own atol 1e-6 + rtol 1e-5.
+        assert outcome.max_abs_error <= 8 * 2**-24 * max(abs(loss), 1.0)
 
 
 @pytest.mark.parametrize("name", REPLAYABLE)
