@@ -328,6 +328,20 @@ def test_rm_hides_and_gc_frees_only_unreachable(store: Store, tmp_path: Path) ->
     assert store.step("r", 7, 1)[0].payload("kl").shape == (400 * 4,)
 
 
+def test_rm_of_a_run_lists_its_bundles_in_training_order(store: Store, tmp_path: Path) -> None:
+    late = write_bundle(tmp_path / "late", make_contents(lengths=20, seed=2, step_id=1))
+    early = write_bundle(tmp_path / "early", make_contents(lengths=20, seed=1))
+    store.ingest([late], run="r")  # published first, yet listed after step (7, 0)
+    store.ingest([early, CAPTURE_DIR], run="r")
+    assert store.remove(run="r") == [
+        "r/step-7-0/a1",
+        "r/step-7-1/a1",
+        "r/rollout-120/a1",
+        "r/step-120-0/rank-0/a1",
+        "r/step-120-0/rank-1/a1",
+    ]
+
+
 def test_reindex_rebuilds_an_identical_catalog(store: Store, tmp_path: Path) -> None:
     store.ingest([FIXTURES / "example_bundle", CAPTURE_DIR], run="r")
     before = store.bundles(all_attempts=True)

@@ -185,7 +185,15 @@ class Store:
                 raise NotFoundError(f"no published bundle {k!r}")
         if run is not None:
             check_run_name(run)
-            mine = [k for k, e in live.items() if e.run == run]
+            # training order (a rollout, then its steps), not publication order: batched
+            # ingest publishes refs concurrently, and the listing must not depend on that
+            mine = [
+                e.key
+                for e in sorted(
+                    (e for e in live.values() if e.run == run),
+                    key=lambda e: (e.rollout_id, e.kind != "rollout", e.step_id or 0, e.key),
+                )
+            ]
             if not mine:
                 raise NotFoundError(f"run {run!r} has no published bundles")
             targets += mine
