@@ -149,8 +149,11 @@ class QueueLimitedLock:
     """A lock for ``with``: one holder, at most `max_waiting` waiters; one more is refused
     with `ApiError` 503 ``busy`` (the thread pool stays free for lookups)."""
 
-    def __init__(self, max_waiting: int | None = None) -> None:
+    def __init__(
+        self, max_waiting: int | None = None, what: str = "replays, comparisons or diffs"
+    ) -> None:
         self.max_waiting = max_queued_replays() if max_waiting is None else max_waiting
+        self.what = what
         self._lock = threading.Lock()
         self._admitted = threading.BoundedSemaphore(self.max_waiting + 1)
 
@@ -159,11 +162,38 @@ class QueueLimitedLock:
             raise ApiError(
                 503,
                 "busy",
-                f"{self.max_waiting + 1} replays, comparisons or diffs are running or "
-                "queued; retry later",
+                f"{self.max_waiting + 1} {self.what} are running or queued; retry later",
             )
         self._lock.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
         self._admitted.release()
+
+
+#: the largest payload body built in memory (a Range, ?sample=, format=pt or a delta record)
+MAX_BUFFERED_ENV = "TRAJSTORE_API_MAX_BUFFERED_BYTES"
+DEFAULT_MAX_BUFFERED_BYTES = 2 << 30
+#: bodies over this many bytes are built one at a time (`QueueLimitedLock`)
+SERIAL_BUILD_ENV = "TRAJSTORE_API_SERIAL_BUILD_BYTES"
+DEFAULT_SERIAL_BUILD_BYTES = 64 << 20
+
+
+def _bytes_from_env(name: str, default: int) -> int:
+    """A non-negative byte count from the environment; the default when unset or malformed
+    (as the other TRAJSTORE_API_* variables)."""
+    try:
+        value = int(os.environ.get(name) or default)
+    except ValueError:
+        return default
+    return value if value >= 0 else default
+
+
+def max_buffered_bytes() -> int:
+    """`TRAJSTORE_API_MAX_BUFFERED_BYTES` (default 2 GiB); read once at app start."""
+    return _bytes_from_env(MAX_BUFFERED_ENV, DEFAULT_MAX_BUFFERED_BYTES)
+
+
+def serial_build_bytes() -> int:
+    """`TRAJSTORE_API_SERIAL_BUILD_BYTES` (default 64 MiB); read once at app start."""
+    return _bytes_from_env(SERIAL_BUILD_ENV, DEFAULT_SERIAL_BUILD_BYTES)

@@ -11,6 +11,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,8 @@ from trajstore.store import Store
 from trajstore.store.stored_bundle import StoredBundle
 
 from .errors import ApiError
-from .limits import QueueLimitedLock
-from .payloads import BodyCache
+from .limits import QueueLimitedLock, max_buffered_bytes, serial_build_bytes
+from .payloads import Body, BodyCache
 from .snapshot import CatalogSnapshot, View
 
 _REF_NAME = re.compile(r"^[0-9]{20}-[0-9]+-[0-9a-f]+$")
@@ -58,6 +59,14 @@ class AppState:
         # RefIndex (used by replay) is not thread-safe; a full queue answers 503 busy
         self.replay_lock = QueueLimitedLock()
         self.bodies = BodyCache(int(os.environ.get("TRAJSTORE_API_CACHE_MB", "512")) << 20)
+        # payload bodies built in memory: refused over the limit, built one at a time over
+        # the threshold, a body being sent shared by ETag (api/routes/bundles.py)
+        self.max_buffered_bytes = max_buffered_bytes()
+        self.serial_build_bytes = serial_build_bytes()
+        self.build_lock = QueueLimitedLock(what="payload bodies over the build threshold")
+        self.bodies_in_flight: weakref.WeakValueDictionary[str, Body] = (
+            weakref.WeakValueDictionary()
+        )
         self._details: OrderedDict[tuple, bytes] = OrderedDict()
         self._details_generation = -1
         if not str(store_dir).startswith("s3://"):  # on S3 each manifest is a GET: lazily

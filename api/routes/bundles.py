@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Annotated, Literal
 from urllib.parse import quote
@@ -9,6 +10,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
+from trajstore.bundle.ptfile import TORCH_TO_NUMPY
 from trajstore.cas.arrays import load_record
 from trajstore.jsonio import json_safe
 from trajstore.store.stored_bundle import StoredBundle
@@ -16,6 +18,7 @@ from trajstore.store.stored_bundle import StoredBundle
 from .. import models
 from ..detail import known_bundle, latest_verdict, payload_infos, samples_summary
 from ..errors import ApiError, error_response
+from ..limits import MAX_BUFFERED_ENV
 from ..params import Text
 from ..payloads import (
     FORMATS,
@@ -28,8 +31,8 @@ from ..payloads import (
     npy_header,
     parse_range,
 )
-from ..state import StateDep
-from ..streaming import StreamedPayload
+from ..state import AppState, StateDep
+from ..streaming import StreamedPayload, npy_header_for
 
 router = APIRouter()
 
@@ -69,6 +72,80 @@ def _payload_body(
     return Body.of(array, shape=tuple(array.shape))
 
 
+def _body_bytes(
+    stored_bundle: StoredBundle, name: str, fmt: str, position: int | None, torch_dtype: str
+) -> int:
+    """The size of the body `_payload_body` would build, from the ref entry alone (and, for
+    one sample, the array record the build reads anyway): nothing is decoded."""
+    entry = stored_bundle.ref["payloads"][name]
+    if fmt == "pt":
+        return int(entry["file"]["bytes"])
+    import numpy as np
+
+    dtype = TORCH_TO_NUMPY[torch_dtype]
+    if fmt == "npy" and torch_dtype == "torch.bfloat16":
+        dtype = np.dtype(np.float32)
+    shape = tuple(int(dim) for dim in entry["shape"])
+    if position is not None:
+        record = stored_bundle.record(name)
+        shape = (int(record.row_lengths[position]), *record.token_shape)
+    size = math.prod(shape) * dtype.itemsize
+    return size + len(npy_header_for(shape, dtype)) if fmt == "npy" else size
+
+
+def _too_large(
+    stored_bundle: StoredBundle, name: str, fmt: str, size: int, limit: int, what: str
+) -> ApiError:
+    """422 `too_large`: the body would be built in memory and is over the limit."""
+    streamed = fmt != "pt" and stored_bundle.record(name).base is None
+    alternative = (
+        "a whole download with format=npy or raw (no Range, no ?sample=) is streamed with "
+        "bounded memory"
+        if streamed
+        else "this payload is delta-encoded: every body of it is built in memory"
+    )
+    return ApiError(
+        422,
+        "too_large",
+        f"{what} of payload {name!r} would be built in memory: {size} bytes, over the limit "
+        f"of {limit} ({MAX_BUFFERED_ENV}); {alternative}",
+    )
+
+
+def _buffered_body(
+    state: AppState,
+    stored_bundle: StoredBundle,
+    name: str,
+    fmt: str,
+    position: int | None,
+    torch_dtype: str,
+    etag: str,
+    what: str,
+) -> Body:
+    """`_payload_body`, with its memory bounded (issue 18, item 5).
+
+    Over `max_buffered_bytes` it is refused before anything is decoded. Over
+    `serial_build_bytes` bodies are built one at a time under `build_lock` (a
+    flood gets 503 `busy`), and a body built or being sent is shared by ETag
+    (the cache, or `bodies_in_flight` while any response still holds it), so
+    concurrent requests for one huge payload hold one copy, not one each.
+    """
+    size = _body_bytes(stored_bundle, name, fmt, position, torch_dtype)
+    if size > state.max_buffered_bytes:
+        raise _too_large(stored_bundle, name, fmt, size, state.max_buffered_bytes, what)
+    if size <= state.serial_build_bytes:
+        body = _payload_body(stored_bundle, name, fmt, position, torch_dtype)
+        state.bodies.put(etag, body)
+        return body
+    with state.build_lock:
+        body = state.bodies.get(etag) or state.bodies_in_flight.get(etag)
+        if body is None:
+            body = _payload_body(stored_bundle, name, fmt, position, torch_dtype)
+            state.bodies.put(etag, body)
+            state.bodies_in_flight[etag] = body
+    return body
+
+
 @router.get("/bundles/{key:path}/samples", response_model=models.SampleList)
 def bundle_samples(
     state: StateDep,
@@ -101,6 +178,12 @@ def bundle_samples(
         206: {"content": {"application/octet-stream": {}}, "description": "a byte range"},
         304: {"description": "not modified (If-None-Match)"},
         416: {"model": models.ErrorResponse, "description": "range not satisfiable"},
+        422: {
+            "model": models.ErrorResponse,
+            "description": "too_large: a body built in memory (Range, ?sample=, format=pt, a "
+            "delta record) over TRAJSTORE_API_MAX_BUFFERED_BYTES",
+        },
+        503: {"model": models.ErrorResponse, "description": "busy: too many large bodies queued"},
     },
 )
 def payload(
@@ -161,8 +244,16 @@ def payload(
                 media_type="application/octet-stream",
             )
     if body is None:
-        body = _payload_body(stored_bundle, name, format, position, str(payload_row["dtype"]))
-        state.bodies.put(etag, body)
+        what = (
+            f"sample {sample[:100]!r}"
+            if sample is not None
+            else "a byte range"
+            if request.headers.get("range")
+            else f"the format={format} body"
+        )
+        body = _buffered_body(
+            state, stored_bundle, name, format, position, str(payload_row["dtype"]), etag, what
+        )
     if body.shape is not None:
         headers["X-Shape"] = ",".join(str(dim) for dim in body.shape)
     headers["Content-Disposition"] = f'attachment; filename="{quote(filename)}"'
