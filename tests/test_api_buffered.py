@@ -93,6 +93,7 @@ def test_format_pt_over_the_limit_is_a_422(tight: int) -> None:
     doc = assert_json_error(status, body, "pt over the limit")
     assert (status, doc["error"]) == (422, "too_large")
     assert f"{PT_FILE.stat().st_size} bytes" in doc["detail"], doc
+    assert "format=npy or raw" in doc["detail"], doc  # not a delta record: it streams
 
 
 def test_a_sample_over_the_limit_is_a_422(tight: int) -> None:

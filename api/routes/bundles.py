@@ -94,10 +94,10 @@ def _body_bytes(
 
 
 def _too_large(
-    stored_bundle: StoredBundle, name: str, fmt: str, size: int, limit: int, what: str
+    stored_bundle: StoredBundle, name: str, size: int, limit: int, what: str
 ) -> ApiError:
     """422 `too_large`: the body would be built in memory and is over the limit."""
-    streamed = fmt != "pt" and stored_bundle.record(name).base is None
+    streamed = stored_bundle.record(name).base is None  # a delta record is never streamed
     alternative = (
         "a whole download with format=npy or raw (no Range, no ?sample=) is streamed with "
         "bounded memory"
@@ -132,7 +132,7 @@ def _buffered_body(
     """
     size = _body_bytes(stored_bundle, name, fmt, position, torch_dtype)
     if size > state.max_buffered_bytes:
-        raise _too_large(stored_bundle, name, fmt, size, state.max_buffered_bytes, what)
+        raise _too_large(stored_bundle, name, size, state.max_buffered_bytes, what)
     if size <= state.serial_build_bytes:
         body = _payload_body(stored_bundle, name, fmt, position, torch_dtype)
         state.bodies.put(etag, body)
