@@ -133,3 +133,26 @@ def test_concurrent_ranges_over_the_build_threshold_all_answer_right(serial: int
     # 8 requests: one builds, at most 7 wait (the queue holds 8), so none is refused
     for (start, end), (status, body) in zip(ranges, answers, strict=True):
         assert (status, body) == (206, whole[start : end + 1])
+
+
+def test_a_delta_record_over_the_limit_is_a_422_even_whole(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Train routes are stored as a delta against rollout routes: no body of them streams,
+    so even a whole npy download is built in memory, and refused over the limit."""
+    from test_router_stage import routed_contents
+
+    from trajstore.bundle.writer import write_bundle
+
+    root = tmp_path_factory.mktemp("buffered-delta")
+    contents = routed_contents()
+    contents.identity = {"actor_step_id": {"rollout_id": 1, "step_id": 0}, "rollout_id": None}
+    write_bundle(root / "capture" / "replay-1-0", contents)
+    with Store.open(root / "store", durable=False) as st:
+        assert all(o.status == "published" for o in st.ingest([root / "capture"], run="rt"))
+    path = "/v1/bundles/rt/step-1-0/a1/payloads/train_routed_experts"
+    with served(root / "store", TRAJSTORE_API_MAX_BUFFERED_BYTES=str(TIGHT_LIMIT)) as (_, port):
+        status, body = raw_request(port, path)
+        doc = assert_json_error(status, body, "delta over the limit")
+        assert (status, doc["error"]) == (422, "too_large")
+        assert "delta-encoded" in doc["detail"], doc
