@@ -14,19 +14,18 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 import pytest
+import serving
 from conftest import CAPTURE_DIR, FIXTURES
+from serving import memory_kb
 from trajstore.api.errors import ApiError
 from trajstore.api.limits import QueueLimitedLock
 
@@ -81,60 +80,17 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def served(store: Path, token: str | None = None, **env: str) -> Iterator[tuple[int, int]]:
-    """`trajstore serve` in a subprocess on a free loopback port: (pid, port)."""
-    port = free_port()
-    environ = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
-    environ["TRAJSTORE_API_REQUEST_TIMEOUT_S"] = str(REQUEST_TIMEOUT_S)
-    if token is not None:
-        environ["TRAJSTORE_API_TOKEN"] = token
-    environ.update(env)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(store)]
-        + ["--port", str(port), "--log-level", "error"],
-        env=environ,
-        stderr=subprocess.PIPE,
+def served(store: Path, token: str | None = None, **env: str) -> AbstractContextManager:
+    """`trajstore serve` on a free loopback port with a short request deadline: (pid, port)."""
+    return serving.served(
+        store, token=token, TRAJSTORE_API_REQUEST_TIMEOUT_S=str(REQUEST_TIMEOUT_S), **env
     )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, f"serve exited: {server.stderr.read().decode()[-2000:]}"
-            assert time.monotonic() < deadline, "serve did not answer"
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.1)
-        yield server.pid, port
-        assert server.poll() is None, "the server died"
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 @pytest.fixture(scope="module")
 def server(store: Path) -> Iterator[tuple[int, int]]:
     with served(store) as pid_port:
         yield pid_port
-
-
-def memory_kb(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of a process, in kB."""
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-    )
-    return {name: int(fields[name].split()[0]) for name in ("VmRSS", "VmHWM")}
 
 
 def raw_request(port: int, target: str, headers: str = "", body: bytes = b"") -> tuple[int, bytes]:

@@ -9,12 +9,8 @@ port; the streamed download runs under uvicorn in a thread (tests/test_api.py's
 from __future__ import annotations
 
 import io
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_contents
+from serving import served
 from test_api import serve
 from trajstore.api import streaming
 
@@ -57,12 +54,6 @@ def long_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return root / "store", first
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _workers_of(pid: int) -> list[int]:
     """Child processes of `pid` started by multiprocessing's spawn (uvicorn's workers)."""
     out = []
@@ -82,32 +73,11 @@ def _workers_of(pid: int) -> list[int]:
 @pytest.fixture
 def two_workers(long_store: tuple[Path, dict]) -> Iterator[tuple[int, httpx.Client]]:
     store, _ = long_store
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(store)]
-        + ["--port", str(port), "--workers", "2", "--log-level", "warning"],
-        env=env,
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert server.poll() is None, f"serve exited with {server.returncode}"
-                assert time.monotonic() < deadline, "serve --workers 2 did not answer"
-                try:
-                    if client.get("/v1/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            yield server.pid, client
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    with (
+        served(store, "--workers", "2") as (pid, port),
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client,
+    ):
+        yield pid, client
 
 
 def test_serve_two_workers_answer_concurrent_lookups_and_downloads(

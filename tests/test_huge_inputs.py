@@ -18,15 +18,13 @@ import importlib.util
 import os
 import resource
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from serving import memory_kb, served
 
 from trajstore.bundle.reader import MAX_PAYLOAD_ENV, MAX_SAMPLES_ENV
 from trajstore.bundle.writer import write_bundle
@@ -134,65 +132,24 @@ def test_replay_of_a_large_payload_step_is_bounded(payload_store: dict) -> None:
     assert big - tiny <= PAYLOAD_FACTOR * PAYLOAD_BYTES + WRITE_BATCH
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vm_hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_rest_download_of_a_large_payload_streams_in_bounded_memory(payload_store: dict) -> None:
     """The server's peak RSS grows by far less than the body it sends (streamed, not held)."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
-    env["TRAJSTORE_API_CACHE_MB"] = "16"  # a body that fits the cache would be kept on purpose
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trajstore",
-            "serve",
-            "--store",
-            str(payload_store["root"] / "store"),
-        ]
-        + ["--port", str(port), "--log-level", "warning"],
-        env=env,
-    )
     key = f"huge/step-{payload_store['big_step'].replace(':', '-')}/a1"
     want = bench.tensor_sha256(payload_store["big_pt"])
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert server.poll() is None, f"serve exited with {server.returncode}"
-                try:
-                    if client.get("/v1/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    assert time.monotonic() < deadline, "serve did not answer"
-                    time.sleep(0.2)
-            before = _vm_hwm(server.pid)
-            digest, got = hashlib.sha256(), 0
-            url = f"/v1/bundles/{key}/payloads/rollout_routed_experts"
-            with client.stream("GET", url, params={"format": "raw"}) as resp:
-                assert resp.status_code == 200
-                for piece in resp.iter_bytes(MIB):
-                    digest.update(piece)
-                    got += len(piece)
-            grown = _vm_hwm(server.pid) - before
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    # TRAJSTORE_API_CACHE_MB: a body that fits the cache would be kept on purpose
+    with (
+        served(payload_store["root"] / "store", TRAJSTORE_API_CACHE_MB="16") as (pid, port),
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client,
+    ):
+        before = memory_kb(pid)["VmHWM"] * 1024
+        digest, got = hashlib.sha256(), 0
+        url = f"/v1/bundles/{key}/payloads/rollout_routed_experts"
+        with client.stream("GET", url, params={"format": "raw"}) as resp:
+            assert resp.status_code == 200
+            for piece in resp.iter_bytes(MIB):
+                digest.update(piece)
+                got += len(piece)
+        grown = memory_kb(pid)["VmHWM"] * 1024 - before
     assert (digest.hexdigest(), got) == want
     assert grown <= STREAM_BOUND, f"serve grew {grown / MIB:.0f} MiB sending the payload"
 

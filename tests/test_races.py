@@ -9,9 +9,6 @@ trajstore.store.gclock, makes the grace rule hold at 0). `rm` of a run while
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import make_contents
+from serving import served
 from test_store import cli, tree_equal
 
 from trajstore.bundle.writer import write_bundle, write_rank
@@ -168,45 +166,18 @@ def test_a_writer_whose_index_predates_a_gc_stores_the_swept_objects_again(
 # -- rm while serving -------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[Path, httpx.Client]]:
+def serving_store(tmp_path: Path) -> Iterator[tuple[Path, httpx.Client]]:
     st = tmp_path / "store"
     with Store.open(st) as store:
         for seed, run in ((0, "keep"), (100, "gone")):
             outs = store.ingest(_capture(tmp_path / run, range(0, 3), seed=seed), run=run)
             assert {o.status for o in outs} == {"published"}
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(st)]
-        + ["--port", str(port), "--log-level", "warning"],
-        env=env,
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                assert server.poll() is None, f"serve exited with {server.returncode}"
-                assert time.monotonic() < deadline, "serve did not answer"
-                try:
-                    if client.get("/v1/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            yield st, client
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    with (
+        served(st) as (_, port),
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client,
+    ):
+        yield st, client
 
 
 def _urls(client: httpx.Client, run: str) -> list[str]:
@@ -223,9 +194,9 @@ def _urls(client: httpx.Client, run: str) -> list[str]:
 
 
 def test_rm_of_a_served_run_answers_404_afterwards_never_500(
-    served: tuple[Path, httpx.Client],
+    serving_store: tuple[Path, httpx.Client],
 ) -> None:
-    st, client = served
+    st, client = serving_store
     gone, keep = _urls(client, "gone"), _urls(client, "keep")
     seen: dict[int, int] = {}
     errors: list[str] = []
