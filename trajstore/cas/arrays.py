@@ -57,6 +57,7 @@ import zstandard
 from blake3 import blake3
 
 from trajstore.cas.chunk_cache import CHUNK_CACHE
+from trajstore.cas.lru import BytesLRU
 from trajstore.cas.objects import ObjectStore, check_hash
 from trajstore.errors import IntegrityError, NotFoundError, UsageError
 
@@ -543,7 +544,7 @@ def _zero_key(size: int) -> bytes:
     return blake3(bytes(size)).digest()
 
 
-class _EncodeCache:
+class _EncodeCache(BytesLRU):
     """Recently encoded windows by the BLAKE3 of their decoded bytes (bounded by bytes).
 
     Encoding is deterministic (equal decoded bytes -> equal stored bytes), so
@@ -553,10 +554,7 @@ class _EncodeCache:
     """
 
     def __init__(self, max_bytes: int, max_names: int = 1 << 18) -> None:
-        self.max_bytes = max_bytes
-        self._d: OrderedDict[bytes, bytes] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        super().__init__(max_bytes, item_fraction=16)
         # Key -> (object name, size) of windows stored from this process, kept longer than
         # their bytes (~200 B an entry): a window whose object the store is known to hold
         # (`ObjectStore.has_cached`, no I/O) is neither compressed nor hashed again, even
@@ -577,29 +575,10 @@ class _EncodeCache:
             if len(self._names) > self.max_names:
                 self._names.popitem(last=False)
 
-    def get(self, key: bytes) -> bytes | None:
-        with self._lock:
-            v = self._d.get(key)
-            if v is not None:
-                self._d.move_to_end(key)
-            return v
-
     def clear(self) -> None:
+        super().clear()
         with self._lock:
-            self._d.clear()
             self._names.clear()
-            self._bytes = 0
-
-    def add(self, key: bytes, value: bytes) -> None:
-        if len(value) > self.max_bytes // 16:
-            return
-        with self._lock:
-            if key in self._d:
-                return
-            self._d[key] = value
-            self._bytes += len(value)
-            while self._bytes > self.max_bytes:
-                self._bytes -= len(self._d.popitem(last=False)[1])
 
 
 #: Encoded windows kept for reuse (see `_EncodeCache`); 64 MiB covers a rollout's chunks.

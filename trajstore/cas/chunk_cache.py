@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from trajstore.cas.lru import BytesLRU
 
 #: decoded bytes kept per object store (a 256-sample x 1k-token bundle's chunks are ~25 MiB:
 #: a step and its rollout fit)
@@ -38,54 +39,21 @@ _WORKERS = min(4, os.cpu_count() or 1)
 Decoder = Callable[[bytes, int, str], bytes]
 
 
-class _Chunks:
-    """One object store's decoded chunks by (hash, decoded size), least recently used out."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._d: OrderedDict[tuple[str, int], bytes] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, int]) -> bytes | None:
-        with self._lock:
-            v = self._d.get(key)
-            if v is not None:
-                self._d.move_to_end(key)
-            return v
-
-    def add(self, key: tuple[str, int], value: bytes) -> None:
-        if len(value) > self.max_bytes // 8:
-            return
-        with self._lock:
-            if key in self._d:
-                return
-            self._d[key] = value
-            self._bytes += len(value)
-            while self._bytes > self.max_bytes:
-                self._bytes -= len(self._d.popitem(last=False)[1])
-
-    def clear(self) -> None:
-        with self._lock:
-            self._d.clear()
-            self._bytes = 0
-
-
 class ChunkCache:
     """Decoded, verified chunk objects per object store (see the module docstring)."""
 
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._stores: weakref.WeakKeyDictionary[Any, _Chunks] = weakref.WeakKeyDictionary()
+        self._stores: weakref.WeakKeyDictionary[Any, BytesLRU] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
-    def _of(self, objs: Any) -> _Chunks | None:
+    def _of(self, objs: Any) -> BytesLRU | None:
         with self._lock:
             try:
                 c = self._stores.get(objs)
                 if c is None:
-                    c = self._stores[objs] = _Chunks(self.max_bytes)
+                    c = self._stores[objs] = BytesLRU(self.max_bytes)
             except TypeError:  # not weak-referenceable: no cache
                 return None
             return c

@@ -1,0 +1,46 @@
+"""A thread-safe map of byte strings bounded by their total size, least recently used out.
+
+Both in-process caches of the object layer use it: decoded chunks per store
+(`chunk_cache`) and encoded windows per process (`arrays._EncodeCache`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+
+
+class BytesLRU:
+    """At most `max_bytes` of values; a value over `max_bytes // item_fraction` is not kept
+    (one huge value would otherwise evict everything)."""
+
+    def __init__(self, max_bytes: int, item_fraction: int = 8) -> None:
+        self.max_bytes = max_bytes
+        self.item_fraction = item_fraction
+        self._d: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> bytes | None:
+        with self._lock:
+            v = self._d.get(key)
+            if v is not None:
+                self._d.move_to_end(key)
+            return v
+
+    def add(self, key: Hashable, value: bytes) -> None:
+        if len(value) > self.max_bytes // self.item_fraction:
+            return
+        with self._lock:
+            if key in self._d:
+                return
+            self._d[key] = value
+            self._bytes += len(value)
+            while self._bytes > self.max_bytes:
+                self._bytes -= len(self._d.popitem(last=False)[1])
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self._bytes = 0
