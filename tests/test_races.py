@@ -99,8 +99,10 @@ def _every_bundle_intact(st: Path, run: str, targets: list[Path], tmp: Path) -> 
 
 def test_gc_grace_0_in_a_loop_beside_two_ingests_and_a_replay_all(tmp_path: Path) -> None:
     st = tmp_path / "store"
-    # Garbage the ingests will deduplicate against: run "old" stored, then removed.
-    old = _capture(tmp_path / "old", range(0, 4))
+    # Garbage the ingests will deduplicate against (steps 0-9: whether a gc pass sees it
+    # before an ingest re-references it is the race), and some they will not (steps 10-11:
+    # whichever pass comes first collects it): run "old" stored, then removed.
+    old = _capture(tmp_path / "old", range(0, 12))
     assert cli("ingest", "--store", st, "--run", "old", tmp_path / "old").returncode == 0
     assert cli("rm", "--store", st, "--run", "old").returncode == 0
     # Two ingests of overlapping content (step 5 a 2-rank cohort): each deduplicates

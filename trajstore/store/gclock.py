@@ -72,6 +72,23 @@ def _depths() -> dict[str, int]:
 
 
 @contextlib.contextmanager
+def _lock_files(objs: LocalObjectStore) -> Iterator[tuple[int, int]]:
+    """The turnstile and the lock file of `objs`, open (closing them releases any flock)."""
+    d = objs.root / LOCKS_DIR
+    gate = _open(d / GATE)
+    try:
+        lock = _open(d / LOCK)
+    except BaseException:
+        os.close(gate)
+        raise
+    try:
+        yield gate, lock
+    finally:
+        os.close(lock)
+        os.close(gate)
+
+
+@contextlib.contextmanager
 def writing(objs: ObjectStore) -> Iterator[None]:
     """Hold the store's writer lock (shared) around writing objects and publishing refs.
 
@@ -92,14 +109,7 @@ def writing(objs: ObjectStore) -> Iterator[None]:
         finally:
             depths[root] -= 1
         return
-    d = objs.root / LOCKS_DIR
-    gate = _open(d / GATE)
-    try:
-        lock = _open(d / LOCK)
-    except BaseException:
-        os.close(gate)
-        raise
-    try:
+    with _lock_files(objs) as (gate, lock):
         fcntl.flock(gate, fcntl.LOCK_SH)  # queues behind a waiting gc
         fcntl.flock(lock, fcntl.LOCK_SH)
         fcntl.flock(gate, fcntl.LOCK_UN)
@@ -109,9 +119,6 @@ def writing(objs: ObjectStore) -> Iterator[None]:
             yield
         finally:
             depths[root] = 0
-    finally:
-        os.close(lock)  # closing releases the flock
-        os.close(gate)
 
 
 def gc_waiting(objs: ObjectStore) -> bool:
@@ -157,14 +164,7 @@ def collecting(objs: ObjectStore) -> Iterator[None]:
         yield
         return
     assert isinstance(objs, LocalObjectStore)
-    d = objs.root / LOCKS_DIR
-    gate = _open(d / GATE)
-    try:
-        lock = _open(d / LOCK)
-    except BaseException:
-        os.close(gate)
-        raise
-    try:
+    with _lock_files(objs) as (gate, lock):
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX)
         # A fixed-width generation, rewritten in place: writers that see it change
@@ -172,6 +172,3 @@ def collecting(objs: ObjectStore) -> Iterator[None]:
         # (a full disk) deletes nothing.
         os.pwrite(lock, f"{time.time_ns():020d}-{os.getpid():010d}\n".encode(), 0)
         yield
-    finally:
-        os.close(lock)
-        os.close(gate)
