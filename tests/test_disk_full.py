@@ -23,13 +23,14 @@ from pathlib import Path
 
 import pytest
 from conftest import make_contents
+from store_checks import visible_bundles
 from test_capture import enabled, one_step
-from test_store import cli, tree_equal
+from test_store import cli
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.capture import CaptureManager
-from trajstore.errors import DiskFullError, NotFoundError, StoreError, disk_full_error
-from trajstore.store import Store, export_bundles
+from trajstore.errors import DiskFullError, StoreError, disk_full_error
+from trajstore.store import Store
 from trajstore.store.ingest import Ingestor, ingest_paths
 from trajstore.store.maintenance import fsck
 
@@ -90,24 +91,6 @@ def _capture(root: Path, tokens: int = 3000) -> list[Path]:
     ]
 
 
-def _visible(st: Path, targets: list[Path], tmp: Path) -> int:
-    """Every bundle is absent or fully there (byte-identical export); how many are there."""
-    store = Store.open(st, create=False)
-    n = 0
-    for t in targets:
-        step = int(t.name.rsplit("-", 1)[1])
-        try:
-            bundles = store.step("default", 7, step)
-        except NotFoundError:
-            continue
-        out = tmp / f"check-{uuid.uuid4().hex[:8]}"
-        export_bundles(bundles, out)
-        assert tree_equal(t, out), t
-        shutil.rmtree(out)
-        n += 1
-    return n
-
-
 def _leftovers(st: Path) -> list[str]:
     """Temp files and packs without an index: what a failed write must not leave."""
     tmp = [p.name for p in (st / "tmp").iterdir()]
@@ -131,12 +114,12 @@ def test_ingest_into_a_full_disk_exits_2_in_one_line_and_completes_once_space_is
     assert len(lines) == 1 and lines[0].startswith("trajstore: error: no space left on device")
     assert "run the same command again" in lines[0]
     assert cli("fsck", "--store", st).returncode == 0
-    assert _visible(st, targets, tmp_path) < len(targets)
+    assert visible_bundles(st, targets, tmp_path) < len(targets)
     assert _leftovers(st) == []
     filler.unlink()
     again = cli("ingest", "--store", st, tmp_path / "cap")
     assert again.returncode == 0, again.stderr
-    assert _visible(st, targets, tmp_path) == len(targets)
+    assert visible_bundles(st, targets, tmp_path) == len(targets)
     assert cli("fsck", "--store", st).returncode == 0
 
 
@@ -192,11 +175,11 @@ def test_enospc_at_every_write_point_leaves_nothing_half_published(
             points["completed"] = points.get("completed", 0) + 1
         assert fsck(Store.open(st, create=False)).ok
         assert _leftovers(st) == [], (leave, _leftovers(st))
-        _visible(st, targets, tmp_path)
+        visible_bundles(st, targets, tmp_path)
         filler.unlink()
         with Store.open(st) as s:
             assert {o.status for o in s.ingest([tmp_path / "cap"])} <= {"published", "unchanged"}
-        assert _visible(st, targets, tmp_path) == len(targets)
+        assert visible_bundles(st, targets, tmp_path) == len(targets)
         shutil.rmtree(st)
     print(f"ENOSPC points over {len(levels)} levels (need {need} B): {points}")
     assert any("pack" in p or "_write_file" in p for p in points), points

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import edit_json, make_contents, resign_bundle
-from test_store import tree_equal
+from store_checks import tree_equal
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.cas import LocalObjectStore, write_array

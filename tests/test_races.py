@@ -20,10 +20,11 @@ import httpx
 import pytest
 from conftest import make_contents
 from serving import served
-from test_store import cli, tree_equal
+from store_checks import visible_bundles
+from test_store import cli
 
 from trajstore.bundle.writer import write_bundle, write_rank
-from trajstore.store import Store, export_bundles
+from trajstore.store import Store
 from trajstore.store.maintenance import fsck, gc
 
 #: a loop of CLI passes in one process (`trajstore.cli.main`, no interpreter start per
@@ -87,16 +88,6 @@ def _loop(tmp: Path, name: str, ok: str, *argv: str) -> tuple[subprocess.Popen, 
     return proc, out
 
 
-def _every_bundle_intact(st: Path, run: str, targets: list[Path], tmp: Path) -> int:
-    store = Store.open(st, create=False)
-    for t in targets:
-        step = int(t.name.rsplit("-", 1)[1])
-        out = tmp / f"check-{run}-{step}"
-        export_bundles(store.step(run, 7, step), out)
-        assert tree_equal(t, out), (run, t)
-    return len(targets)
-
-
 def test_gc_grace_0_in_a_loop_beside_two_ingests_and_a_replay_all(tmp_path: Path) -> None:
     st = tmp_path / "store"
     # Garbage the ingests will deduplicate against (steps 0-9: whether a gc pass sees it
@@ -142,8 +133,8 @@ def test_gc_grace_0_in_a_loop_beside_two_ingests_and_a_replay_all(tmp_path: Path
     assert dropped > 0  # the removed run's objects were collected while the ingests ran
     fsck = cli("fsck", "--store", st)
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
-    assert _every_bundle_intact(st, "a", a, tmp_path) == 8
-    assert _every_bundle_intact(st, "b", b, tmp_path) == 8
+    assert visible_bundles(st, a, tmp_path, run="a") == 8
+    assert visible_bundles(st, b, tmp_path, run="b") == 8
     done = cli("replay", "--store", st, "--all", "--run", "b")
     assert done.returncode in (0, 1), done.stderr
 
@@ -162,7 +153,7 @@ def test_a_writer_whose_index_predates_a_gc_stores_the_swept_objects_again(
             assert gc(other, grace_s=0)["objects_dropped"] > 0
         assert {o.status for o in writer.ingest(cap, run="new")} == {"published"}
     assert fsck(Store.open(st, create=False)).ok
-    assert _every_bundle_intact(st, "new", cap, tmp_path) == 2
+    assert visible_bundles(st, cap, tmp_path, run="new") == 2
 
 
 # -- rm while serving -------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import filecmp
 import json
 import os
 import re
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_contents, resign_bundle
+from store_checks import tree_equal
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.errors import BundleError, IntegrityError, NotFoundError, UsageError
@@ -36,14 +36,6 @@ def cli(*args: str | Path, env: dict | None = None) -> subprocess.CompletedProce
         text=True,
         env={**os.environ, **(env or {})},
     )
-
-
-def tree_equal(a: Path, b: Path) -> bool:
-    cmp = filecmp.dircmp(a, b)
-    if cmp.left_only or cmp.right_only or cmp.funny_files:
-        return False
-    _, mismatch, errors = filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)
-    return not mismatch and not errors and all(tree_equal(a / d, b / d) for d in cmp.common_dirs)
 
 
 def verdict(target: Path) -> tuple[int, dict]:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 from conftest import make_contents
-from test_store import cli, tree_equal
+from store_checks import visible_bundles
+from test_store import cli
 
 from trajstore.bundle.writer import write_bundle, write_rank
-from trajstore.errors import NotFoundError
-from trajstore.store import Store, export_bundles
+from trajstore.store import Store
 
 
 def _capture(
@@ -50,24 +50,6 @@ def _ingest_cmd(st: Path | str, *paths: Path) -> list[str]:
     return [sys.executable, "-m", "trajstore", "ingest", "--store", str(st), *map(str, paths)]
 
 
-def _check_all_or_nothing(st: Path | str, targets: list[Path], tmp: Path) -> int:
-    """Every bundle is fully visible (and exports byte-identical) or absent;
-    returns how many are visible."""
-    store = Store.open(st, create=False)
-    visible = 0
-    for t in targets:
-        step = int(t.name.rsplit("-", 1)[1])
-        try:
-            bundles = store.step("default", 7, step)
-        except NotFoundError:
-            continue
-        out = tmp / f"check-{time.monotonic_ns()}"
-        export_bundles(bundles, out)
-        assert tree_equal(t, out), t
-        visible += 1
-    return visible
-
-
 def test_sigkill_at_random_points_leaves_a_consistent_store(tmp_path: Path, store_url: str) -> None:
     targets = _capture(tmp_path / "cap", list(range(6)), cohort_step=3, tokens=12000)
     # Calibrate kill points to this machine: how long does a whole ingest take?
@@ -88,10 +70,10 @@ def test_sigkill_at_random_points_leaves_a_consistent_store(tmp_path: Path, stor
         proc.wait()
         fs = cli("fsck", "--store", st)
         assert fs.returncode == 0, fs.stderr
-        _check_all_or_nothing(st, targets, tmp_path)
+        visible_bundles(st, targets, tmp_path)
     done = cli("ingest", "--store", st, tmp_path / "cap")
     assert done.returncode == 0, done.stderr
-    assert _check_all_or_nothing(st, targets, tmp_path) == len(targets)
+    assert visible_bundles(st, targets, tmp_path) == len(targets)
     assert cli("fsck", "--store", st).returncode == 0
 
 
@@ -117,7 +99,7 @@ def test_two_ingests_and_a_reader_all_succeed(tmp_path: Path, store_url: str) ->
         assert p.returncode == 0, err
     keys = {row["key"] for row in Store.open(st).bundles()}
     assert len(keys) == 7  # 5 single bundles + 2 ranks
-    assert _check_all_or_nothing(st, a + b, tmp_path) == 6
+    assert visible_bundles(st, a + b, tmp_path) == 6
 
 
 # -- Ctrl-C in the middle of an ingest ------------------------------------------------
@@ -220,7 +202,7 @@ def test_ctrl_c_keeps_earlier_and_finished_bundles_intact(
     interrupted: Interrupted, tmp_path: Path
 ) -> None:
     finished = interrupted.earlier + interrupted.targets[:INTERRUPTED_STEP]
-    assert _check_all_or_nothing(interrupted.store, finished, tmp_path) == len(finished)
+    assert visible_bundles(interrupted.store, finished, tmp_path) == len(finished)
 
 
 def test_rerun_after_ctrl_c_stores_the_rest(interrupted: Interrupted, tmp_path: Path) -> None:
@@ -238,5 +220,5 @@ def test_rerun_after_ctrl_c_stores_the_rest(interrupted: Interrupted, tmp_path: 
         f"default/step-7-{INTERRUPTED_STEP}/rank-{r}/a1" for r in (0, 1)
     }
     every = interrupted.earlier + interrupted.targets
-    assert _check_all_or_nothing(st, every, tmp_path) == len(every)
+    assert visible_bundles(st, every, tmp_path) == len(every)
     assert cli("fsck", "--store", st).returncode == 0

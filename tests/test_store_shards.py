@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import make_contents
-from test_store import tree_equal
+from store_checks import tree_equal
 
 from trajstore.bundle.writer import write_rank
 from trajstore.store import Store, export_bundles
