@@ -21,8 +21,6 @@ peak (VmHWM) after, wall time, and the statuses.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,9 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the serve helper
 
 import httpx  # noqa: E402
-from bench_huge import _free_port, payload_contents, trajstore, vm_hwm  # noqa: E402
+from bench_huge import payload_contents, trajstore, vm_hwm  # noqa: E402
+from serving import served  # noqa: E402
 
 from trajstore.bundle.ptfile import read_pt_bytes  # noqa: E402
 from trajstore.bundle.writer import write_bundle  # noqa: E402
@@ -52,25 +52,9 @@ def vm_rss(pid: int) -> int:
 
 def measure(store: Path, env: dict[str, str], requests: int, want: bytes) -> str:
     """Serve `store` with `env`, send the concurrent ranges; one result line."""
-    port = _free_port()
-    environ = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"} | env
-    server = subprocess.Popen(
-        trajstore("serve", "--store", str(store), "--port", str(port), "--log-level", "error"),
-        env=environ,
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/v1/bundles/{KEY}/payloads/{NAME}?format=raw"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("serve did not answer") from None
-                time.sleep(0.2)
-        before = vm_rss(server.pid)
+    with served(store, "--log-level", "error", start_timeout_s=300, **env) as (pid, port):
+        url = f"http://127.0.0.1:{port}/v1/bundles/{KEY}/payloads/{NAME}?format=raw"
+        before = vm_rss(pid)
 
         def fetch(_: int) -> tuple[int, bool]:
             got = httpx.get(url, headers={"Range": f"bytes=0-{RANGE_END}"}, timeout=600)
@@ -80,10 +64,7 @@ def measure(store: Path, env: dict[str, str], requests: int, want: bytes) -> str
         with ThreadPoolExecutor(requests) as pool:
             answers = list(pool.map(fetch, range(requests)))
         wall = time.monotonic() - start
-        peak = vm_hwm(server.pid)
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=60)
+        peak = vm_hwm(pid)
     statuses = sorted({status for status, _ in answers})
     right = sum(ok for status, ok in answers if status == 206)
     return (

@@ -28,8 +28,6 @@ import argparse
 import hashlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +41,7 @@ from trajstore.bundle.writer import BundleContents, default_stage_contracts, wri
 from trajstore.replay import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # the serve helper the tests use
 PY = sys.executable
 #: route payload geometry: int32 [T, LAYERS, TOP_K], 2 KiB per token
 LAYERS, TOP_K = 64, 8
@@ -233,12 +232,6 @@ def trajstore(*args: str) -> list[str]:
     return [PY, "-m", "trajstore", *args]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tensor_sha256(pt_file: Path) -> tuple[str, int]:
     """sha256 and size of the tensor bytes inside a torch.save file (read in pieces)."""
     from trajstore.bundle.ptfile import read_pt_bytes
@@ -262,55 +255,42 @@ def serve_download(store: Path, key: str, name: str, out: Path) -> tuple[Measure
     stderr names how long the server took to answer its first health check.
     """
     import httpx
+    from serving import ServeError, served
 
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
-    err = tempfile.TemporaryFile()  # noqa: SIM115 - read after the server stops
-    server = subprocess.Popen(
-        trajstore("serve", "--store", str(store), "--port", str(port), "--log-level", "warning"),
-        stdout=subprocess.DEVNULL,
-        stderr=err,
-        env=env,
-        preexec_fn=_limit_memory,
-    )
     h = hashlib.sha256()
     got = 0
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            started = time.monotonic()
-            deadline = started + SERVE_START_S[0]
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"serve exited with {server.returncode}")
-                try:
-                    if client.get("/v1/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    if time.monotonic() > deadline:
-                        raise SystemExit("serve did not answer") from None
-                    time.sleep(0.2)
-            start = time.monotonic()
-            up = start - started
-            url = f"/v1/bundles/{key}/payloads/{name}"
-            with client.stream("GET", url, params={"format": "raw"}) as resp, out.open("wb") as f:
-                if resp.status_code != 200:
-                    resp.read()
-                    raise SystemExit(f"download: HTTP {resp.status_code} {resp.text[:200]}")
-                for piece in resp.iter_bytes(1 << 20):
-                    f.write(piece)
-                    h.update(piece)
-                    got += len(piece)
-            wall = time.monotonic() - start
-            rss = vm_hwm(server.pid)
-    finally:
-        server.send_signal(signal.SIGINT)
+    with tempfile.TemporaryFile() as err:  # read after the server stops
+        started = time.monotonic()
         try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    err.seek(0)
-    text = err.read().decode(errors="replace").strip()
+            with (
+                served(
+                    store,
+                    start_timeout_s=SERVE_START_S[0],
+                    stderr=err,
+                    preexec_fn=_limit_memory,
+                ) as (pid, port),
+                httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client,
+            ):
+                start = time.monotonic()
+                up = start - started
+                url = f"/v1/bundles/{key}/payloads/{name}"
+                with (
+                    client.stream("GET", url, params={"format": "raw"}) as resp,
+                    out.open("wb") as f,
+                ):
+                    if resp.status_code != 200:
+                        resp.read()
+                        raise SystemExit(f"download: HTTP {resp.status_code} {resp.text[:200]}")
+                    for piece in resp.iter_bytes(1 << 20):
+                        f.write(piece)
+                        h.update(piece)
+                        got += len(piece)
+                wall = time.monotonic() - start
+                rss = vm_hwm(pid)
+        except ServeError as e:
+            raise SystemExit(str(e)) from None
+        err.seek(0)
+        text = err.read().decode(errors="replace").strip()
     return Measured(0, wall, rss, f"up in {up:.0f} s; {text[-200:]}"), got, h.hexdigest()
 
 

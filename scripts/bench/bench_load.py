@@ -36,8 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +47,9 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the serve helper the tests use
+from serving import served  # noqa: E402
+
 RUN = "bench"
 LIVE = "live"
 
@@ -83,12 +84,6 @@ done = function(summary, latency, requests)
     latency:percentile(99) / 1000, latency.max / 1000, latency.mean / 1000))
 end
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_processes(pid: int) -> list[int]:
@@ -232,27 +227,8 @@ def main() -> int:
             file=sys.stderr,
         )
         store = root / "store"
-        port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "trajstore", "serve", "--store", str(store)]
-            + ["--port", str(port), "--workers", str(args.workers), "--log-level", "warning"],
-            env=env,
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"serve exited with {server.returncode}")
-                try:
-                    if httpx.get(f"{base}/v1/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("serve did not answer")
-                time.sleep(0.2)
+        with served(store, "--workers", str(args.workers), start_timeout_s=300) as (pid, port):
+            base = f"http://127.0.0.1:{port}"
             per = args.steps_per_rollout
             last = plan["steps"] - 1
             with httpx.Client(base_url=base, timeout=60) as client:
@@ -286,7 +262,7 @@ def main() -> int:
             result = run_wrk(cmd)
             stop.set()
             loop.join()
-            rss = {pid: round(peak_rss_mb(pid), 1) for pid in serve_processes(server.pid)}
+            rss = {p: round(peak_rss_mb(p), 1) for p in serve_processes(pid)}
             # what the ingest published is served (the snapshot resyncs within ~1 s)
             deadline = time.monotonic() + 30
             served_live = 0
@@ -295,12 +271,6 @@ def main() -> int:
                 if served_live >= ingest["bundles"]:
                     break
                 time.sleep(0.5)
-        finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
