@@ -42,22 +42,15 @@ from trajstore.replay import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # the serve helper the tests use
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_replay import CONFIG  # noqa: E402  (the GRPO config of the synthetic bundles)
+
 PY = sys.executable
 #: route payload geometry: int32 [T, LAYERS, TOP_K], 2 KiB per token
 LAYERS, TOP_K = 64, 8
 TOTAL_LEN, RESPONSE_LEN = 4096, 2048
 PER_TOKEN = ("old_log_probs", "log_probs", "ref_log_probs", "entropy", "kl", "advantages")
-CONFIG = {
-    "advantage_estimator": "grpo",
-    "entropy_coef": 0.01,
-    "eps_clip": 0.2,
-    "eps_clip_high": 0.28,
-    "grpo_std_normalization": True,
-    "kl_coef": 0.05,
-    "kl_loss_type": "k3",
-    "n_samples_per_prompt": 8,
-    "rewards_normalization": True,
-}
 
 
 def _identity(rollout_id: int, step_id: int, groups: int) -> dict:
