@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from trajstore.errors import BundleError
+from trajstore.jsonio import is_binary_int_list
 from trajstore.vocab import REWARD_STAGES, DeclaredCapability
 
 SUPPORTED_MAJORS = (1, 2)
@@ -229,7 +230,9 @@ class Sample(Doc):
     WHERE: ClassVar[str] = "index.json sample"
 
     def _validate(self, where: str) -> None:
-        if not set(map(type, self.raw["loss_mask"])) <= {int, bool}:  # C-speed: masks are long
+        mask = self.raw["loss_mask"]
+        # C-speed (masks are long): a mask of plain 0/1 ints passes without a type scan
+        if not is_binary_int_list(mask) and not set(map(type, mask)) <= {int, bool}:
             raise BundleError(
                 f"{where} '{self.raw['sample_id']}': loss_mask entries must be integers"
             )

@@ -13,6 +13,7 @@ import numpy as np
 
 from trajstore.bundle.reader import KEEP_CHECKED_BYTES, Bundle
 from trajstore.errors import TrajstoreError
+from trajstore.jsonio import is_binary_int_list
 from trajstore.schema import Sample
 
 #: Payloads laid out flat over the response tokens of every sample.
@@ -58,7 +59,9 @@ def sample_record_problems(samples: list[Sample]) -> list[str]:
                 f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is "
                 f"{s.response_length}"
             )
-        if bool in set(map(type, s.loss_mask)) or not set(s.loss_mask) <= {0, 1}:
+        if not is_binary_int_list(s.loss_mask) and (
+            bool in set(map(type, s.loss_mask)) or not set(s.loss_mask) <= {0, 1}
+        ):
             out.append(f"{where}: loss_mask values must be 0 or 1")
         if isinstance(s.reward, list) and len(s.reward) != s.response_length:
             out.append(

@@ -201,24 +201,19 @@ def _check_memo_indices(pickled: bytes, label: str) -> None:
         raise BundleError(f"{label}: unsafe or unreadable pickle: {exc}") from None
 
 
-def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
-    """Parse the bytes of a `torch.save` file holding exactly one plain tensor."""
-    try:
-        zf = zipfile.ZipFile(io.BytesIO(raw))
-        names = zf.namelist()
-    except _ZIP_READ_ERRORS as exc:
-        raise BundleError(f"{label}: not a torch.save zip file ({exc})") from None
-    pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pkl) != 1:
-        raise BundleError(f"{label}: not a torch.save file (no single <archive>/data.pkl)")
-    root = pkl[0][: -len("data.pkl")]
-    byteorder = root + "byteorder"
-    if byteorder in names and _read_member(zf, byteorder, label, 64).strip() not in (
-        b"little",
-        b"",
-    ):
-        raise BundleError(f"{label}: big-endian torch files are not supported")
-    pickled = _read_member(zf, pkl[0], label, MAX_PICKLE_BYTES)
+#: Tensor records already checked, by their pickle's bytes: a bundle's payloads of one shape
+#: and dtype share one pickle, so it is walked and unpickled once (bounded: pickles up to
+#: _RECORD_BYTES, a tensor's is ~150, and _RECORDS_MAX of them; cleared when full).
+_RECORDS: dict[bytes, _TensorSpec] = {}
+_RECORDS_MAX = 256
+_RECORD_BYTES = 4096
+
+
+def _tensor_record(pickled: bytes, label: str) -> _TensorSpec:
+    """The checked tensor record of a data.pkl (memo indices, restricted unpickle, fields)."""
+    obj = _RECORDS.get(pickled)
+    if obj is not None:
+        return obj
     _check_memo_indices(pickled, label)
     try:
         obj = _RestrictedUnpickler(io.BytesIO(pickled)).load()
@@ -238,6 +233,32 @@ def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
     if not isinstance(obj, _TensorSpec):
         raise BundleError(f"{label}: does not hold a plain tensor (got {type(obj).__name__})")
     _check_spec(obj, label)
+    if len(pickled) <= _RECORD_BYTES:
+        if len(_RECORDS) >= _RECORDS_MAX:
+            _RECORDS.clear()
+        _RECORDS[pickled] = obj
+    return obj
+
+
+def read_pt_bytes(raw: bytes, *, label: str = "payload") -> PtTensor:
+    """Parse the bytes of a `torch.save` file holding exactly one plain tensor."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(raw))
+        names = zf.namelist()
+    except _ZIP_READ_ERRORS as exc:
+        raise BundleError(f"{label}: not a torch.save zip file ({exc})") from None
+    pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkl) != 1:
+        raise BundleError(f"{label}: not a torch.save file (no single <archive>/data.pkl)")
+    root = pkl[0][: -len("data.pkl")]
+    byteorder = root + "byteorder"
+    if byteorder in names and _read_member(zf, byteorder, label, 64).strip() not in (
+        b"little",
+        b"",
+    ):
+        raise BundleError(f"{label}: big-endian torch files are not supported")
+    pickled = _read_member(zf, pkl[0], label, MAX_PICKLE_BYTES)
+    obj = _tensor_record(pickled, label)
     st = obj.storage
     numel = 1
     for s in obj.size:
