@@ -295,11 +295,16 @@ class LocalObjectStore(ObjectStore):
         except OSError as e:
             raise StoreError(f"cannot use {self.root} as an object store: {e}") from None
         self._lock = threading.RLock()
+        # Serializes flushes; taken before `_lock`, never while holding it. A flush writes
+        # its pack outside `_lock`, so writers keep hashing and buffering meanwhile.
+        self._flush_lock = threading.Lock()
         self._index: dict[str, _Loc] = {}
         self._members: dict[str, list[str]] = {}  # pack id -> hashes in it
         self._loose: set[str] = set()
         self._pending: dict[str, bytes] = {}
         self._pending_bytes = 0
+        #: objects a flush is writing into a pack right now (still readable from here)
+        self._sealing: dict[str, bytes] = {}
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._max_fds = max_open_packs
         #: idx files that failed their checksum; their objects read as missing.
@@ -312,25 +317,37 @@ class LocalObjectStore(ObjectStore):
     # -- writing --
 
     def put(self, data: bytes) -> str:
-        with self._lock:
-            return self._put(data)
+        return self.put_many([data])[0]
 
     def put_many(self, datas: Iterable[bytes]) -> list[str]:
+        # Hashed before taking the lock: concurrent writers hash at once (BLAKE3 releases
+        # the GIL); the buffer is sealed into a pack outside the lock too (`flush`).
+        named = [(object_hash(d), d) for d in datas]
         with self._lock:
-            return [self._put(d) for d in datas]
+            for h, d in named:
+                self._put(h, d)
+            full = self._pending_bytes >= self.pack_max_bytes
+        if full:
+            self.flush()
+        return [h for h, _ in named]
 
-    def _put(self, data: bytes) -> str:
-        h = object_hash(data)
-        if h in self._pending or h in self._index or h in self._loose:
-            return h
+    def _put(self, h: str, data: bytes) -> None:
+        if self._holds(h):
+            return
         if len(data) >= self.pack_threshold:
             self._write_loose(h, data)
         else:
             self._pending[h] = bytes(data)
             self._pending_bytes += len(data)
-            if self._pending_bytes >= self.pack_max_bytes:
-                self._flush()
-        return h
+
+    def _buffered(self, h: str) -> bytes | None:
+        """The bytes of `h` if buffered or being sealed (caller locks)."""
+        data = self._pending.get(h)
+        return self._sealing.get(h) if data is None else data
+
+    def _holds(self, h: str) -> bool:
+        """Known here without I/O: buffered, being sealed, packed or loose (caller locks)."""
+        return h in self._pending or h in self._sealing or h in self._index or h in self._loose
 
     def _loose_path(self, h: str) -> Path:
         return self._objects_dir / h[:2] / h
@@ -370,19 +387,46 @@ class LocalObjectStore(ObjectStore):
         self._loose.add(h)
 
     def flush(self) -> None:
-        """Seal buffered small objects into one pack (no-op when nothing is buffered)."""
-        with self._lock:
-            self._flush()
+        """Seal buffered small objects into one pack (no-op when nothing is buffered).
 
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        items = list(self._pending.items())
-        self._write_pack(items)
-        self._pending.clear()
-        self._pending_bytes = 0
+        On return every object put before the call is durable. The pack is written
+        outside the store's lock: other threads keep putting (into a new buffer) and
+        reading (the objects being sealed stay readable) meanwhile.
+        """
+        with self._flush_lock:
+            with self._lock:
+                if not self._pending:
+                    return
+                items = list(self._pending.items())
+                self._sealing, self._pending = self._pending, {}
+                self._pending_bytes = 0
+            pid = None
+            try:
+                pid, entries = self._write_pack_files(items)
+            finally:
+                with self._lock:
+                    if pid is None:  # not published (e.g. a full disk): buffered again
+                        for h, d in items:
+                            if h not in self._pending:
+                                self._pending[h] = d
+                                self._pending_bytes += len(d)
+                    else:
+                        self._add_pack(pid, items, entries)
+                    self._sealing = {}
 
     def _write_pack(self, items: list[tuple[str, bytes]]) -> str:
+        pid, entries = self._write_pack_files(items)
+        self._add_pack(pid, items, entries)
+        return pid
+
+    def _add_pack(self, pid: str, items: list[tuple[str, bytes]], entries: np.ndarray) -> None:
+        members = [h for h, _ in items]
+        for (h, _), e in zip(items, entries, strict=True):
+            self._index[h] = _Loc(pid, int(e["off"]), int(e["len"]))
+        self._members[pid] = members
+
+    def _write_pack_files(self, items: list[tuple[str, bytes]]) -> tuple[str, np.ndarray]:
+        """Write and publish a pack of `items` (durable on return); its id and entries."""
         pid = _new_pack_id()
         pieces, idx, entries = _encode_pack(items)
         self._write_file(self._packs_dir / f"{pid}.pack", pieces)
@@ -393,11 +437,7 @@ class LocalObjectStore(ObjectStore):
             (self._packs_dir / f"{pid}.pack").unlink(missing_ok=True)
             raise
         self._fsync_dir(self._packs_dir)
-        members = [h for h, _ in items]
-        for (h, _), e in zip(items, entries, strict=True):
-            self._index[h] = _Loc(pid, int(e["off"]), int(e["len"]))
-        self._members[pid] = members
-        return pid
+        return pid, entries
 
     # -- discovering packs --
 
@@ -496,7 +536,7 @@ class LocalObjectStore(ObjectStore):
         return _verified(h, data, f"packs/{loc.pack}.pack")
 
     def _lookup(self, h: str) -> bytes | None:
-        data = self._pending.get(h)
+        data = self._buffered(h)
         if data is not None:
             return data
         loc = self._index.get(h)
@@ -530,7 +570,7 @@ class LocalObjectStore(ObjectStore):
         with self._lock:
             by_pack: dict[str, list[tuple[int, int, int]]] = {}
             for i, h in enumerate(hashes):
-                data = self._pending.get(h)
+                data = self._buffered(h)
                 if data is not None:
                     out[i] = data
                     continue
@@ -575,13 +615,13 @@ class LocalObjectStore(ObjectStore):
 
     def has_cached(self, h: str, size: int) -> bool:
         with self._lock:
-            return h in self._pending or h in self._index or h in self._loose
+            return self._holds(h)
 
     def has(self, h: str) -> bool:
         if not isinstance(h, str) or not _HASH_RE.match(h):
             return False
         with self._lock:
-            if h in self._pending or h in self._index or h in self._loose:
+            if self._holds(h):
                 return True
             if self._loose_path(h).exists():
                 self._loose.add(h)
@@ -592,7 +632,7 @@ class LocalObjectStore(ObjectStore):
     def verify(self, h: str) -> None:
         """Re-read the stored copy (never the write buffer) and check it against `h`."""
         check_hash(h)
-        with self._lock:
+        with self._flush_lock, self._lock:  # no flush in flight: nothing is being sealed
             pending = self._pending.pop(h, None)
             try:
                 self.get(h)
@@ -638,7 +678,7 @@ class LocalObjectStore(ObjectStore):
 
     def delete_many(self, hashes: Iterable[str]) -> int:
         drop = {check_hash(h) for h in hashes}
-        with self._lock:
+        with self._flush_lock, self._lock:
             self.rescan()
             n = 0
             for h in drop:
@@ -742,8 +782,8 @@ class LocalObjectStore(ObjectStore):
         return RepackResult(0, 0, st.st_size, 1)
 
     def close(self) -> None:
+        self.flush()
         with self._lock:
-            self._flush()
             while self._fds:
                 os.close(self._fds.popitem()[1])
 

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -689,84 +690,122 @@ class _Pipeline:
         except BundleError as e:
             return IngestOutcome(str(gated.path), "refused", reason=str(e))
 
+    def _finish(
+        self, batch: list[Future[_Written | IngestOutcome] | IngestOutcome], failed: threading.Event
+    ) -> None:
+        """Wait for a batch's writes, flush its objects, then create its refs and emit its
+        outcomes in target order (on the finisher thread, while the next batch is written).
+        A failed write still lets the targets before it be published; its error is raised
+        after them, and no later batch is published or emitted (`failed`)."""
+        error: BaseException | None = None
+        for x in batch:
+            if isinstance(x, Future):
+                try:
+                    x.result()
+                except BaseException as e:
+                    error = error or e
+        if failed.is_set():
+            return  # an earlier batch failed: the loop stops; nothing of this one is emitted
+        try:
+            if error is not None:  # keep what precedes the first failure
+                k = next(i for i, x in enumerate(batch) if isinstance(x, Future) and x.exception())
+                del batch[k:]
+            written = [
+                r for x in batch if isinstance(x, Future) and isinstance(r := x.result(), _Written)
+            ]
+            outs: dict[int, IngestOutcome] = {}
+            if written:
+                self.ing.objs.flush()
+                outs = self._publish_all(written)
+            for x in batch:
+                r = x if isinstance(x, IngestOutcome) else x.result()
+                self.done.put(r if isinstance(r, IngestOutcome) else outs[id(r)])
+        except BaseException as e:
+            error = error or e
+        if error is not None:
+            failed.set()
+            raise error
+
     def _write_loop(self) -> None:
-        from concurrent.futures import Future, ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor
 
         pending: list[Future[_Written | IngestOutcome] | IngestOutcome] = []
+        inflight: list[Future[Any]] = []  # writes not yet done, of any batch
+        finishing: list[Future[None]] = []  # batches handed to the finisher, oldest first
+        failed = threading.Event()
         lock = contextlib.ExitStack()
+        held = False  # the writer lock: from a batch's first object until its refs exist
         nbytes = 0
 
-        def finish() -> None:
-            """Wait for the batch's writes, flush its objects, then create its refs and
-            emit its outcomes in target order. A failed write still lets the targets
-            before it be published; its error is raised after them."""
+        def check(wait: bool) -> None:
+            """Raise the first failure of a handed-over batch; with `wait`, wait for all."""
+            while finishing and (wait or finishing[0].done()):
+                finishing.pop(0).result()
+
+        def seal() -> None:
+            """Hand the current batch to the finisher, which flushes and publishes it while
+            the next batch is written; raise an earlier batch's failure first."""
             nonlocal nbytes
+            check(wait=False)
+            if pending:
+                finishing.append(finisher.submit(self._finish, pending.copy(), failed))
+            pending.clear()
+            nbytes = 0
+
+        def drain() -> None:
+            """Seal, wait until every batch is published, then release the writer lock."""
+            nonlocal held
             try:
-                failed: BaseException | None = None
-                written: list[_Written] = []
-                for x in pending:
-                    if isinstance(x, IngestOutcome):
-                        continue
-                    try:
-                        res = x.result()
-                    except BaseException as e:
-                        failed = failed or e
-                        continue
-                    if isinstance(res, _Written):
-                        written.append(res)
-                if failed is not None:  # keep what precedes the first failure
-                    k = next(
-                        i for i, x in enumerate(pending) if isinstance(x, Future) and x.exception()
-                    )
-                    del pending[k:]
-                    written = [
-                        r
-                        for x in pending
-                        if isinstance(x, Future) and isinstance(r := x.result(), _Written)
-                    ]
-                outs: dict[int, IngestOutcome] = {}
-                if written:
-                    self.ing.objs.flush()
-                    outs = self._publish_all(written)
-                for x in pending:
-                    r = x if isinstance(x, IngestOutcome) else x.result()
-                    self.done.put(r if isinstance(r, IngestOutcome) else outs[id(r)])
-                if failed is not None:
-                    raise failed
+                seal()
+                check(wait=True)
             finally:
-                pending.clear()
-                nbytes = 0
-                lock.close()  # the writer lock is held from a batch's first object to here
+                for f in finishing:  # after a failure: later batches only wait for writes
+                    f.exception()
+                finishing.clear()
+                if held:
+                    lock.close()
+                    held = False
 
         try:
-            with ThreadPoolExecutor(_WRITERS, thread_name_prefix="ingest-write") as pool:
-                while True:
-                    item = self._take(_LINGER_S if pending else None)
-                    if item is None:  # the gate is slow or blocked, or the pipeline stopped
-                        finish()
-                        if self.stop.is_set():
+            with (
+                ThreadPoolExecutor(_WRITERS, thread_name_prefix="ingest-write") as pool,
+                ThreadPoolExecutor(1, thread_name_prefix="ingest-finish") as finisher,
+            ):
+                try:
+                    while True:
+                        item = self._take(_LINGER_S if pending or finishing else None)
+                        if item is None:  # the gate is slow or blocked, or the pipeline stopped
+                            drain()
+                            if self.stop.is_set():
+                                break
+                            continue
+                        if item is _END:
                             break
-                        continue
-                    if item is _END:
-                        break
-                    if isinstance(item, BaseException):
-                        finish()  # store what passed before it, then raise it
-                        raise item
-                    if isinstance(item, IngestOutcome):
-                        pending.append(item)
-                        continue
-                    if not any(isinstance(x, Future) for x in pending):
-                        lock.enter_context(gclock.writing(self.ing.objs))
-                    # at most _WRITERS writes run; a third waits here (bounded memory)
-                    running = [x for x in pending if isinstance(x, Future) and not x.done()]
-                    if len(running) >= _WRITERS:
-                        running[0].exception()
-                    pending.append(pool.submit(self._write_one, item))
-                    nbytes += item.nbytes
-                    full = nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS
-                    if full or gclock.gc_waiting(self.ing.objs):  # never hold gc back long
-                        finish()
-                finish()
+                        if isinstance(item, BaseException):
+                            drain()  # store what passed before it, then raise it
+                            raise item
+                        if isinstance(item, IngestOutcome):
+                            pending.append(item)
+                            continue
+                        if not held:
+                            lock.enter_context(gclock.writing(self.ing.objs))
+                            held = True
+                        # at most _WRITERS writes run; the next waits here (bounded memory)
+                        inflight[:] = [f for f in inflight if not f.done()]
+                        if len(inflight) >= _WRITERS:
+                            inflight[0].exception()
+                        fut = pool.submit(self._write_one, item)
+                        inflight.append(fut)
+                        pending.append(fut)
+                        nbytes += item.nbytes
+                        if nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS:
+                            seal()
+                        if gclock.gc_waiting(self.ing.objs):  # never hold gc back long
+                            drain()
+                    drain()
+                except BaseException:
+                    failed.set()  # batches not yet published stay unpublished, as before
+                    raise
             self.done.put(_END)
         except BaseException as e:
             self.stop.set()
