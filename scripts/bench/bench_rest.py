@@ -3,7 +3,7 @@
 and the first (cold) payload download vs `torch.load`, in one run.
 
     .venv/bin/python scripts/bench/bench_rest.py [--quick] [--json OUT] [--steps 2000]
-        [--workers 1,2] [--duration 10] [--keep DIR]
+        [--workers 1,2] [--duration 10] [--keep DIR] [--only lookup|cold]
 
 Needs `wrk` (Debian: `apt-get install -y wrk`) and root (the cold part drops the
 page cache with `sync; echo 3 > /proc/sys/vm/drop_caches`).
@@ -327,7 +327,7 @@ def cold_download(root: Path, big: Path, repeats: int) -> dict[str, float]:
 def figures(
     args: argparse.Namespace,
     looked: dict[int, dict[str, dict[str, float]]],
-    cold: dict[str, float],
+    cold: dict[str, float] | None,
 ) -> list[dict]:
     """The issue-15 figures, each with its target and whether this run met it."""
     size = f"{args.steps} steps x {args.samples} samples, wrk -t2 -c16 -d{args.duration}s"
@@ -376,7 +376,7 @@ def figures(
                 f"FastAPI app scales {bare:.2f}x on the same machine; {size}",
             }
         )
-    for fmt in ("npy", "raw"):
+    for fmt in ("npy", "raw") if cold else ():
         ratio = cold["torch.load"] / cold[fmt]
         out.append(
             {
@@ -411,6 +411,11 @@ def main() -> int:
         "--keep", type=Path, help="build into (and keep) this directory; reused when built"
     )
     ap.add_argument("--json", type=Path, metavar="OUT", help="write the issue-15 figures here")
+    ap.add_argument(
+        "--only",
+        choices=("lookup", "cold"),
+        help="run only the wrk lookups or only the first (cold) download (default: both)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.steps, args.samples, args.tokens, args.duration = 200, 16, 4_000_000, 5
@@ -428,8 +433,8 @@ def main() -> int:
             big = build(root, args.steps, args.samples, args.tokens, args.steps_per_rollout)
         else:
             print(f"reusing the store built earlier in {root} (same --steps expected)")
-        looked = lookups(root, args)
-        cold = cold_download(root, big, args.repeats)
+        looked = lookups(root, args) if args.only != "cold" else {}
+        cold = cold_download(root, big, args.repeats) if args.only != "lookup" else None
         after = round(os.getloadavg()[0], 2)
         print(f"machine after: load {after:.2f}")
         if args.json:
