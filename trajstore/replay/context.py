@@ -102,6 +102,10 @@ class ReplayContext:
         self.recomputed: dict[str, np.ndarray] = {}
         #: values an upstream bundle recomputed for these samples (rollout -> step linkage)
         self.upstream = upstream or {}
+        #: (upstream ``rewards_by_id``, advantage.estimate's comparison of the recorded
+        #: advantages with those these rewards give), when it ran on every selected sample's:
+        #: what the rollout linkage checks (`trajstore.replay.from_store.check_linkage`)
+        self.upstream_comparison: tuple[Any, Comparison] | None = None
         self._payloads: dict[str, np.ndarray] = {}
 
     @property

@@ -24,7 +24,7 @@ from trajstore import __version__
 from trajstore.errors import NotFoundError, TrajstoreError, UsageError
 from trajstore.jsonio import json_safe
 from trajstore.replay import kernels
-from trajstore.replay.compare import compare_arrays
+from trajstore.replay.compare import Comparison, compare_arrays
 from trajstore.replay.context import ReplayContext, StageInputError, StageOutcome
 from trajstore.replay.registry import get_stage
 from trajstore.replay.runner import (
@@ -358,35 +358,17 @@ def _linkage_outcome(
         return f"{who}config key(s) {', '.join(unknown)} not understood by this engine"
     if src.index.identity.cp != 1:
         return f"{who}context parallelism cp={src.index.identity.cp} is not supported"
-    ctx = ReplayContext(src, b.selection)
-    have = [i for i, sid in enumerate(ctx.sample_ids) if sid in rewards]
-    lacking = [sid for sid in ctx.sample_ids if sid not in rewards]
-    if not have:
-        return f"{who}none of the samples this step consumed is in {ro_name}"
-    try:
-        consumed = ctx.payload(Payload.ADVANTAGES)
-    except StageInputError as exc:
-        return f"{who}{exc}"
-    ids = [ctx.sample_ids[i] for i in have]
-    lengths = ctx.lengths[have]
-    if lacking:
-        consumed = np.concatenate([consumed[ctx.offsets[i] : ctx.offsets[i + 1]] for i in have])
-    from_rollout = kernels.grpo_returns(
-        np.array([rewards[sid] for sid in ids], dtype=np.float32), lengths
-    )
     stage = get_stage(Stage.ADVANTAGE_ESTIMATE)
-    atol, rtol = src.manifest.tolerance(stage.name)
-    comp = compare_arrays(
-        stage.name,
-        Payload.ADVANTAGES,
-        consumed,
-        from_rollout,
-        atol=atol,
-        rtol=rtol,
-        exact=Payload.ADVANTAGES in src.manifest.exact_fields,
-        sample_ids=ids,
-        offsets=kernels.segment_offsets(lengths),
-    )
+    reused = b.upstream_comparison
+    if reused is not None and reused[0] is rewards:
+        # The step's advantage.estimate compared its recorded advantages with those these
+        # very rewards give, every consumed sample's, as below would: the same comparison.
+        comp, n, lacking = reused[1], len(b.sample_ids), []
+    else:
+        got = _compare_consumed(src, b, rewards, stage.name, ro_name)
+        if isinstance(got, str):
+            return f"{who}{got}"
+        comp, n, lacking = got
     if comp.ok:
         reason = f"rollout linkage: advantages match {ro_name}'s recomputed rewards"
     else:
@@ -403,7 +385,43 @@ def _linkage_outcome(
         divergences=comp.divergences,
         version=stage.version,
     )
-    return outcome, len(have), lacking
+    return outcome, n, lacking
+
+
+def _compare_consumed(
+    src: Any, b: BundleReport, rewards: dict[str, float], stage: str, ro_name: str
+) -> tuple[Comparison, int, list[str]] | str:
+    """The consumed samples' recorded advantages against those `rewards` give:
+    (comparison, samples compared, samples the rollout lacks), or why not compared."""
+    ctx = ReplayContext(src, b.selection)
+    have = [i for i, sid in enumerate(ctx.sample_ids) if sid in rewards]
+    lacking = [sid for sid in ctx.sample_ids if sid not in rewards]
+    if not have:
+        return f"none of the samples this step consumed is in {ro_name}"
+    try:
+        consumed = ctx.payload(Payload.ADVANTAGES)
+    except StageInputError as exc:
+        return str(exc)
+    ids = [ctx.sample_ids[i] for i in have]
+    lengths = ctx.lengths[have]
+    if lacking:
+        consumed = np.concatenate([consumed[ctx.offsets[i] : ctx.offsets[i + 1]] for i in have])
+    from_rollout = kernels.grpo_returns(
+        np.array([rewards[sid] for sid in ids], dtype=np.float32), lengths
+    )
+    atol, rtol = src.manifest.tolerance(stage)
+    comp = compare_arrays(
+        stage,
+        Payload.ADVANTAGES,
+        consumed,
+        from_rollout,
+        atol=atol,
+        rtol=rtol,
+        exact=Payload.ADVANTAGES in src.manifest.exact_fields,
+        sample_ids=ids,
+        offsets=kernels.segment_offsets(lengths),
+    )
+    return comp, len(have), lacking
 
 
 def _merge_linkage(b: BundleReport, outcome: StageOutcome, requested: bool) -> None:

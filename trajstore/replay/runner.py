@@ -14,6 +14,7 @@ import numpy as np
 from trajstore.errors import SelectionError, UsageError
 from trajstore.jsonio import json_safe
 from trajstore.replay import builtin
+from trajstore.replay.compare import Comparison
 from trajstore.replay.context import ReplayContext, StageInputError, StageOutcome
 from trajstore.replay.registry import StageDef, registered_stages, resolve_stage, stage_names
 from trajstore.replay.selection import Selection, SelectionRequest, select
@@ -63,6 +64,8 @@ class BundleReport:
     #: outputs recomputed by the stages, by name, over the selected samples (not serialized)
     recomputed: dict[str, Any] = field(default_factory=dict, repr=False)
     sample_ids: list[str] = field(default_factory=list, repr=False)
+    #: `ReplayContext.upstream_comparison` of this replay (not serialized)
+    upstream_comparison: tuple[Any, Comparison] | None = field(default=None, repr=False)
 
     def outcome(self, stage: str) -> StageOutcome:
         """This bundle's outcome of ``stage``."""
@@ -254,6 +257,7 @@ def replay_bundle(
         bundle_key=getattr(source, "bundle_key", None),
         recomputed=ctx.recomputed,
         sample_ids=ctx.sample_ids,
+        upstream_comparison=ctx.upstream_comparison,
     )
 
 

@@ -212,13 +212,22 @@ def stage_advantage_kl(ctx: ReplayContext) -> StageOutcome:
     )
 
 
-def _rewards_for_advantages(ctx: ReplayContext) -> Any:
+def _upstream_rewards(ctx: ReplayContext) -> np.ndarray | None:
+    """The rollout bundle's recomputed rewards for the samples this step consumed, when
+    they are its advantages' source (no reward recomputed here, every sample's upstream)."""
     if "rewards" in ctx.recomputed:
-        return ctx.recomputed["rewards"]
+        return None
     by_id = ctx.upstream.get("rewards_by_id")
     if by_id is not None and all(sample_id in by_id for sample_id in ctx.sample_ids):
-        # the rollout bundle's recomputed rewards for the samples this step consumed
         return np.array([by_id[sample_id] for sample_id in ctx.sample_ids], dtype=np.float32)
+    return None
+
+
+def _rewards_for_advantages(ctx: ReplayContext, upstream: np.ndarray | None) -> Any:
+    if "rewards" in ctx.recomputed:
+        return ctx.recomputed["rewards"]
+    if upstream is not None:
+        return upstream
     missing = [sample.sample_id for sample in ctx.samples if sample.reward is None]
     if missing:
         raise StageInputError(
@@ -233,12 +242,16 @@ def _rewards_for_advantages(ctx: ReplayContext) -> Any:
 def stage_advantage_estimate(ctx: ReplayContext) -> StageOutcome:
     stage = Stage.ADVANTAGE_ESTIMATE
     expected = ctx.payload(Payload.ADVANTAGES)
+    upstream = _upstream_rewards(ctx)
     try:
-        actual = kernels.grpo_returns(_rewards_for_advantages(ctx), ctx.lengths)
+        actual = kernels.grpo_returns(_rewards_for_advantages(ctx, upstream), ctx.lengths)
     except kernels.KernelInputError as exc:
         raise StageInputError(str(exc)) from None
     ctx.recomputed["advantages"] = actual
     comparisons = [ctx.compare(stage, Payload.ADVANTAGES, expected, actual, per_token=True)]
+    if upstream is not None:
+        # exactly the rollout linkage's comparison: it takes this one instead of redoing it
+        ctx.upstream_comparison = (ctx.upstream["rewards_by_id"], comparisons[0])
     if ctx.has_payload(Payload.RETURNS):
         returns = ctx.payload(Payload.RETURNS)
         comparisons.append(ctx.compare(stage, Payload.RETURNS, returns, actual, per_token=True))

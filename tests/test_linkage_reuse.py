@@ -1,0 +1,90 @@
+"""The rollout linkage takes the step's own advantage.estimate comparison when that stage ran
+on the rollout's recomputed rewards (the same comparison), instead of redoing it.
+
+Pinned here: the check finds the same divergences, reasons and verdicts either way, on
+steps whose producer declared advantage.estimate (and no reward stage), so the stage ran on
+the rollout's rewards; the fixtures are test_rollout_linkage's run (rollout 7, steps 7:0 and
+7:1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from test_rollout_linkage import ROLLOUT, RUN, _part, make_store, rollout_contents
+from trajstore.examples.replay_builders import Faults
+
+from trajstore.bundle.writer import BundleContents
+from trajstore.replay.from_store import (
+    Target,
+    _replay_rollout,
+    _upstream_rewards,
+    check_linkage,
+    replay_stored,
+)
+from trajstore.replay.runner import StageRequest
+from trajstore.store import Store
+
+
+def estimating_step(step_id: int, faults: Faults | None = None) -> BundleContents:
+    """A step bundle declaring every stage but the reward ones: its advantage.estimate runs
+    on the rollout bundle's recomputed rewards."""
+    c = _part(step_id, "step", faults)
+    c.identity["rank"]["dp"] = 1
+    c.stage_contracts = {
+        k: v for k, v in c.stage_contracts.items() if k not in ("reward.raw", "reward.post_process")
+    }
+    for stage in ("reward.raw", "reward.post_process"):
+        c.expected.pop(stage)
+    return c
+
+
+def _fresh_linkage(store: Store, step: int):  # noqa: ANN202
+    """The linkage of step 7:`step` computed without the step's comparison (the full path)."""
+    report = replay_stored(store, Target(run=RUN, step=(ROLLOUT, step)))
+    sources = store.step(RUN, ROLLOUT, step)
+    rollout_report = _replay_rollout(store, RUN, ROLLOUT, None)
+    rewards = _upstream_rewards(rollout_report)
+    assert all(b.upstream_comparison is not None for b in report.bundles)
+    assert all(b.upstream_comparison[0] is not rewards for b in report.bundles)
+    plain = dataclasses.replace(
+        report,
+        bundles=[dataclasses.replace(b, upstream_comparison=None) for b in report.bundles],
+    )
+    return report, check_linkage(plain, sources, rollout_report, rewards, StageRequest())
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_linkage_from_the_steps_comparison_equals_the_full_check(
+    tmp_path: Path, tamper: bool
+) -> None:
+    root = make_store(
+        tmp_path,
+        rollout=rollout_contents(tamper=tamper),
+        steps={
+            0: estimating_step(0),
+            1: estimating_step(1, None if tamper else Faults(physical_batch_norm=12)),
+        },
+    )
+    with Store.open(root, create=False) as store:
+        for step in (0, 1):
+            report, fresh = _fresh_linkage(store, step)
+            assert report.linkage.to_dict() == fresh.to_dict()
+        # step 7:1 consumed a faulty advantage (its own, or the tampered rollout's)
+        assert report.linkage.status == "fail"
+        assert report.linkage.mismatch_count > 0
+        assert report.exit_code == 1
+        if tamper:
+            assert report.root_bundle_key == report.linkage.rollout_bundle_key
+            fd = report.first_divergence()
+            assert (fd["stage"], fd["downstream_stage"]) == (
+                "reward.post_process",
+                "advantage.estimate",
+            )
+            # only the tampered sample's prompt (s-1-0 .. s-1-7) changes after normalization
+            assert fd["sample_id"] in {f"s-1-{i}" for i in range(8)}
+        else:
+            assert report.root_bundle_key is None
+            assert report.first_divergent_stage == "advantage.estimate"
