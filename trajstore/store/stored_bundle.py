@@ -28,8 +28,8 @@ import zstandard
 
 from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
 from trajstore.cas import ArrayRecord, ObjectStore, load_record, read_array, read_rows
-from trajstore.errors import IntegrityError, NotFoundError
-from trajstore.jsonio import sha256_bytes
+from trajstore.errors import BundleError, IntegrityError, NotFoundError
+from trajstore.jsonio import parse_json, sha256_bytes
 from trajstore.schema import Index, Manifest
 
 MAX_BLOB_BYTES = 1 << 31
@@ -101,6 +101,13 @@ def get_json_blob(objs: ObjectStore, h: str) -> Any:
 
 def _decode_json_blob(h: str, data: bytes) -> Any:
     blob = _decode_blob(h, data)
+    try:
+        # the bundle reader's parser (orjson where it gives the stdlib's result: an index's
+        # long loss-mask lists parse several times faster); what it refuses is parsed again
+        # below so that errors read as before
+        return parse_json(blob, f"document object {h}")
+    except BundleError:
+        pass
     try:
         return json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
