@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,37 @@ def test_pt_files_sharing_one_tensor_record_each_read_their_own_values() -> None
     assert ta.array.tolist() == a.tolist() and tb.array.tolist() == b.tolist()
     again = read_pt_bytes(_pt(a, "a"))
     assert again.array.tolist() == a.tolist() and again.data_span == ta.data_span
+
+
+def test_read_bytes_refusals_keep_their_words(tmp_path: Path) -> None:
+    from trajstore.jsonio import read_bytes, read_regular
+
+    (tmp_path / "doc.json").write_bytes(b"{}")
+    (tmp_path / "empty.json").write_bytes(b"")
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "doc.json")
+    assert read_bytes(tmp_path / "doc.json", "doc") == b"{}"
+    assert read_bytes(tmp_path / "empty.json", "doc") == b""
+    assert read_regular(tmp_path / "doc.json", 1) is None  # over the limit: not read
+    cases = {
+        "link.json": f"doc: is a symlink ({tmp_path / 'link.json'}); refused",
+        "dir.json": f"doc: is a directory ({tmp_path / 'dir.json'})",
+        "gone.json": f"doc: missing ({tmp_path / 'gone.json'})",
+    }
+    for name, message in cases.items():
+        assert read_regular(tmp_path / name, 1 << 20) is None
+        with pytest.raises(BundleError) as exc:
+            read_bytes(tmp_path / name, "doc")
+        assert str(exc.value) == message
+    with pytest.raises(BundleError) as exc:
+        read_bytes(tmp_path / "doc.json", "doc", limit=1)
+    assert str(exc.value) == "doc: 2 bytes exceeds the limit of 1"
+
+
+def test_read_bytes_reads_a_file_whose_size_says_nothing() -> None:
+    from trajstore.jsonio import read_bytes
+
+    status = Path("/proc/self/status")  # a regular file of size 0 with content
+    if not status.exists():
+        pytest.skip("no /proc")
+    assert read_bytes(status, "status").startswith(b"Name:")

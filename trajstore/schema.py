@@ -79,7 +79,9 @@ class Doc:
                 if required:
                     raise BundleError(f"{where}: missing required key '{key}'")
                 continue
-            _check(where, key, d[key], types, nullable)
+            value = d[key]
+            if type(value) not in types:  # exact types pass at once (a bool is exact only as bool)
+                _check(where, key, value, types, nullable)
         obj = cls(raw=dict(d))
         obj._validate(where)
         return obj

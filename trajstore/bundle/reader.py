@@ -18,7 +18,14 @@ import numpy as np
 
 from trajstore.bundle.ptfile import PtTensor, read_pt_bytes
 from trajstore.errors import BundleError
-from trajstore.jsonio import MAX_JSON_BYTES, parse_json, read_bytes, read_json, sha256_bytes
+from trajstore.jsonio import (
+    MAX_JSON_BYTES,
+    parse_json,
+    read_bytes,
+    read_json,
+    read_regular,
+    sha256_bytes,
+)
 from trajstore.schema import CohortComplete, Complete, Index, Manifest, RankShard
 
 METADATA_FILES = ("manifest.json", "index.json", "expected.json")
@@ -167,17 +174,9 @@ class Bundle:
         check_payload_name(name)
         spec = self.manifest.payloads[name]
         path = self.path / "payloads" / f"{name}.pt"
-        if path.is_symlink():
-            raise BundleError(f"payload '{name}': {path} is a symlink; refused")
-        if not path.is_file():
-            raise BundleError(f"payload '{name}': file missing ({path})")
-        size = path.stat().st_size
-        if size != spec.bytes:
-            raise BundleError(
-                f"payload '{name}': size {size} bytes, manifest declares {spec.bytes} "
-                "(truncated or replaced)"
-            )
-        data = read_bytes(path, f"payload '{name}'", limit=max_payload_bytes())
+        data = read_regular(path, max_payload_bytes())  # one open + fstat when all is well
+        if data is None or len(data) != spec.bytes:
+            data = self._read_checked(name, path, spec.bytes)
         digest = sha256_bytes(data)
         if digest != spec.sha256:
             raise BundleError(
@@ -185,6 +184,20 @@ class Bundle:
                 f"{spec.sha256[:12]}…)"
             )
         return data
+
+    def _read_checked(self, name: str, path: Path, declared: int) -> bytes:
+        """Read a payload file step by step, wording why it is refused."""
+        if path.is_symlink():
+            raise BundleError(f"payload '{name}': {path} is a symlink; refused")
+        if not path.is_file():
+            raise BundleError(f"payload '{name}': file missing ({path})")
+        size = path.stat().st_size
+        if size != declared:
+            raise BundleError(
+                f"payload '{name}': size {size} bytes, manifest declares {declared} "
+                "(truncated or replaced)"
+            )
+        return read_bytes(path, f"payload '{name}'", limit=max_payload_bytes())
 
     def release(self, name: str | None = None) -> None:
         """Drop cached payload bytes/tensors (one, or all) to bound memory; re-read on use."""
