@@ -46,6 +46,7 @@ from blake3 import blake3
 
 from trajstore.bundle.checks import ROUTE_PAYLOADS, bundle_problems
 from trajstore.bundle.reader import (
+    KEEP_CHECKED_BYTES,
     METADATA_FILES,
     Bundle,
     BundleSet,
@@ -229,6 +230,49 @@ def _as_gated(b: Bundle, name: str, data: bytes) -> bytes:
     return data
 
 
+#: The gate reads and checks a bundle's payload files on this many threads (sha256, reads
+#: and .pt parsing release the GIL or are short), when they hold at least
+#: `_PARALLEL_GATE_BYTES`: the gate's thread is otherwise the pipeline's slowest stage.
+_GATE_READERS = 2
+_PARALLEL_GATE_BYTES = 8 << 20
+_gate_pool: Any = None
+_gate_pool_lock = threading.Lock()
+
+
+def _load_payloads(b: Bundle) -> None:
+    """Load (read, verify against the manifest's sha256, parse) `b`'s payloads ahead of the
+    gate's checks, several at once, within the bytes the gate keeps cached anyway.
+
+    Only a cache fill: a payload that fails to load is left unloaded, and the gate's own
+    pass (`bundle_problems`) loads it again and reports it exactly as it would have.
+    """
+    global _gate_pool
+    names, total = [], 0
+    for name in b.payload_names():
+        size = b.manifest.payloads[name].bytes
+        if total + size > KEEP_CHECKED_BYTES:
+            break  # the gate releases payloads past this after checking (bounded memory)
+        names.append(name)
+        total += size
+    if len(names) < 2 or total < _PARALLEL_GATE_BYTES:
+        return
+    with _gate_pool_lock:
+        if _gate_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _gate_pool = ThreadPoolExecutor(_GATE_READERS, thread_name_prefix="ingest-gate-read")
+        pool = _gate_pool
+
+    def load(name: str) -> None:
+        with contextlib.suppress(Exception):
+            b.load_payload(name)
+
+    # largest first: the two threads finish together
+    names.sort(key=lambda n: -b.manifest.payloads[n].bytes)
+    for f in [pool.submit(load, n) for n in names]:
+        f.result()
+
+
 def _write_bundle_objects(
     objs: ObjectStore, b: Bundle, cohort_sentinels: dict[str, bytes]
 ) -> tuple[dict, int]:
@@ -368,6 +412,7 @@ class Ingestor:
                 cohort_files[b.rank] = {"COMPLETE": whole, f"COMPLETE.{b.rank}": shard}
         nbytes = 0
         for b in bset.bundles:
+            _load_payloads(b)
             try:
                 problems = bundle_problems(b)
             except TrajstoreError as e:
@@ -560,6 +605,11 @@ def ingest_paths(
 #: payload bytes or targets, when a gc waits for the writer lock, ...
 BATCH_BYTES = 256 << 20
 BATCH_TARGETS = 64
+#: ... or, while the finisher has nothing to do, at this many bytes or targets: the
+#: finisher's fsyncs then overlap the writes of the next batch, and batches grow (fewer
+#: fsyncs per target) only when the finisher is the slower stage.
+_EAGER_BYTES = 64 << 20
+_EAGER_TARGETS = 8
 #: ... or when the gate has had none ready for this long (a slow or blocked source).
 _LINGER_S = 0.5
 #: threads creating a batch's refs (they wait on fsync, not on the CPU)
@@ -798,7 +848,12 @@ class _Pipeline:
                         inflight.append(fut)
                         pending.append(fut)
                         nbytes += item.nbytes
-                        if nbytes >= BATCH_BYTES or len(pending) >= BATCH_TARGETS:
+                        idle = not finishing or finishing[-1].done()
+                        if (
+                            nbytes >= BATCH_BYTES
+                            or len(pending) >= BATCH_TARGETS
+                            or (idle and (nbytes >= _EAGER_BYTES or len(pending) >= _EAGER_TARGETS))
+                        ):
                             seal()
                         if gclock.gc_waiting(self.ing.objs):  # never hold gc back long
                             drain()
