@@ -211,3 +211,20 @@ def test_read_bytes_reads_a_file_whose_size_says_nothing() -> None:
     if not status.exists():
         pytest.skip("no /proc")
     assert read_bytes(status, "status").startswith(b"Name:")
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "relax-v2"
+
+
+@pytest.mark.parametrize(
+    "target", ["example_bundle", "example_capture_dir/replay-120-0"], ids=["plain", "cohort"]
+)
+def test_an_opened_bundle_keeps_the_bytes_its_gate_checked(target: str) -> None:
+    from trajstore.bundle.reader import open_target
+
+    for b in open_target(FIXTURES / target).bundles:
+        names = ["manifest.json", "index.json", "expected.json", "COMPLETE"]
+        names += [f"COMPLETE.{r}" for r in b.complete.ranks]
+        assert sorted(b.files) == sorted(names)
+        for name, data in b.files.items():
+            assert data == (b.path / name).read_bytes()

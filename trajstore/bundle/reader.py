@@ -125,6 +125,10 @@ class Bundle:
     shards: dict[int, RankShard]
     rank: int | None = None
     warnings: list[str] = field(default_factory=list)
+    #: the bytes the gate checked of manifest.json, index.json, expected.json, COMPLETE and
+    #: each COMPLETE.<r> (empty when together over KEEP_CHECKED_BYTES): storing these needs
+    #: no re-read, and no check that the files did not change since
+    files: dict[str, bytes] = field(default_factory=dict, repr=False)
     _raw: dict[str, bytes] = field(default_factory=dict, repr=False)
     _cache: dict[str, PtTensor] = field(default_factory=dict, repr=False)
 
@@ -254,7 +258,9 @@ def open_bundle(
         raise BundleError(f"{path}: not a bundle directory")
     if not (path / "COMPLETE").exists():
         raise BundleError(f"{path}: COMPLETE is missing (bundle incomplete or still being written)")
-    complete = Complete.from_dict(read_json(path / "COMPLETE", "COMPLETE"))
+    complete_bytes = read_bytes(path / "COMPLETE", "COMPLETE")
+    complete = Complete.from_dict(parse_json(complete_bytes, "COMPLETE"), "COMPLETE")
+    files = {"COMPLETE": complete_bytes}
     raw, manifest, index, expected = _read_docs(path)
     for name in METADATA_FILES:
         digest = sha256_bytes(raw[name])
@@ -269,7 +275,9 @@ def open_bundle(
         shard_path = path / f"COMPLETE.{r}"
         if not shard_path.exists():
             raise BundleError(f"rank shard COMPLETE.{r} is missing (COMPLETE lists rank {r})")
-        shard = RankShard.from_dict(read_json(shard_path, f"COMPLETE.{r}"), f"COMPLETE.{r}")
+        shard_bytes = read_bytes(shard_path, f"COMPLETE.{r}")
+        files[f"COMPLETE.{r}"] = shard_bytes
+        shard = RankShard.from_dict(parse_json(shard_bytes, f"COMPLETE.{r}"), f"COMPLETE.{r}")
         if shard.metadata != complete.metadata:
             raise BundleError(f"COMPLETE.{r}: metadata hashes differ from COMPLETE")
         if shard.anchor() != _anchor_of(index):
@@ -326,6 +334,9 @@ def open_bundle(
         warnings=manifest.warnings() + index.warnings(),
         _raw={},
     )
+    files.update(raw)
+    if sum(map(len, files.values())) <= KEEP_CHECKED_BYTES:
+        bundle.files = files
     if verify_payloads:
         bundle.verify_payloads()
     return bundle
