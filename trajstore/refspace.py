@@ -71,6 +71,14 @@ class RefSpace(ABC):
     def create_if_absent(self, key: str, data: bytes) -> bool:
         """Create `key` holding `data`; False (and nothing changed) if it already exists."""
 
+    def create_many_if_absent(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        """`create_if_absent` of each (key, data) in order; which ones this call created.
+
+        Every document created is durable on return. A backend may do them as one
+        batch (`LocalRefSpace`: one fsync per directory, not one per document).
+        """
+        return [self.create_if_absent(k, d) for k, d in items]
+
     @abstractmethod
     def read(self, key: str) -> bytes:
         """The bytes of `key`; NotFoundError if absent, StoreError if unreadable."""
@@ -132,6 +140,30 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+#: threads fsyncing a batch of documents (they wait on the disk, not the CPU)
+_FSYNC_THREADS = 8
+
+
+def _fsync_all(paths: list[Path]) -> None:
+    if len(paths) < 2:
+        for p in paths:
+            _fsync_file(p)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(_FSYNC_THREADS, len(paths))) as pool:
+        for f in [pool.submit(_fsync_file, p) for p in paths]:
+            f.result()
+
+
 def atomic_create(path: Path, data: bytes, *, durable: bool = True) -> bool:
     """Create `path` holding `data` unless it exists; False if it did.
 
@@ -174,6 +206,42 @@ class LocalRefSpace(RefSpace):
         except FileNotFoundError:
             path.parent.mkdir(parents=True, exist_ok=True)
             return atomic_create(path, data, durable=self.durable)
+
+    def create_many_if_absent(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        """Like `create_if_absent` of each item, in order, as one batch: every temp file
+        is written and fsynced (on a few threads: their fsyncs share journal commits),
+        then each is linked to its name (the commit point, create-if-absent as one by
+        one), then each directory linked into is fsynced once. So each document is
+        durable before this returns, and its content is durable before its name exists.
+        """
+        if len(items) < 2:
+            return [self.create_if_absent(k, d) for k, d in items]
+        tmps: list[Path] = []
+        try:
+            paths = [self.root / key for key, _ in items]
+            for d in {p.parent for p in paths}:
+                d.mkdir(parents=True, exist_ok=True)
+            for path, (_, data) in zip(paths, items, strict=True):
+                tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+                tmps.append(tmp)
+                with open(tmp, "wb") as f:
+                    f.write(data)
+            if self.durable:
+                _fsync_all(tmps)
+            created = []
+            for tmp, path in zip(tmps, paths, strict=True):
+                try:
+                    os.link(tmp, path)
+                    created.append(True)
+                except FileExistsError:
+                    created.append(False)
+            if self.durable:
+                for d in sorted({p.parent for p, c in zip(paths, created, strict=True) if c}):
+                    _fsync_dir(d)
+            return created
+        finally:
+            for tmp in tmps:
+                tmp.unlink(missing_ok=True)
 
     def read(self, key: str) -> bytes:
         path = self.root / key

@@ -476,18 +476,81 @@ class Ingestor:
         status = "published" if published else "unchanged"
         return IngestOutcome(str(written.path), status, keys, None, written.logical)
 
+    def publish_many(self, writtens: list[_Written], live: set[str]) -> list[IngestOutcome]:
+        """`publish` of each written target, in order, with the same outcome, attempts and
+        refs, but the documents of all of them created in three batches
+        (`RefSpace.create_many_if_absent`: one fsync per directory, not per document):
+        the attempt claims, then the ref guards, then the refs, each batch durable before
+        the next starts (the order `publish` keeps one target at a time). Anything but the
+        first try of each (a claim held by another capture, a ref already there) takes
+        the one-by-one path.
+        """
+        items = [(w, p) for w in writtens for p in w.prepared]
+        captures = [p.doc["cohort_sentinels"].get("COMPLETE") or p.digest for _, p in items]
+        first: dict[tuple, int] = {}  # anchor -> its first item: tries attempt 1 in the batch
+        for i, (_, p) in enumerate(items):
+            first.setdefault(p.identity[:4], i)
+        tries = [
+            (f"{CLAIMS_KEY}/{_anchor_hash(items[i][1].identity[:4])}.a1", captures[i].encode())
+            for i in first.values()
+        ]
+        made = dict(zip(first.values(), self.space.create_many_if_absent(tries), strict=True))
+        # every anchor's attempt-1 claim exists now: the others start by reading it
+        todo: list[tuple[_Written, str, bytes]] = []
+        keys: dict[int, list[str]] = {id(w): [] for w in writtens}
+        for i, (w, p) in enumerate(items):
+            attempt = 1 if made.get(i) else self._claim_attempt(p.identity[:4], captures[i], 1)
+            key = bundle_key(*p.identity, attempt)
+            keys[id(w)].append(key)
+            if key in live:
+                continue
+            p.doc.update(key=key, attempt=attempt, published_at=_now())
+            todo.append((w, key, json.dumps(p.doc, sort_keys=True, indent=1).encode()))
+            live.add(key)
+        mine = [new_doc_name() for _ in todo]
+        guards = [f"{CLAIMS_KEY}/{_key_hash(key)}.ref1" for _, key, _ in todo]
+        held = self.space.create_many_if_absent(
+            [(g, m.encode()) for g, m in zip(guards, mine, strict=True)]
+        )
+        names = [m if h else self._held(g) for g, m, h in zip(guards, mine, held, strict=True)]
+        created = self.space.create_many_if_absent(
+            [
+                (f"{BUNDLE_REFS_KEY}/{n}.json", data)
+                for n, (_, _, data) in zip(names, todo, strict=True)
+            ]
+        )
+        if any(created):
+            with self._refs_lock:
+                self.refs.invalidate()
+        published: set[int] = set()
+        for (w, key, data), ok in zip(todo, created, strict=True):
+            if ok or self._publish(key, data):
+                published.add(id(w))
+        return [
+            IngestOutcome(
+                str(w.path),
+                "published" if id(w) in published else "unchanged",
+                keys[id(w)],
+                None,
+                w.logical,
+            )
+            for w in writtens
+        ]
+
     def _held(self, claim: str) -> str:
         try:
             return self.space.read(claim).decode().strip()
         except (StoreError, UnicodeDecodeError) as e:
             raise StoreError(f"cannot read claim {self.space.where(claim)}: {e}") from None
 
-    def _claim_attempt(self, identity: tuple, digest: str) -> int:
-        idh = blake3(json.dumps(list(identity)).encode()).hexdigest()[:40]
+    def _claim_attempt(self, identity: tuple, digest: str, taken: int = 0) -> int:
+        """The attempt of `digest` under `identity`'s anchor, claiming a new one if needed;
+        claims 1..`taken` are known to exist (read, not created)."""
+        idh = _anchor_hash(identity)
         n = 1
         while True:
             claim = f"{CLAIMS_KEY}/{idh}.a{n}"
-            if self.space.create_if_absent(claim, digest.encode()):
+            if n > taken and self.space.create_if_absent(claim, digest.encode()):
                 return n
             if self._held(claim) == digest:
                 return n
@@ -495,7 +558,7 @@ class Ingestor:
 
     def _publish(self, key: str, data: bytes) -> bool:
         """Create the one ref of `key` (unless live already); True if this call created it."""
-        kh = blake3(key.encode()).hexdigest()[:40]
+        kh = _key_hash(key)
         g = 1
         while True:
             guard = f"{CLAIMS_KEY}/{kh}.ref{g}"
@@ -516,6 +579,14 @@ class Ingestor:
                 # listed after its creation (a listing can lag): trust the existing object
                 return False
             g += 1  # that publication was removed (rm); the next one is new
+
+
+def _anchor_hash(identity: tuple) -> str:
+    return blake3(json.dumps(list(identity)).encode()).hexdigest()[:40]
+
+
+def _key_hash(key: str) -> str:
+    return blake3(key.encode()).hexdigest()[:40]
 
 
 def _now() -> str:
@@ -612,8 +683,6 @@ _EAGER_BYTES = 64 << 20
 _EAGER_TARGETS = 8
 #: ... or when the gate has had none ready for this long (a slow or blocked source).
 _LINGER_S = 0.5
-#: threads creating a batch's refs (they wait on fsync, not on the CPU)
-_PUBLISHERS = 8
 #: targets written at once (zstd, BLAKE3 and the pack writes release the GIL)
 _WRITERS = 2
 _END = object()
@@ -705,33 +774,14 @@ class _Pipeline:
                     return None
 
     def _publish_all(self, written: list[_Written]) -> dict[int, IngestOutcome]:
-        """Create the refs of flushed targets, by id; concurrently across anchors.
+        """Create the refs of flushed targets (`Ingestor.publish_many`), by id.
 
-        A ref create is two fsyncs (file, directory) and most of a small target's
-        fixed cost; concurrent fsyncs share the file system's journal commits.
-        Targets of one anchor (run, kind, rollout, step: e.g. a step and its resumed
-        re-capture) are published in order on one thread, so attempt numbers follow
-        the targets' order as they would one by one.
+        A ref create is two fsyncs (file, directory), three documents a target, and
+        most of a small target's fixed cost: the batch shares the directory fsyncs, and
+        its file fsyncs run concurrently (they share the file system's journal commits).
         """
-        live = self.ing.live_keys()
-        groups: dict[tuple, list[_Written]] = {}
-        for w in written:
-            groups.setdefault(w.prepared[0].identity[:4] if w.prepared else (id(w),), []).append(w)
-
-        def publish_group(ws: list[_Written]) -> list[IngestOutcome]:
-            return [self.ing.publish(w, live) for w in ws]
-
-        outs: dict[int, IngestOutcome] = {}
-        if len(groups) == 1:
-            results = [publish_group(ws) for ws in groups.values()]
-        else:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(min(_PUBLISHERS, len(groups))) as pool:
-                results = list(pool.map(publish_group, groups.values()))
-        for ws, res in zip(groups.values(), results, strict=True):
-            outs.update({id(w): o for w, o in zip(ws, res, strict=True)})
-        return outs
+        outs = self.ing.publish_many(written, self.ing.live_keys())
+        return {id(w): o for w, o in zip(written, outs, strict=True)}
 
     def _write_one(self, gated: _Gated) -> _Written | IngestOutcome:
         """Write a gated target, or refuse it if its source changed since the gate."""
