@@ -17,6 +17,7 @@ from test_rollout_linkage import ROLLOUT, RUN, _part, make_store, rollout_conten
 from trajstore.examples.replay_builders import Faults
 
 from trajstore.bundle.writer import BundleContents
+from trajstore.replay.context import StageMemo
 from trajstore.replay.from_store import (
     Target,
     _replay_rollout,
@@ -24,7 +25,7 @@ from trajstore.replay.from_store import (
     check_linkage,
     replay_stored,
 )
-from trajstore.replay.runner import StageRequest
+from trajstore.replay.runner import StageRequest, replay_sources
 from trajstore.store import Store
 
 
@@ -88,3 +89,46 @@ def test_linkage_from_the_steps_comparison_equals_the_full_check(
         else:
             assert report.root_bundle_key is None
             assert report.first_divergent_stage == "advantage.estimate"
+
+
+def _same_samples_store(tmp_path: Path, faults: Faults | None) -> Path:
+    """Rollout 7 and step 7:0 of the same samples and payload bytes (the same records)."""
+    rollout, step = _part(0, "rollout", faults), _part(0, "step", faults)
+    for c in (rollout, step):
+        c.identity["rank"]["dp"] = 1
+    return make_store(tmp_path, rollout=rollout, steps={0: step})
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [None, Faults(kl_type="k1"), Faults(kl_type="k1", physical_batch_norm=12)],
+)
+def test_stage_outcomes_taken_from_the_rollout_equal_the_steps_own(
+    tmp_path: Path, faults: Faults | None
+) -> None:
+    """advantage.kl and advantage.estimate of a step that read its rollout's very records
+    come from the rollout's replay (StageMemo): the same outcomes as computing them."""
+    root = _same_samples_store(tmp_path, faults)
+    with Store.open(root, create=False) as store:
+        step, rollout = store.step(RUN, ROLLOUT, 0), store.rollout(RUN, ROLLOUT)
+        shared = {
+            name
+            for name in step[0].payload_names()
+            if step[0].payload_identity(name) == rollout[0].payload_identity(name)
+        }
+        assert {"kl", "old_log_probs", "ref_log_probs", "advantages"} <= shared
+        memo = StageMemo()
+        rollout_report = replay_sources(rollout, label="ro", memo=memo)
+        kept = len(memo._entries)
+        rewards = _upstream_rewards(rollout_report)
+        upstream = [{"rewards_by_id": rewards}]
+        memoized = replay_sources(step, label="st", upstream=upstream, memo=memo)
+        assert kept == 2 and len(memo._entries) == kept  # the step's stages were hits
+        computed = replay_sources(step, label="st", upstream=upstream)
+        assert memoized.to_dict() == computed.to_dict()
+        # and through the store command's path, the linkage included
+        report = replay_stored(store, Target(run=RUN, step=(ROLLOUT, 0)))
+        assert report.to_dict()["bundles"] == computed.to_dict()["bundles"]
+        if faults is not None:
+            assert report.bundles[0].outcome("advantage.kl").status == "fail"
+            assert report.linkage.status == ("fail" if faults.physical_batch_norm else "pass")

@@ -8,7 +8,7 @@ on another stage's module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,39 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+class StageMemo:
+    """Outcomes of stages, by everything they read, shared by the replays of one linked
+    step (its rollout bundle, then the step; `trajstore.replay.from_store`).
+
+    A step consumes its rollout's samples and shares most of its payloads with it (the
+    same CAS records: old/ref log-probs, kl, advantages), so a stage such as advantage.kl
+    reads the very same bytes in both bundles. A key names those bytes by their records
+    (a record's name is the BLAKE3 of its bytes; its chunks are hash-checked when read),
+    plus the samples, the config values, the tolerance and exact fields the stage reads:
+    equal keys give equal outcomes, so the second one is a copy of the first. Only sources
+    that name their payloads' records (`StoredBundle.payload_identity`) have keys.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[StageOutcome, dict[str, Any]]] = {}
+
+    def get(self, key: tuple | None) -> tuple[StageOutcome, dict[str, Any]] | None:
+        """A copy of the outcome stored under `key` and its stored values, or None."""
+        hit = None if key is None else self._entries.get(key)
+        if hit is None:
+            return None
+        return _copy_outcome(hit[0]), hit[1]
+
+    def put(self, key: tuple | None, outcome: StageOutcome, values: dict[str, Any]) -> None:
+        """Keep `outcome` (as it is now: the runner sets fields of the one it returns)."""
+        if key is not None:
+            self._entries[key] = (_copy_outcome(outcome), values)
+
+
+def _copy_outcome(outcome: StageOutcome) -> StageOutcome:
+    return replace(outcome, divergences=[replace(d) for d in outcome.divergences])
+
+
 class ReplayContext:
     """Selected inputs of one bundle plus the outputs recomputed so far."""
 
@@ -87,8 +120,10 @@ class ReplayContext:
         source: BundleSource,
         selection: Selection,
         upstream: dict[str, Any] | None = None,
+        memo: StageMemo | None = None,
     ):
         self.source = source
+        self.memo = memo
         self.selection = selection
         samples = source.index.samples
         self.all_lengths = np.array([s.response_length for s in samples], dtype=np.int64)
@@ -107,6 +142,36 @@ class ReplayContext:
         #: what the rollout linkage checks (`trajstore.replay.from_store.check_linkage`)
         self.upstream_comparison: tuple[Any, Comparison] | None = None
         self._payloads: dict[str, np.ndarray] = {}
+
+    def memo_key(self, stage: str, payloads: tuple[str, ...], *values: Any) -> tuple | None:
+        """What `stage` reads, for `StageMemo`: the records of `payloads` (and their
+        specs), these samples, the stage's tolerance, the exact fields and `values` (the
+        code's name, the config values it used). None: no memo, or a payload without a
+        record name."""
+        ident = getattr(self.source, "payload_identity", None)
+        if self.memo is None or ident is None:
+            return None
+        specs = self.source.manifest.payloads
+        named = []
+        for name in payloads:
+            spec = specs.get(name)
+            if spec is None:
+                named.append((name, None))
+                continue
+            record = ident(name)
+            if record is None:
+                return None
+            named.append((name, record, tuple(spec.shape), spec.dtype))
+        return (
+            stage,
+            tuple(named),
+            values,
+            self.tolerance(stage),
+            repr(self.source.manifest.exact_fields),
+            tuple(self.sample_ids),
+            self.all_lengths.tobytes(),
+            np.asarray(self.positions, dtype=np.int64).tobytes(),
+        )
 
     @property
     def partial(self) -> bool:

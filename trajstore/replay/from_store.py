@@ -25,7 +25,7 @@ from trajstore.errors import NotFoundError, TrajstoreError, UsageError
 from trajstore.jsonio import json_safe
 from trajstore.replay import kernels
 from trajstore.replay.compare import Comparison, compare_arrays
-from trajstore.replay.context import ReplayContext, StageInputError, StageOutcome
+from trajstore.replay.context import ReplayContext, StageInputError, StageMemo, StageOutcome
 from trajstore.replay.registry import get_stage
 from trajstore.replay.runner import (
     BundleReport,
@@ -116,10 +116,12 @@ def _replay_rollout(
     rollout_id: int,
     cache: dict[tuple[str, ...], ReplayReport] | None,
     sources: list[Any] | None = None,
+    memo: StageMemo | None = None,
 ) -> ReplayReport | None:
     """The stored rollout bundle's replay (None: not stored), through the cache.
 
-    `sources`: the rollout's ranks when the caller already looked them up.
+    `sources`: the rollout's ranks when the caller already looked them up; `memo`:
+    where its stage outcomes are kept for the step's replay (`StageMemo`).
     """
     if sources is None:
         sources = _rollout_sources(store, run, rollout_id)
@@ -128,7 +130,7 @@ def _replay_rollout(
     key = tuple(src.bundle_key for src in sources)
     report = None if cache is None else cache.get(key)
     if report is None:
-        report = replay_sources(sources, label=sources[0].bundle_id)
+        report = replay_sources(sources, label=sources[0].bundle_id, memo=memo)
         if cache is not None:
             while len(cache) >= ROLLOUT_CACHE_SIZE:
                 cache.pop(next(iter(cache)))
@@ -167,16 +169,19 @@ def replay_stored(
         )
         return report
     run, rollout_id = first.ref["run"], first.index.identity.rollout_id
+    # the step reads many of its rollout's payloads (the same records): a stage that reads
+    # the same bytes, samples and settings in both takes the rollout's outcome
+    memo = StageMemo()
     if ahead is not None and ahead[0] == rollout_id:
         # looked up by _read_ahead (the ref's rollout id is the index's)
         ro_sources = ahead[1]
         rollout_report = (
             None
             if ro_sources is None
-            else _replay_rollout(store, run, rollout_id, rollout_cache, ro_sources)
+            else _replay_rollout(store, run, rollout_id, rollout_cache, ro_sources, memo)
         )
     else:
-        rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache)
+        rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache, memo=memo)
     rewards = {} if rollout_report is None else _upstream_rewards(rollout_report)
     upstream = None
     if rewards:
@@ -187,7 +192,7 @@ def replay_stored(
             for src in sources
         ]
     report = replay_sources(
-        sources, label=label, request=request, selection=selection, upstream=upstream
+        sources, label=label, request=request, selection=selection, upstream=upstream, memo=memo
     )
     if rollout_report is None:
         report.linkage = Linkage(

@@ -15,7 +15,7 @@ from trajstore.errors import SelectionError, UsageError
 from trajstore.jsonio import json_safe
 from trajstore.replay import builtin
 from trajstore.replay.compare import Comparison
-from trajstore.replay.context import ReplayContext, StageInputError, StageOutcome
+from trajstore.replay.context import ReplayContext, StageInputError, StageMemo, StageOutcome
 from trajstore.replay.registry import StageDef, registered_stages, resolve_stage, stage_names
 from trajstore.replay.selection import Selection, SelectionRequest, select
 from trajstore.replay.source import BundleSource
@@ -227,11 +227,14 @@ def replay_bundle(
     request: StageRequest | None = None,
     selection: Selection | None = None,
     upstream: dict[str, np.ndarray] | None = None,
+    memo: StageMemo | None = None,
 ) -> BundleReport:
-    """Replay one bundle; stages after the last requested one do not run."""
+    """Replay one bundle; stages after the last requested one do not run.
+
+    `memo`: stage outcomes shared with the replays of other bundles (`StageMemo`)."""
     request = request or StageRequest()
     selection = selection or Selection(None, False)
-    ctx = ReplayContext(source, selection, upstream)
+    ctx = ReplayContext(source, selection, upstream, memo)
     wanted = set(request.stages)
     last = max(STAGE_ORDER.index(name) for name in wanted)
     outcomes: list[StageOutcome] = []
@@ -299,6 +302,7 @@ def replay_sources(
     request: StageRequest | None = None,
     selection: SelectionRequest | None = None,
     upstream: list[dict[str, np.ndarray] | None] | None = None,
+    memo: StageMemo | None = None,
 ) -> ReplayReport:
     """Replay every rank of a target and give one verdict naming the rank."""
     request = request or StageRequest()
@@ -312,7 +316,11 @@ def replay_sources(
         found_any = True
         reports.append(
             replay_bundle(
-                src, request=request, selection=sel, upstream=(upstream or [None] * len(sources))[i]
+                src,
+                request=request,
+                selection=sel,
+                upstream=(upstream or [None] * len(sources))[i],
+                memo=memo,
             )
         )
     if not found_any:

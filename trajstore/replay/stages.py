@@ -11,6 +11,7 @@ stage registers from `trajstore.router.stage`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -192,6 +193,18 @@ def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
 def stage_advantage_kl(ctx: ReplayContext) -> StageOutcome:
     expected = ctx.payload(Payload.KL)
     kl_coef = float(ctx.cfg("kl_coef", 0.0))
+    kl_type = ctx.cfg("kl_loss_type", "k1")
+    key = ctx.memo_key(
+        Stage.ADVANTAGE_KL,
+        (Payload.KL, Payload.OLD_LOG_PROBS, Payload.REF_LOG_PROBS),
+        "stage_advantage_kl",
+        kl_coef,
+        repr(kl_type),
+    )
+    hit = None if ctx.memo is None else ctx.memo.get(key)
+    if hit is not None:  # its rollout's stage on the same bytes (StageMemo)
+        ctx.recomputed["kl"] = hit[1]["kl"].copy()
+        return hit[0]
     if kl_coef == 0.0:
         actual = np.zeros(int(ctx.lengths.sum()), dtype=np.float32)
     else:
@@ -199,17 +212,20 @@ def stage_advantage_kl(ctx: ReplayContext) -> StageOutcome:
             actual = kernels.approx_kl(
                 ctx.payload(Payload.OLD_LOG_PROBS),
                 ctx.payload(Payload.REF_LOG_PROBS),
-                ctx.cfg("kl_loss_type", "k1"),
+                kl_type,
             )
         except kernels.KernelInputError as exc:
             raise StageInputError(str(exc)) from None
     ctx.recomputed["kl"] = actual
     comparison = ctx.compare(Stage.ADVANTAGE_KL, Payload.KL, expected, actual, per_token=True)
-    return outcome_of(
+    outcome = outcome_of(
         Stage.ADVANTAGE_KL,
         [comparison],
         "{n} kl token(s) diverged (max_abs_error={err:.3e}, mismatches={n})",
     )
+    if ctx.memo is not None:
+        ctx.memo.put(key, outcome, {"kl": actual.copy()})
+    return outcome
 
 
 def _upstream_rewards(ctx: ReplayContext) -> np.ndarray | None:
@@ -243,8 +259,30 @@ def stage_advantage_estimate(ctx: ReplayContext) -> StageOutcome:
     stage = Stage.ADVANTAGE_ESTIMATE
     expected = ctx.payload(Payload.ADVANTAGES)
     upstream = _upstream_rewards(ctx)
+    rewards = _rewards_for_advantages(ctx, upstream)
+    key = None
+    if ctx.memo is not None and isinstance(rewards, np.ndarray):
+        key = ctx.memo_key(
+            stage,
+            (Payload.ADVANTAGES, Payload.RETURNS),
+            "stage_advantage_estimate",
+            rewards.dtype.str,
+            rewards.shape,
+            rewards.tobytes(),
+        )
+    hit = None if key is None else ctx.memo.get(key)
+    if hit is not None:  # its rollout's stage on the same bytes and rewards (StageMemo)
+        outcome, values = hit
+        ctx.recomputed["advantages"] = values["advantages"].copy()
+        if upstream is not None:
+            comparison = values["comparison"]
+            ctx.upstream_comparison = (
+                ctx.upstream["rewards_by_id"],
+                replace(comparison, divergences=[replace(d) for d in comparison.divergences]),
+            )
+        return outcome
     try:
-        actual = kernels.grpo_returns(_rewards_for_advantages(ctx, upstream), ctx.lengths)
+        actual = kernels.grpo_returns(rewards, ctx.lengths)
     except kernels.KernelInputError as exc:
         raise StageInputError(str(exc)) from None
     ctx.recomputed["advantages"] = actual
@@ -255,11 +293,14 @@ def stage_advantage_estimate(ctx: ReplayContext) -> StageOutcome:
     if ctx.has_payload(Payload.RETURNS):
         returns = ctx.payload(Payload.RETURNS)
         comparisons.append(ctx.compare(stage, Payload.RETURNS, returns, actual, per_token=True))
-    return outcome_of(
+    outcome = outcome_of(
         stage,
         comparisons,
         "{n} advantage token(s) diverged (max_abs_error={err:.3e}, mismatches={n})",
     )
+    if key is not None:
+        ctx.memo.put(key, outcome, {"advantages": actual.copy(), "comparison": comparisons[0]})
+    return outcome
 
 
 def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:

@@ -225,6 +225,23 @@ class StoredBundle:
             self._records[name] = load_record(self.objs, self._entry(name)["record"])
         return self._records[name]
 
+    def payload_identity(self, name: str) -> tuple | None:
+        """What names payload `name`'s values: its CAS record (the BLAKE3 of a record
+        that lists its chunks' names) and how the record is laid out and shaped; two
+        payloads with equal identities read the same values (`StageMemo`)."""
+        entry = self.ref["payloads"].get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("record"), str):
+            return None
+        try:
+            return (
+                entry["record"],
+                repr(entry.get("rows")),
+                repr(entry.get("dtype")),
+                repr(entry.get("shape")),
+            )
+        except (TypeError, ValueError):
+            return None
+
     def prefetch(self) -> None:
         """Start reading every per-token payload whole, on a few threads, while the caller
         parses documents and replays (a whole-bundle replay reads them all in its sample
