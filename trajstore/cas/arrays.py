@@ -42,7 +42,6 @@ records, as written before, still read.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -551,11 +550,6 @@ def _row_windows(
         pos = row_end
 
 
-@functools.lru_cache(maxsize=64)
-def _zero_key(size: int) -> bytes:
-    return blake3(bytes(size)).digest()
-
-
 class _EncodeCache(BytesLRU):
     """Recently encoded windows by the BLAKE3 of their decoded bytes (bounded by bytes).
 
@@ -607,16 +601,17 @@ def _encode_windows(
     encode cache.
     """
     tag = ZSTD_LEVEL.to_bytes(2, "little", signed=True)
-    zero = _zero_key(size)
+    zeros = bytes(size)
     out: list[bytes | str | None] = []
     keys: list[bytes | None] = []
     for win in wins:
-        digest = blake3(win).digest()
-        if digest == zero:
+        # a fill window is found by comparing (a byte, else a copy and a memcmp: several
+        # times cheaper than hashing it, and KL, padding and such are often all zero)
+        if (not size or not win[0]) and bytes(win) == zeros:
             out.append(None)
             keys.append(None)
             continue
-        key = digest + tag
+        key = blake3(win).digest() + tag
         keys.append(key)
         known = ENCODE_CACHE.name(key) if objs is not None else None
         if known is not None and objs.has_cached(*known):
