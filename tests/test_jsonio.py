@@ -228,3 +228,5 @@ def test_an_opened_bundle_keeps_the_bytes_its_gate_checked(target: str) -> None:
         assert sorted(b.files) == sorted(names)
         for name, data in b.files.items():
             assert data == (b.path / name).read_bytes()
+        b.release()  # with the payloads: a cohort's ingest keeps one rank in memory
+        assert b.files == {}

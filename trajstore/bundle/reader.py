@@ -45,6 +45,8 @@ MAX_SAMPLES_ENV = "TRAJSTORE_MAX_SAMPLES"
 #: Checked payloads up to this size stay cached for ingest; larger ones are re-read
 #: (and re-hashed) when written, so the gate never holds more than one large payload.
 KEEP_CHECKED_BYTES = 256 << 20
+#: A bundle keeps the document bytes its gate checked (`Bundle.files`) up to this size in all.
+KEEP_DOCUMENT_BYTES = 64 << 20
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 _SHARD_FILE = re.compile(r"^COMPLETE\.(\d+)$")
 
@@ -126,8 +128,8 @@ class Bundle:
     rank: int | None = None
     warnings: list[str] = field(default_factory=list)
     #: the bytes the gate checked of manifest.json, index.json, expected.json, COMPLETE and
-    #: each COMPLETE.<r> (empty when together over KEEP_CHECKED_BYTES): storing these needs
-    #: no re-read, and no check that the files did not change since
+    #: each COMPLETE.<r> (empty when together over KEEP_DOCUMENT_BYTES, or released): storing
+    #: these needs no re-read, and no check that the files did not change since
     files: dict[str, bytes] = field(default_factory=dict, repr=False)
     _raw: dict[str, bytes] = field(default_factory=dict, repr=False)
     _cache: dict[str, PtTensor] = field(default_factory=dict, repr=False)
@@ -204,7 +206,10 @@ class Bundle:
         return read_bytes(path, f"payload '{name}'", limit=max_payload_bytes())
 
     def release(self, name: str | None = None) -> None:
-        """Drop cached payload bytes/tensors (one, or all) to bound memory; re-read on use."""
+        """Drop cached payload bytes/tensors (one, or all, with `files`) to bound memory;
+        re-read on use."""
+        if name is None:
+            self.files = {}
         for cache in (self._raw, self._cache):
             if name is None:
                 cache.clear()
@@ -335,7 +340,7 @@ def open_bundle(
         _raw={},
     )
     files.update(raw)
-    if sum(map(len, files.values())) <= KEEP_CHECKED_BYTES:
+    if sum(map(len, files.values())) <= KEEP_DOCUMENT_BYTES:
         bundle.files = files
     if verify_payloads:
         bundle.verify_payloads()
