@@ -19,7 +19,8 @@ script run:
    the linkage) and the same with `--no-link`; ratio = median dir time /
    median store time (>= 1 means the store is as fast);
 3. the same in one process (`open_target` + `replay_sources` against
-   `replay_stored`, a fresh `Store` and empty in-process caches each time).
+   `replay_stored`, a fresh `Store` and empty in-process caches each time),
+   wall time and CPU time (`time.process_time`: every thread of the process).
 
 Every report is checked to be the same on both sides (status, first
 divergent stage). `--cold` drops the page cache (root only) before each
@@ -222,13 +223,15 @@ def inproc_figures(
         fresh()
         fn()
     times: dict[str, list[float]] = {k: [] for k in sides}
+    cpus: dict[str, list[float]] = {k: [] for k in sides}
     got = set()
     for _ in range(reps):
         for name, fn in sides.items():
             fresh()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             report = fn()
             times[name].append(time.perf_counter() - t0)
+            cpus[name].append(time.process_time() - c0)  # every thread of this process
             got.add((report.status, report.first_divergent_stage))
     if len(got) != 1:
         raise SystemExit(f"the in-process reports differ between the sides: {got}")
@@ -241,7 +244,13 @@ def inproc_figures(
             pr.disable()
             say(f"--- profile, in process: {name}")
             pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(18)
-    return {"median_s": {k: statistics.median(v) for k, v in times.items()}, "times_s": times}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpus.items()}
+    say(
+        "in-process medians (wall / CPU ms): "
+        + ", ".join(f"{k} {med[k] * 1e3:.0f} / {cpu_med[k] * 1e3:.0f}" for k in sides)
+    )
+    return {"median_s": med, "cpu_median_s": cpu_med, "times_s": times, "cpu_s": cpus}
 
 
 def figure(name: str, value: float, detail: str) -> dict:
@@ -292,6 +301,7 @@ def main() -> int:
     cache = "cold" if args.cold else "warm"
     size = f"256-sample step, {tokens} response tokens" if args.samples == 256 else f"{tokens} tok"
     m, n, c = cli["median_s"], inp["median_s"], cli["cpu_median_s"]
+    nc = inp["cpu_median_s"]
     figures = [
         figure(
             "store replay, CLI: `replay --store S --run R --step r:s` / `replay DIR`",
@@ -310,12 +320,15 @@ def main() -> int:
             "store replay in process: replay_stored / replay_sources(open_target(dir))",
             n["dir"] / n["store"],
             f"median of {reps}, fresh Store and empty chunk cache each run, page cache {cache}; "
-            f"dir {n['dir'] * 1e3:.0f} ms, store {n['store'] * 1e3:.0f} ms (linkage included)",
+            f"dir {n['dir'] * 1e3:.0f} ms, store {n['store'] * 1e3:.0f} ms (linkage included); "
+            f"CPU ratio {nc['dir'] / nc['store']:.2f}x ({nc['dir'] * 1e3:.0f} vs "
+            f"{nc['store'] * 1e3:.0f} ms, all threads)",
         ),
         figure(
             "store replay in process, link=False",
             n["dir"] / n["store_nolink"],
-            f"store {n['store_nolink'] * 1e3:.0f} ms",
+            f"store {n['store_nolink'] * 1e3:.0f} ms; CPU ratio "
+            f"{nc['dir'] / nc['store_nolink']:.2f}x ({nc['store_nolink'] * 1e3:.0f} ms)",
         ),
     ]
     if "store_baseline" in m:
