@@ -228,7 +228,7 @@ def stage_advantage_kl(ctx: ReplayContext) -> StageOutcome:
     return outcome
 
 
-def _upstream_rewards(ctx: ReplayContext) -> np.ndarray | None:
+def _rewards_from_upstream(ctx: ReplayContext) -> np.ndarray | None:
     """The rollout bundle's recomputed rewards for the samples this step consumed, when
     they are its advantages' source (no reward recomputed here, every sample's upstream)."""
     if "rewards" in ctx.recomputed:
@@ -258,7 +258,7 @@ def _rewards_for_advantages(ctx: ReplayContext, upstream: np.ndarray | None) -> 
 def stage_advantage_estimate(ctx: ReplayContext) -> StageOutcome:
     stage = Stage.ADVANTAGE_ESTIMATE
     expected = ctx.payload(Payload.ADVANTAGES)
-    upstream = _upstream_rewards(ctx)
+    upstream = _rewards_from_upstream(ctx)
     rewards = _rewards_for_advantages(ctx, upstream)
     key = None
     if ctx.memo is not None and isinstance(rewards, np.ndarray):
