@@ -112,22 +112,32 @@ def generate(out: Path, args: list[str]) -> None:
 
 
 def compare(cap: Path, store_dir: Path, reps: int) -> dict:
-    """Alternate baseline and ingest `reps` times; per-rep times and the median ratio."""
-    cdc_t, ing_t, ratios = [], [], []
+    """Alternate baseline and ingest `reps` times; per-rep times (wall and CPU seconds of
+    the whole process, all threads) and the median ratio."""
+    cdc_t, ing_t, ratios, cdc_cpu, ing_cpu = [], [], [], [], []
     cdc_bytes = 0
     for _ in range(reps):
+        c0 = time.process_time()
         cdc_bytes, tc = bench_fastcdc(cap)
+        c1 = time.process_time()
         ti = bench_ingest(cap, store_dir)
+        c2 = time.process_time()
         cdc_t.append(tc)
         ing_t.append(ti)
+        cdc_cpu.append(c1 - c0)
+        ing_cpu.append(c2 - c1)
         ratios.append(tc / ti)
     return {
         "cdc_s": cdc_t,
         "ingest_s": ing_t,
+        "cdc_cpu_s": cdc_cpu,
+        "ingest_cpu_s": ing_cpu,
         "ratio": statistics.median(ratios),
         "cdc_bytes": cdc_bytes,
         "cdc_median_s": statistics.median(cdc_t),
         "ingest_median_s": statistics.median(ing_t),
+        "cdc_cpu_median_s": statistics.median(cdc_cpu),
+        "ingest_cpu_median_s": statistics.median(ing_cpu),
     }
 
 
@@ -208,7 +218,8 @@ def main() -> int:
         print(
             f"ingest / FastCDC+zstd (median of {args.reps} alternating pairs): "
             f"{routed['ratio']:.3f}x; FastCDC s {_fmt(routed['cdc_s'])}, "
-            f"ingest s {_fmt(routed['ingest_s'])}"
+            f"ingest s {_fmt(routed['ingest_s'])}; CPU s (all threads) FastCDC "
+            f"{_fmt(routed['cdc_cpu_s'])}, ingest {_fmt(routed['ingest_cpu_s'])}"
         )
         figures.append(
             {
@@ -223,7 +234,8 @@ def main() -> int:
                     f"routes [T,48,8], 18% redrawn, {args.resumed:.0%} resumed): "
                     f"{mbps(t_ingest):.0f} MB/s vs FastCDC-16k+BLAKE3+zstd-3 "
                     f"{mbps(t_c):.0f} MB/s (medians of {args.reps}); physical/logical "
-                    f"{phys / logical:.3f}"
+                    f"{phys / logical:.3f}; CPU s (all threads, medians) ingest "
+                    f"{routed['ingest_cpu_median_s']:.2f}, FastCDC {routed['cdc_cpu_median_s']:.2f}"
                 ),
             }
         )
@@ -260,7 +272,8 @@ def main() -> int:
             print(
                 f"\nsmall-bundle ingest / FastCDC+zstd (median of {args.reps} alternating "
                 f"pairs): {res['ratio']:.3f}x; FastCDC s {_fmt(res['cdc_s'])}, "
-                f"ingest s {_fmt(res['ingest_s'])}"
+                f"ingest s {_fmt(res['ingest_s'])}; CPU s (all threads) FastCDC "
+                f"{_fmt(res['cdc_cpu_s'])}, ingest {_fmt(res['ingest_cpu_s'])}"
             )
             figures.append(
                 {
@@ -272,7 +285,9 @@ def main() -> int:
                     "detail": (
                         f"Store.ingest (fsync on, whole gate) of {s_bundles} bundles, "
                         f"{s_logical / 1e6:.0f} MB, no routes: {s_mbps:.0f} MB/s vs "
-                        f"FastCDC-16k+BLAKE3+zstd-3 {c_mbps:.0f} MB/s (medians of {args.reps})"
+                        f"FastCDC-16k+BLAKE3+zstd-3 {c_mbps:.0f} MB/s (medians of {args.reps}); "
+                        f"CPU s (all threads, medians) ingest {res['ingest_cpu_median_s']:.2f}, "
+                        f"FastCDC {res['cdc_cpu_median_s']:.2f}"
                     ),
                 }
             )
