@@ -188,9 +188,9 @@ def cli_figures(
     }
 
 
-def inproc_figures(
-    store: Path, exported: Path, step: tuple[int, int], reps: int, cold: bool, profile: bool
-) -> dict:
+def inproc_sides(store: Path, exported: Path, step: tuple[int, int], cold: bool) -> tuple:
+    """(fresh, sides): the in-process replays of each side, with the trajstore importable
+    here (this checkout's, or a --baseline-src checkout's in `worker`)."""
     from trajstore.bundle.reader import open_target
     from trajstore.replay.from_store import Target, replay_stored
     from trajstore.replay.runner import replay_sources
@@ -219,20 +219,80 @@ def inproc_figures(
         "store": lambda: run_store(True),
         "store_nolink": lambda: run_store(False),
     }
-    for fn in sides.values():
+    for fn in sides.values():  # warm-up
         fresh()
         fn()
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    cpus: dict[str, list[float]] = {k: [] for k in sides}
+    return fresh, sides
+
+
+def timed_inproc(fresh, fn) -> tuple[float, float, tuple]:  # noqa: ANN001
+    """Wall and CPU seconds (every thread of this process) of one replay, and its verdict."""
+    fresh()
+    c0, t0 = time.process_time(), time.perf_counter()
+    report = fn()
+    dt = time.perf_counter() - t0
+    stage = report.first_divergent_stage
+    return dt, time.process_time() - c0, (str(report.status), getattr(stage, "value", stage))
+
+
+def worker(argv: list[str]) -> int:
+    """`--worker STORE DIR R:S COLD`: the in-process sides of the trajstore importable here
+    (a --baseline-src checkout), one timed replay per side name read from stdin."""
+    store, exported, step, cold = argv
+    r, s = (int(x) for x in step.split(":"))
+    fresh, sides = inproc_sides(Path(store), Path(exported), (r, s), cold == "1")
+    print("ready", flush=True)
+    for line in sys.stdin:
+        dt, cpu, got = timed_inproc(fresh, sides[line.strip()])
+        print(json.dumps([dt, cpu, got]), flush=True)
+    return 0
+
+
+def inproc_figures(
+    store: Path,
+    exported: Path,
+    step: tuple[int, int],
+    reps: int,
+    cold: bool,
+    profile: bool,
+    baseline: Path | None = None,
+) -> dict:
+    """In-process replays of each side, interleaved; with `baseline` the same sides of that
+    checkout's code run in a worker process, interleaved with these (suffix _baseline)."""
+    fresh, sides = inproc_sides(store, exported, step, cold)
+    names = list(sides)
+    base = None
+    if baseline is not None:
+        base = subprocess.Popen(
+            [PY, str(Path(__file__).resolve()), "--worker", str(store), str(exported)]
+            + [f"{step[0]}:{step[1]}", "1" if cold else "0"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=baseline.resolve(),
+            env={**os.environ, "PYTHONPATH": str(baseline.resolve())},
+        )
+        if base.stdout.readline().strip() != "ready":
+            raise SystemExit("the --baseline-src worker did not start")
+        names += [f"{k}_baseline" for k in sides]
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpus: dict[str, list[float]] = {k: [] for k in names}
     got = set()
     for _ in range(reps):
-        for name, fn in sides.items():
-            fresh()
-            c0, t0 = time.process_time(), time.perf_counter()
-            report = fn()
-            times[name].append(time.perf_counter() - t0)
-            cpus[name].append(time.process_time() - c0)  # every thread of this process
-            got.add((report.status, report.first_divergent_stage))
+        for name in names:
+            if name.endswith("_baseline"):
+                base.stdin.write(name.removesuffix("_baseline") + "\n")
+                base.stdin.flush()
+                dt, cpu, verdict_ = json.loads(base.stdout.readline())
+                verdict_ = tuple(verdict_)
+            else:
+                dt, cpu, verdict_ = timed_inproc(fresh, sides[name])
+            times[name].append(dt)
+            cpus[name].append(cpu)
+            got.add(verdict_)
+    if base is not None:
+        base.stdin.close()
+        base.wait()
     if len(got) != 1:
         raise SystemExit(f"the in-process reports differ between the sides: {got}")
     if profile:
@@ -248,7 +308,7 @@ def inproc_figures(
     cpu_med = {k: statistics.median(v) for k, v in cpus.items()}
     say(
         "in-process medians (wall / CPU ms): "
-        + ", ".join(f"{k} {med[k] * 1e3:.0f} / {cpu_med[k] * 1e3:.0f}" for k in sides)
+        + ", ".join(f"{k} {med[k] * 1e3:.0f} / {cpu_med[k] * 1e3:.0f}" for k in names)
     )
     return {"median_s": med, "cpu_median_s": cpu_med, "times_s": times, "cpu_s": cpus}
 
@@ -265,6 +325,8 @@ def figure(name: str, value: float, detail: str) -> dict:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--worker"]:
+        return worker(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 1 min)")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write the figures here")
@@ -279,7 +341,8 @@ def main() -> int:
         type=Path,
         metavar="DIR",
         help="also time the store commands with the trajstore package of this checkout "
-        "(e.g. a `git worktree` of the commit before a change), interleaved",
+        "(e.g. a `git worktree` of the commit before a change), interleaved; and the "
+        "in-process sides with it, in a worker process, interleaved",
     )
     args = ap.parse_args()
     reps = args.reps or (3 if args.quick else 9)
@@ -296,7 +359,9 @@ def main() -> int:
         cli = cli_figures(
             store, exported, f"{step[0]}:{step[1]}", reps, args.cold, args.baseline_src
         )
-        inp = inproc_figures(store, exported, step, reps, args.cold, args.profile)
+        inp = inproc_figures(
+            store, exported, step, reps, args.cold, args.profile, args.baseline_src
+        )
     after = load1()
     cache = "cold" if args.cold else "warm"
     size = f"256-sample step, {tokens} response tokens" if args.samples == 256 else f"{tokens} tok"
@@ -331,6 +396,20 @@ def main() -> int:
             f"{nc['dir'] / nc['store_nolink']:.2f}x ({nc['store_nolink'] * 1e3:.0f} ms)",
         ),
     ]
+    if "store_baseline" in n:
+        nb = {k.removesuffix("_baseline"): v for k, v in n.items() if k.endswith("_baseline")}
+        ncb = {k.removesuffix("_baseline"): v for k, v in nc.items() if k.endswith("_baseline")}
+        figures.append(
+            figure(
+                "store replay in process, the --baseline-src code",
+                nb["dir"] / nb["store"],
+                f"same runs, interleaved, in a worker process: dir {nb['dir'] * 1e3:.0f} ms, "
+                f"store {nb['store'] * 1e3:.0f} ms, link=False {nb['store_nolink'] * 1e3:.0f} "
+                f"ms ({nb['dir'] / nb['store_nolink']:.2f}x); CPU ratio "
+                f"{ncb['dir'] / ncb['store']:.2f}x ({ncb['dir'] * 1e3:.0f} vs "
+                f"{ncb['store'] * 1e3:.0f} ms), link=False {ncb['dir'] / ncb['store_nolink']:.2f}x",
+            )
+        )
     if "store_baseline" in m:
         figures.append(
             figure(
