@@ -63,33 +63,29 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-async def _warm_up(app: FastAPI, token: str | None) -> None:
-    """Route one request through the whole app before serving, answered 404 and dropped.
+#: requests routed through the app at start-up (`_warm_up`): a path no route matches (walks
+#: every router), then the by-id lookups and the payload download, on names no catalog holds
+WARM_UP_PATHS = (
+    "/v1/-warm-up-",
+    "/v1/runs/-warm-up-/steps/0:0",
+    "/v1/bundles/-warm-up-/payloads/-warm-up-",
+)
 
-    FastAPI builds each included router's routes (dependants, pydantic fields of
-    every parameter and response model) the first time a request is matched
-    against them: the first download of a fresh server paid ~15-25 ms of it
-    (issue 15) before its first byte. A path no route matches walks every router.
+
+async def _warm_up(app: FastAPI, token: str | None) -> None:
+    """Route a few requests through the whole app before serving; each is answered 404
+    (nothing of the store is read) and dropped.
+
+    What a fresh server paid on its first request (issue 15: ~20-30 ms before the first
+    byte of a first download, most of it again after a dropped page cache): FastAPI
+    builds an included router's routes (dependants, pydantic fields) the first time a
+    request is matched against them, and on an endpoint's first call reads the source of
+    its function (`inspect.getsourcelines`, for error context); plus the first thread of
+    the sync endpoints' pool.
     """
     headers = [(b"host", b"warm-up")]
     if token:
         headers.append((b"authorization", f"Bearer {token}".encode()))
-    path = "/v1/-warm-up-"
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": headers,
-        "client": ("127.0.0.1", 0),
-        "server": ("127.0.0.1", 0),
-        "state": {},
-    }
 
     async def receive() -> dict:
         return {"type": "http.request", "body": b"", "more_body": False}
@@ -97,7 +93,23 @@ async def _warm_up(app: FastAPI, token: str | None) -> None:
     async def send(message: dict) -> None:
         return None
 
-    await app(scope, receive, send)
+    for path in WARM_UP_PATHS:
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": headers,
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+            "state": {},
+        }
+        await app(scope, receive, send)
 
 
 def create_app(

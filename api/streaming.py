@@ -104,8 +104,14 @@ class StreamedPayload:
             h: decode_chunk(data, size, h)
             for h, data in zip(wanted, self.objs.get_many(wanted), strict=True)
         }
+        # one copy: a whole window joins as decoded, a row's last (short) one as a view
         raw = b"".join(
-            bytes(n) if h is None else memoryview(decoded[h])[:n].tobytes() for h, n in batch
+            bytes(n)
+            if h is None
+            else decoded[h]
+            if n == len(decoded[h])
+            else memoryview(decoded[h])[:n]
+            for h, n in batch
         )
         if fmt == "npy" and self.widen:
             bits = np.frombuffer(raw, dtype=np.uint16)

@@ -25,6 +25,7 @@ from test_api import serve
 from trajstore.api import streaming
 
 from trajstore.bundle.writer import write_bundle
+from trajstore.cas.arrays import load_record
 from trajstore.store import Store
 
 #: tokens per sample: 4 samples of bf16 log-probs span two decode batches
@@ -126,6 +127,72 @@ def test_streamed_cold_download_is_byte_identical(long_store: tuple[Path, dict])
         assert again.content == raw.content
         part = client.get(url, params={"format": "raw"}, headers={"Range": "bytes=100-4195"})
         assert part.status_code == 206 and part.content == raw.content[100:4196]
+
+
+def _float_store(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """One float32 step (rollout 5) whose `kl` holds all-zero (fill) windows between
+    stored ones; the tensors by payload name."""
+    tokens = 4 * LONG
+    kl = -torch.rand(tokens, generator=torch.Generator().manual_seed(5))
+    kl[:20_000] = 0.0  # the first windows are fill (not stored)
+    kl[2 * LONG : 2 * LONG + 50_000] = 0.0
+    contents = make_contents(
+        lengths=LONG, rollout_id=5, seed=5, dtype=torch.float32, extra_payloads={"kl": kl}
+    )
+    write_bundle(root / "capture" / "replay-5-0", contents)
+    with Store.open(root / "store", durable=False) as store:
+        assert all(o.status == "published" for o in store.ingest([root / "capture"], run="f"))
+    payloads = root / "capture" / "replay-5-0" / "payloads"
+    return root / "store", {p.stem: torch.load(p, weights_only=True) for p in payloads.glob("*.pt")}
+
+
+def test_streamed_download_with_fill_and_short_windows_is_byte_identical(
+    tmp_path: Path,
+) -> None:
+    store, tensors = _float_store(tmp_path)
+    url = "/v1/bundles/f/step-5-0/a1/payloads/kl"
+    with serve(store) as client:
+        raw = client.get(url, params={"format": "raw"})
+        assert raw.status_code == 200 and raw.content == tensors["kl"].numpy().tobytes()
+        npy = client.get(url)
+        np.testing.assert_array_equal(
+            np.load(io.BytesIO(npy.content), allow_pickle=False), tensors["kl"].numpy()
+        )
+
+
+def test_a_corrupt_chunk_cuts_the_stream_before_its_bytes(tmp_path: Path) -> None:
+    """Every chunk is hash-checked before its batch is sent: a damaged object in the
+    third batch ends the response (the headers are out: the connection is cut) after
+    at most the batches before it, all of them right."""
+    store, tensors = _float_store(tmp_path)
+    expected = tensors["log_probs"].numpy().tobytes()
+    with Store.open(store, create=False) as opened:
+        (bundle,) = opened.step("f", 5, 0)
+        record = load_record(opened.objs, bundle.ref["payloads"]["log_probs"]["record"])
+        offset = 0
+        for h, nbytes in streaming._windows(record):
+            if offset >= 2 * streaming.BATCH_BYTES and h is not None:
+                break
+            offset += nbytes
+        stored = opened.objs.get(h)
+    packs = [p for p in (store / "packs").glob("*.pack") if stored in p.read_bytes()]
+    assert len(packs) == 1
+    data = bytearray(packs[0].read_bytes())
+    at = data.index(stored) + len(stored) // 2
+    data[at] ^= 0xFF
+    packs[0].write_bytes(bytes(data))
+    got = bytearray()
+    with serve(store) as client:
+        url = "/v1/bundles/f/step-5-0/a1/payloads/log_probs"
+        with (
+            pytest.raises(httpx.RemoteProtocolError),
+            client.stream("GET", url, params={"format": "raw"}) as response,
+        ):
+            assert response.status_code == 200
+            for piece in response.iter_raw():
+                got += piece
+        assert client.get("/v1/health").status_code == 200
+    assert len(got) <= offset and bytes(got) == expected[: len(got)]
 
 
 def test_serve_rejects_a_bad_worker_count(long_store: tuple[Path, dict]) -> None:
