@@ -515,15 +515,16 @@ def _row_windows(
     tb: int,
     heads: Sequence[int] | None = None,
     base: np.ndarray | None = None,
-) -> Iterator[Any]:
-    """Every row's windows of `w` tokens (bytes of `flat`), in order; a segment's last one
-    zero padded. With `heads`, each row is two segments: its head and the rest. With
-    `base` (bytes as long as `flat`), each window is the XOR of the two.
+) -> Iterator[memoryview]:
+    """The bytes of every row's windows of `w` tokens (of `flat`), in order, unpadded: a
+    segment's last one may be shorter (stored zero padded to `w` tokens: `_padded`). With
+    `heads`, each row is two segments: its head and the rest. With `base` (bytes as long
+    as `flat`), each window is the XOR of the two.
 
-    Full windows are zero-copy views of `flat`. A generator: a padded window is a copy
-    (16 KiB for a 1-token row), so a million short rows are never all held at once. An
-    XOR window is computed as it is yielded: while hashing and compressing it next, it
-    is still in the CPU's cache (a whole-payload XOR first went through memory twice).
+    Windows of `flat` are zero-copy views. An XOR window is computed as it is yielded:
+    while hashing and compressing it next, it is still in the CPU's cache (a
+    whole-payload XOR first went through memory twice). A generator, so a million short
+    rows' windows are never all held at once.
     """
     size = w * tb
     mv = memoryview(flat).cast("B")
@@ -533,21 +534,23 @@ def _row_windows(
         cuts = (row_end,) if heads is None else (pos + heads[i] * tb, row_end)
         a = pos
         for end in cuts:
-            while a + size <= end:
+            while a < end:
+                b = min(a + size, end)
                 if base is None:
-                    yield mv[a : a + size]
+                    yield mv[a:b]
                 else:
-                    yield memoryview(np.bitwise_xor(flat[a : a + size], base[a : a + size]))
-                a += size
-            if a < end:
-                win = bytearray(size)
-                if base is None:
-                    win[: end - a] = mv[a:end]
-                else:
-                    win[: end - a] = np.bitwise_xor(flat[a:end], base[a:end]).data
-                yield win
-                a = end
+                    yield memoryview(np.bitwise_xor(flat[a:b], base[a:b]))
+                a = b
         pos = row_end
+
+
+def _padded(win: memoryview, size: int) -> Any:
+    """A window's stored (decoded) bytes: its bytes zero padded to `size`."""
+    if len(win) == size:
+        return win
+    out = bytearray(size)
+    out[: len(win)] = win
+    return out
 
 
 class _EncodeCache(BytesLRU):
@@ -594,24 +597,27 @@ ENCODE_CACHE = _EncodeCache(64 << 20)
 def _encode_windows(
     wins: list[Any], size: int, objs: ObjectStore | None = None
 ) -> tuple[list[bytes | str | None], list[bytes | None]]:
-    """Stored bytes of each window (`encode_chunk`), None for an all-zero (fill) window,
-    or the name of its object when `objs` is known to hold it already; and each key.
+    """Stored bytes of each window (`encode_chunk` of it zero padded to `size` bytes), None
+    for an all-zero (fill) window, or the name of its object when `objs` is known to hold
+    it already; and each key.
 
-    The BLAKE3 of the window's bytes both detects fill windows and keys the
-    encode cache.
+    The encode cache is keyed by the BLAKE3 of the window's own bytes, their length and
+    `size` (which fix the padded bytes): the padding is never hashed, and a window is
+    padded (copied) only to be compressed.
     """
     tag = ZSTD_LEVEL.to_bytes(2, "little", signed=True)
     zeros = bytes(size)
     out: list[bytes | str | None] = []
     keys: list[bytes | None] = []
     for win in wins:
+        n = len(win)
         # a fill window is found by comparing (a byte, else a copy and a memcmp: several
         # times cheaper than hashing it, and KL, padding and such are often all zero)
-        if (not size or not win[0]) and bytes(win) == zeros:
+        if (not n or not win[0]) and bytes(win) == zeros[:n]:
             out.append(None)
             keys.append(None)
             continue
-        key = blake3(win).digest() + tag
+        key = blake3(win).digest() + n.to_bytes(8, "little") + size.to_bytes(8, "little") + tag
         keys.append(key)
         known = ENCODE_CACHE.name(key) if objs is not None else None
         if known is not None and objs.has_cached(*known):
@@ -619,7 +625,7 @@ def _encode_windows(
             continue
         data = ENCODE_CACHE.get(key)
         if data is None:
-            data = encode_chunk(win)
+            data = encode_chunk(_padded(win, size))
             ENCODE_CACHE.add(key, data)
         out.append(data)
     return out, keys
