@@ -25,7 +25,7 @@ from fastapi import FastAPI
 
 from trajstore import __version__
 
-from . import links, web
+from . import links, streaming, web
 from .errors import ERRORS, error_response, install_error_handlers
 from .limits import BodyLimit
 from .routes import ROUTERS
@@ -81,7 +81,7 @@ async def _warm_up(app: FastAPI, token: str | None) -> None:
     builds an included router's routes (dependants, pydantic fields) the first time a
     request is matched against them, and on an endpoint's first call reads the source of
     its function (`inspect.getsourcelines`, for error context); plus the first thread of
-    the sync endpoints' pool.
+    the sync endpoints' pool. (The payload decode threads: `streaming.start_threads`.)
     """
     headers = [(b"host", b"warm-up")]
     if token:
@@ -141,6 +141,7 @@ def create_app(
         state.snap.start()
         app.state.trajstore = state
         await _warm_up(app, token)
+        streaming.start_threads()
         try:
             yield
         finally:

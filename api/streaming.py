@@ -17,11 +17,14 @@ path: resolving a delta needs its base's windows.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 
 import numpy as np
 
@@ -34,7 +37,8 @@ from .payloads import as_npy_array
 BATCH_BYTES = 2 << 20
 #: batches decoded ahead of the socket (bounds memory to about DEPTH * BATCH_BYTES)
 DEPTH = 4
-_POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="decode")
+THREADS = min(4, os.cpu_count() or 1)
+_POOL = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="decode")
 
 #: one window of a row: its chunk object (None: fill, all zero) and its bytes in the output
 Window = tuple[str | None, int]
@@ -119,19 +123,44 @@ class StreamedPayload:
         return raw
 
     def iter_bytes(self, fmt: str) -> Iterator[bytes]:
-        """The body's bytes in order; at most DEPTH batches decode ahead of the consumer."""
-        if fmt == "npy":
-            yield self.npy_header()
-        pending: deque[Future[bytes]] = deque()
+        """The body's bytes in order; at most DEPTH batches decode ahead of the consumer.
+
+        The first DEPTH batches are submitted here, not at the first `next()`: they
+        decode while the response's headers go out (a thread hop and an event-loop
+        turn or two before the body is iterated). Batches of a body never iterated
+        finish and are dropped (bounded: DEPTH batches).
+        """
         per_batch = max(1, BATCH_BYTES // self.record.chunk_bytes)
         batches = iter(_batches(_windows(self.record), BATCH_BYTES, per_batch))
+        pending: deque[Future[bytes]] = deque(
+            _POOL.submit(self._decode, batch, fmt) for batch in islice(batches, DEPTH)
+        )
+        return self._sent(fmt, batches, pending)
+
+    def _sent(
+        self, fmt: str, batches: Iterator[list[Window]], pending: deque[Future[bytes]]
+    ) -> Iterator[bytes]:
         try:
-            for batch in batches:
-                pending.append(_POOL.submit(self._decode, batch, fmt))
-                if len(pending) >= DEPTH:
-                    yield pending.popleft().result()
+            if fmt == "npy":
+                yield self.npy_header()
             while pending:
-                yield pending.popleft().result()
+                piece = pending.popleft().result()
+                for batch in islice(batches, DEPTH - 1 - len(pending)):
+                    pending.append(_POOL.submit(self._decode, batch, fmt))
+                yield piece
         finally:
             for future in pending:  # a client that went away: stop decoding for it
                 future.cancel()
+
+
+def start_threads() -> None:
+    """Start the decode threads now (the pool starts them on demand, on a first
+    download's critical path): each waits for all the others, so none is reused."""
+    barrier = threading.Barrier(THREADS)
+
+    def meet() -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=5)
+
+    for future in [_POOL.submit(meet) for _ in range(THREADS)]:
+        future.result()
