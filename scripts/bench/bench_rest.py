@@ -21,8 +21,10 @@ page cache with `sync; echo 3 > /proc/sys/vm/drop_caches`).
    `torch.load` the payload's .pt file; then for format npy and raw, start a
    fresh `trajstore serve` (nothing of the bundle open or cached in it), drop
    the page cache and GET the payload (httpx, whole body read). Ratio =
-   torch.load time / download time (medians). The HTTP ceiling: the bare app
-   returning as many bytes from memory (warm), same ratio.
+   torch.load time / download time (medians), with the CPU seconds of the server
+   process (all threads) and of the client during each GET. The HTTP ceiling: the
+   bare app returning as many bytes from memory (warm), as one body and streamed in
+   2 MiB pieces (as the download streams its decode batches), same ratio.
 
 `--json OUT` writes the issue-15 contract document: {"figures": [{name, target,
 value, unit, met, detail}], "command", "load": [1-min load before, after]}, with
@@ -33,6 +35,7 @@ the lookup ratio and p99 per worker count, the scaling of `serve --workers`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 HERE = Path(__file__).resolve().parent
 RUN = "bench"
@@ -84,6 +87,20 @@ def bare_blob(size: int) -> Response:
     """`size` bytes from memory: the HTTP ceiling of a download on this machine."""
     blob = _BLOBS.setdefault(size, os.urandom(size))
     return Response(content=blob, media_type="application/octet-stream")
+
+
+@bare_app.get("/blob/{size}/streamed")
+def bare_blob_streamed(size: int) -> StreamingResponse:
+    """The same bytes as `bare_blob`, sent in 2 MiB pieces (as the streamed download sends
+    its decode batches): one large write costs asyncio two copies of what the socket did
+    not take at once."""
+    blob = _BLOBS.setdefault(size, os.urandom(size))
+    pieces = [blob[i : i + (2 << 20)] for i in range(0, size, 2 << 20)]
+    return StreamingResponse(
+        iter(pieces),
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(size)},
+    )
 
 
 LUA = """
@@ -261,15 +278,27 @@ def lookups(root: Path, args: argparse.Namespace) -> dict[int, dict[str, dict[st
     return results
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of every live thread of `pid` so far (/proc/PID/task/*/schedstat, ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
 def cold_download(root: Path, big: Path, repeats: int) -> dict[str, float]:
-    """Medians in seconds: "torch.load" (cold), "ceiling" (bare app, warm), "npy", "raw"
-    (a fresh server, cold page cache); "mb" the payload's size."""
+    """Medians in seconds: "torch.load" (cold), "ceiling" (bare app, warm, one body),
+    "ceiling_streamed" (the same bytes streamed in 2 MiB pieces), "npy", "raw" (a fresh
+    server, cold page cache), "<fmt>_server_cpu" / "<fmt>_client_cpu" (CPU seconds of the
+    server process and of this client during the GET); "mb" the payload's size."""
     import torch
 
     pt = big / "payloads" / "log_probs.pt"
     url = f"/v1/bundles/{RUN}/step-{BIG_ROLLOUT}-0/a1/payloads/log_probs"
     loads: list[float] = []
     gets: dict[str, list[float]] = {"npy": [], "raw": []}
+    cpu: dict[str, list[float]] = {}
     for _ in range(repeats):
         drop_caches()
         t = time.perf_counter()
@@ -284,9 +313,14 @@ def cold_download(root: Path, big: Path, repeats: int) -> dict[str, float]:
                 wait_ready(port, server, "/v1/health")
                 with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
                     drop_caches()
+                    server_cpu, client_cpu = process_cpu_s(server.pid), time.process_time()
                     t = time.perf_counter()
                     response = client.get(url, params={"format": fmt})
                     times.append(time.perf_counter() - t)
+                    client_cpu = time.process_time() - client_cpu
+                    server_cpu = process_cpu_s(server.pid) - server_cpu
+                cpu.setdefault(f"{fmt}_server_cpu", []).append(server_cpu)
+                cpu.setdefault(f"{fmt}_client_cpu", []).append(client_cpu)
                 response.raise_for_status()
                 if len(response.content) < nbytes:
                     raise SystemExit(f"format={fmt}: short body {len(response.content)}")
@@ -294,32 +328,40 @@ def cold_download(root: Path, big: Path, repeats: int) -> dict[str, float]:
                 stop(server)
     port = free_port()
     bare = subprocess.Popen([sys.executable, "-c", BARE % (port, 1)], cwd=HERE)
-    ceiling: list[float] = []
+    ceilings: dict[str, list[float]] = {"ceiling": [], "ceiling_streamed": []}
+    paths = {"ceiling": f"/blob/{nbytes}", "ceiling_streamed": f"/blob/{nbytes}/streamed"}
     try:
         wait_ready(port, bare, "/blob/1")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
-            client.get(f"/blob/{nbytes}").raise_for_status()
+            for path in paths.values():
+                client.get(path).raise_for_status()
             for _ in range(repeats):
-                t = time.perf_counter()
-                client.get(f"/blob/{nbytes}").raise_for_status()
-                ceiling.append(time.perf_counter() - t)
+                for name, path in paths.items():
+                    t = time.perf_counter()
+                    client.get(path).raise_for_status()
+                    ceilings[name].append(time.perf_counter() - t)
     finally:
         stop(bare)
     mb = nbytes / 1e6
     load = statistics.median(loads)
-    top = statistics.median(ceiling)
+    out = {"torch.load": load, "mb": mb}
+    out.update({name: statistics.median(times) for name, times in ceilings.items()})
+    out.update({name: statistics.median(values) for name, values in cpu.items()})
     print(
-        f"HTTP ceiling: bare FastAPI returning {mb:.1f} MB from memory {top * 1e3:.0f} ms; "
-        f"ratio {load / top:.2f}x torch.load (cold)"
+        f"HTTP ceiling: bare FastAPI returning {mb:.1f} MB from memory {out['ceiling'] * 1e3:.0f}"
+        f" ms (one body), {out['ceiling_streamed'] * 1e3:.0f} ms (streamed in 2 MiB pieces); "
+        f"ratio {load / out['ceiling']:.2f}x / {load / out['ceiling_streamed']:.2f}x "
+        f"torch.load (cold)"
     )
     print(f"cold payload {mb:.1f} MB: torch.load {load * 1e3:.0f} ms ({mb / load:.0f} MB/s)")
-    out = {"torch.load": load, "ceiling": top, "mb": mb}
     for fmt, times in gets.items():
         got = statistics.median(times)
         out[fmt] = got
         print(
             f"  cold GET format={fmt}: {got * 1e3:.0f} ms ({mb / got:.0f} MB/s); "
-            f"ratio {load / got:.2f}x torch.load"
+            f"ratio {load / got:.2f}x torch.load; CPU: server "
+            f"{out[f'{fmt}_server_cpu'] * 1e3:.0f} ms, client {out[f'{fmt}_client_cpu'] * 1e3:.0f}"
+            f" ms (medians of {repeats})"
         )
     return out
 
@@ -387,8 +429,10 @@ def figures(
                 "met": ratio >= 0.35,
                 "detail": f"{cold['mb']:.1f} MB float32: torch.load {cold['torch.load'] * 1e3:.0f}"
                 f" ms, GET {cold[fmt] * 1e3:.0f} ms (fresh server, page cache dropped, httpx, "
-                f"median of {args.repeats}); HTTP ceiling (bare app from memory) "
-                f"{cold['torch.load'] / cold['ceiling']:.2f}x",
+                f"median of {args.repeats}; CPU: server {cold[f'{fmt}_server_cpu'] * 1e3:.0f} ms, "
+                f"client {cold[f'{fmt}_client_cpu'] * 1e3:.0f} ms); HTTP ceiling (bare app "
+                f"from memory) {cold['torch.load'] / cold['ceiling']:.2f}x one body, "
+                f"{cold['torch.load'] / cold['ceiling_streamed']:.2f}x in 2 MiB pieces",
             }
         )
     return out
@@ -397,7 +441,7 @@ def figures(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--quick", action="store_true", help="200 steps, 16 samples, 4 M tokens, 5 s, 2 repeats"
+        "--quick", action="store_true", help="200 steps, 16 samples, 4 M tokens, 5 s, 3 repeats"
     )
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--samples", type=int, default=64)
@@ -419,7 +463,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.steps, args.samples, args.tokens, args.duration = 200, 16, 4_000_000, 5
-        args.repeats = min(args.repeats, 2)
+        args.repeats = min(args.repeats, 3)
     args.workers = [int(w) for w in args.workers.split(",")]
     if shutil.which("wrk") is None:
         raise SystemExit("wrk not found: apt-get install -y wrk")
