@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_rollout_linkage import ROLLOUT, RUN, _part, make_store, rollout_contents
 from trajstore.examples.replay_builders import Faults
 
 from trajstore.bundle.writer import BundleContents
-from trajstore.replay.context import StageMemo
+from trajstore.replay.context import ReplayContext, StageMemo
 from trajstore.replay.from_store import (
     Target,
     _replay_rollout,
@@ -26,6 +27,7 @@ from trajstore.replay.from_store import (
     replay_stored,
 )
 from trajstore.replay.runner import StageRequest, replay_sources
+from trajstore.replay.selection import Selection
 from trajstore.store import Store
 
 
@@ -132,3 +134,27 @@ def test_stage_outcomes_taken_from_the_rollout_equal_the_steps_own(
         if faults is not None:
             assert report.bundles[0].outcome("advantage.kl").status == "fail"
             assert report.linkage.status == ("fail" if faults.physical_batch_norm else "pass")
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_loss_mask_taken_from_the_rollout_only_when_the_lists_are_equal(
+    tmp_path: Path, edited: bool
+) -> None:
+    rollout, step = _part(0, "rollout", None), _part(0, "step", None)
+    for c in (rollout, step):
+        c.identity["rank"]["dp"] = 1
+    if edited:  # one token of one sample masked differently in the step
+        mask = step.samples[3]["loss_mask"]
+        mask[0] = 1 - mask[0]
+    root = make_store(tmp_path, rollout=rollout, steps={0: step})
+    with Store.open(root, create=False) as store:
+        (st,), (ro,) = store.step(RUN, ROLLOUT, 0), store.rollout(RUN, ROLLOUT)
+        whole = Selection(None, False)
+        memo = StageMemo()
+        from_rollout = ReplayContext(ro, whole, memo=memo).mask()
+        memoized = ReplayContext(st, whole, memo=memo).mask()
+        own = ReplayContext(st, whole).mask()
+        assert memoized.dtype == own.dtype == np.float32
+        assert np.array_equal(memoized, own)
+        assert np.array_equal(from_rollout, own) is not edited
+        assert len(memo._masks) == (2 if edited else 1)

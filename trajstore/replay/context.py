@@ -94,6 +94,19 @@ class StageMemo:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[StageOutcome, dict[str, Any]]] = {}
+        #: (the samples' loss_mask lists, the float32 mask built from them)
+        self._masks: list[tuple[list[Any], np.ndarray]] = []
+
+    def mask(self, masks: list[Any]) -> np.ndarray | None:
+        """A copy of the mask built from lists equal to `masks`, item by item (the lists
+        are compared, in C: a step's samples carry their rollout's loss masks), or None."""
+        for kept, array in self._masks:
+            if kept == masks:
+                return array.copy()
+        return None
+
+    def keep_mask(self, masks: list[Any], array: np.ndarray) -> None:
+        self._masks.append((masks, array.copy()))
 
     def get(self, key: tuple | None) -> tuple[StageOutcome, dict[str, Any]] | None:
         """A copy of the outcome stored under `key` and its stored values, or None."""
@@ -200,11 +213,21 @@ class ReplayContext:
         return self._payloads[name]
 
     def mask(self) -> np.ndarray:
-        if self.samples:
-            return np.concatenate(
-                [np.asarray(sample.loss_mask, dtype=np.float32) for sample in self.samples]
-            )
-        return np.zeros(0, dtype=np.float32)
+        if not self.samples:
+            return np.zeros(0, dtype=np.float32)
+        if self.memo is None:
+            return self._mask()
+        masks = [sample.loss_mask for sample in self.samples]
+        array = self.memo.mask(masks)
+        if array is None:  # built once per linked replay from equal lists (StageMemo)
+            array = self._mask()
+            self.memo.keep_mask(masks, array)
+        return array
+
+    def _mask(self) -> np.ndarray:
+        return np.concatenate(
+            [np.asarray(sample.loss_mask, dtype=np.float32) for sample in self.samples]
+        )
 
     def expected_per_sample(self, stage: str, key: str) -> np.ndarray | None:
         """A per-sample list from expected.json, restricted to the selection."""
