@@ -109,16 +109,36 @@ def test_a_window_named_from_memory_gives_the_same_record_and_accounting(tmp_pat
 
 
 def test_a_document_changed_after_the_gate_is_refused_not_stored(tmp_path: Path) -> None:
+    """Without the bytes the gate checked (`Bundle.files` is empty over its cap, and for a
+    cohort's ranks), a document is read again and must be what the gate checked."""
     from trajstore.bundle.reader import open_bundle
     from trajstore.errors import BundleError
     from trajstore.store.ingest import _write_bundle_objects
 
     (target,) = _steps(tmp_path / "cap", range(1))
     b = open_bundle(target)  # the gate read and checked index.json
+    b.files = {}
     edit_json(target / "index.json", lambda d: d["samples"][0].update(reward=9.0))
     objs = LocalObjectStore(tmp_path / "o")
     with pytest.raises(BundleError, match="index.json: changed after the integrity gate"):
         _write_bundle_objects(objs, b, {})
+
+
+def test_the_documents_stored_are_the_bytes_the_gate_checked(tmp_path: Path) -> None:
+    """With the bytes the gate kept, documents are not read again: a file changed after
+    the gate is not what is stored, the checked bytes are."""
+    from trajstore.bundle.reader import open_bundle
+    from trajstore.store.ingest import _write_bundle_objects
+    from trajstore.store.stored_bundle import get_blob
+
+    (target,) = _steps(tmp_path / "cap", range(1))
+    checked = (target / "index.json").read_bytes()
+    b = open_bundle(target)
+    assert b.files["index.json"] == checked
+    edit_json(target / "index.json", lambda d: d["samples"][0].update(reward=9.0))
+    objs = LocalObjectStore(tmp_path / "o")
+    body, _ = _write_bundle_objects(objs, b, {})
+    assert get_blob(objs, body["documents"]["index"]) == checked
 
 
 def test_a_writer_sees_a_gc_waiting_only_while_one_holds_the_turnstile(tmp_path: Path) -> None:

@@ -273,16 +273,24 @@ def _load_payloads(b: Bundle) -> None:
         f.result()
 
 
+def _gated_doc(b: Bundle, name: str, read: Callable[[], bytes]) -> bytes:
+    """The bytes to store of document `name` of `b`: those its gate read and checked when
+    it kept them (`Bundle.files`: no second read, and a file changed since is not what is
+    stored), else the file read again, refused if it changed since (`_as_gated`)."""
+    data = b.files.get(name)
+    return data if data is not None else _as_gated(b, name, read())
+
+
 def _write_bundle_objects(
     objs: ObjectStore, b: Bundle, cohort_sentinels: dict[str, bytes]
 ) -> tuple[dict, int]:
     rec = _Recorder(objs)
     docs = {
-        k: put_blob(rec, _as_gated(b, f"{k}.json", _read_doc(b.path / f"{k}.json")))
+        k: put_blob(rec, _gated_doc(b, f"{k}.json", lambda k=k: _read_doc(b.path / f"{k}.json")))
         for k in ("manifest", "index", "expected")
     }
     sentinels = {
-        p.name: put_blob(rec, _as_gated(b, p.name, read_bytes(p, p.name)))
+        p.name: put_blob(rec, _gated_doc(b, p.name, lambda p=p: read_bytes(p, p.name)))
         for p in sorted(b.path.glob("COMPLETE*"))
         if p.is_file()
     }
