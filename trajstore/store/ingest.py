@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import sys
 import threading
@@ -257,11 +258,12 @@ def _load_payloads(b: Bundle) -> None:
     if len(names) < 2 or total < _PARALLEL_GATE_BYTES:
         return
     with _gate_pool_lock:
-        if _gate_pool is None:
+        if _gate_pool is None or _gate_pool[0] != os.getpid():  # none yet, or forked
             from concurrent.futures import ThreadPoolExecutor
 
-            _gate_pool = ThreadPoolExecutor(_GATE_READERS, thread_name_prefix="ingest-gate-read")
-        pool = _gate_pool
+            pool = ThreadPoolExecutor(_GATE_READERS, thread_name_prefix="ingest-gate-read")
+            _gate_pool = (os.getpid(), pool)
+        pool = _gate_pool[1]
 
     def load(name: str) -> None:
         with contextlib.suppress(Exception):
