@@ -305,6 +305,7 @@ class LocalObjectStore(ObjectStore):
         self._pending_bytes = 0
         #: objects a flush is writing into a pack right now (still readable from here)
         self._sealing: dict[str, bytes] = {}
+        self._sealing_bytes = 0
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._max_fds = max_open_packs
         #: idx files that failed their checksum; their objects read as missing.
@@ -323,12 +324,18 @@ class LocalObjectStore(ObjectStore):
         # Hashed before taking the lock: concurrent writers hash at once (BLAKE3 releases
         # the GIL); the buffer is sealed into a pack outside the lock too (`flush`).
         named = [(object_hash(d), d) for d in datas]
-        with self._lock:
-            for h, d in named:
+        for h, d in named:
+            with self._lock:
                 self._put(h, d)
-            full = self._pending_bytes >= self.pack_max_bytes
-        if full:
-            self.flush()
+                # buffered and being sealed together stay within pack_max_bytes (+ an
+                # object per writer): a writer past it waits for the seal in flight
+                full = self._pending_bytes + self._sealing_bytes >= self.pack_max_bytes
+            if full:
+                with self._flush_lock:  # after the seal in flight, if still over
+                    with self._lock:
+                        over = self._pending_bytes >= self.pack_max_bytes
+                    if over:
+                        self._seal()
         return [h for h, _ in named]
 
     def _put(self, h: str, data: bytes) -> None:
@@ -394,25 +401,31 @@ class LocalObjectStore(ObjectStore):
         reading (the objects being sealed stay readable) meanwhile.
         """
         with self._flush_lock:
+            self._seal()
+
+    def _seal(self) -> None:
+        """Write the buffered objects as one pack (the caller holds `_flush_lock`)."""
+        with self._lock:
+            if not self._pending:
+                return
+            items = list(self._pending.items())
+            self._sealing, self._pending = self._pending, {}
+            self._sealing_bytes = self._pending_bytes
+            self._pending_bytes = 0
+        pid = None
+        try:
+            pid, entries = self._write_pack_files(items)
+        finally:
             with self._lock:
-                if not self._pending:
-                    return
-                items = list(self._pending.items())
-                self._sealing, self._pending = self._pending, {}
-                self._pending_bytes = 0
-            pid = None
-            try:
-                pid, entries = self._write_pack_files(items)
-            finally:
-                with self._lock:
-                    if pid is None:  # not published (e.g. a full disk): buffered again
-                        for h, d in items:
-                            if h not in self._pending:
-                                self._pending[h] = d
-                                self._pending_bytes += len(d)
-                    else:
-                        self._add_pack(pid, items, entries)
-                    self._sealing = {}
+                if pid is None:  # not published (e.g. a full disk): buffered again
+                    for h, d in items:
+                        if h not in self._pending:
+                            self._pending[h] = d
+                            self._pending_bytes += len(d)
+                else:
+                    self._add_pack(pid, items, entries)
+                self._sealing = {}
+                self._sealing_bytes = 0
 
     def _write_pack(self, items: list[tuple[str, bytes]]) -> str:
         pid, entries = self._write_pack_files(items)
