@@ -134,15 +134,8 @@ class DocRef:
         return self.space.where(self.key)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory by name (a directory's entries: its links)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -160,7 +153,7 @@ def _fsync_all(paths: list[Path]) -> None:
     global _fsync_pool
     if len(paths) < 2:
         for p in paths:
-            _fsync_file(p)
+            _fsync_path(p)
         return
     with _fsync_pool_lock:
         if _fsync_pool is None or _fsync_pool[0] != os.getpid():  # none yet, or forked
@@ -169,7 +162,7 @@ def _fsync_all(paths: list[Path]) -> None:
             pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="refspace-fsync")
             _fsync_pool = (os.getpid(), pool)
         pool = _fsync_pool[1]
-    for f in [pool.submit(_fsync_file, p) for p in paths]:
+    for f in [pool.submit(_fsync_path, p) for p in paths]:
         f.result()
 
 
@@ -191,7 +184,7 @@ def atomic_create(path: Path, data: bytes, *, durable: bool = True) -> bool:
         except FileExistsError:
             return False
         if durable:
-            _fsync_dir(path.parent)
+            _fsync_path(path.parent)
         return True
     finally:
         tmp.unlink(missing_ok=True)
@@ -246,7 +239,7 @@ class LocalRefSpace(RefSpace):
                     created.append(False)
             if self.durable:
                 for d in sorted({p.parent for p, c in zip(paths, created, strict=True) if c}):
-                    _fsync_dir(d)
+                    _fsync_path(d)
             return created
         finally:
             for tmp in tmps:
