@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from trajstore.errors import NotFoundError, StoreError, UsageError
+from trajstore.pools import SharedPool
 
 __all__ = [
     "DocInfo",
@@ -145,23 +144,15 @@ def _fsync_path(path: Path) -> None:
 
 #: threads fsyncing a batch of documents (they wait on the disk, not the CPU)
 _FSYNC_THREADS = 8
-_fsync_pool: Any = None
-_fsync_pool_lock = threading.Lock()
+_fsync_pool = SharedPool(_FSYNC_THREADS, "refspace-fsync")
 
 
 def _fsync_all(paths: list[Path]) -> None:
-    global _fsync_pool
     if len(paths) < 2:
         for p in paths:
             _fsync_path(p)
         return
-    with _fsync_pool_lock:
-        if _fsync_pool is None or _fsync_pool[0] != os.getpid():  # none yet, or forked
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="refspace-fsync")
-            _fsync_pool = (os.getpid(), pool)
-        pool = _fsync_pool[1]
+    pool = _fsync_pool.get()
     for f in [pool.submit(_fsync_path, p) for p in paths]:
         f.result()
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
 import sys
 import threading
@@ -57,6 +56,7 @@ from trajstore.bundle.reader import (
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.errors import BundleError, StoreError, TrajstoreError
 from trajstore.jsonio import read_bytes, sha256_bytes
+from trajstore.pools import SharedPool
 from trajstore.refspace import RefSpace
 from trajstore.store import gclock
 from trajstore.store.layout import BUNDLE_REFS_KEY, CLAIMS_KEY, RefIndex, new_doc_name
@@ -236,8 +236,7 @@ def _as_gated(b: Bundle, name: str, data: bytes) -> bytes:
 #: `_PARALLEL_GATE_BYTES`: the gate's thread is otherwise the pipeline's slowest stage.
 _GATE_READERS = 2
 _PARALLEL_GATE_BYTES = 8 << 20
-_gate_pool: Any = None
-_gate_pool_lock = threading.Lock()
+_gate_pool = SharedPool(_GATE_READERS, "ingest-gate-read")
 
 
 def _load_payloads(b: Bundle) -> None:
@@ -247,7 +246,6 @@ def _load_payloads(b: Bundle) -> None:
     Only a cache fill: a payload that fails to load is left unloaded, and the gate's own
     pass (`bundle_problems`) loads it again and reports it exactly as it would have.
     """
-    global _gate_pool
     names, total = [], 0
     for name in b.payload_names():
         size = b.manifest.payloads[name].bytes
@@ -257,13 +255,7 @@ def _load_payloads(b: Bundle) -> None:
         total += size
     if len(names) < 2 or total < _PARALLEL_GATE_BYTES:
         return
-    with _gate_pool_lock:
-        if _gate_pool is None or _gate_pool[0] != os.getpid():  # none yet, or forked
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(_GATE_READERS, thread_name_prefix="ingest-gate-read")
-            _gate_pool = (os.getpid(), pool)
-        pool = _gate_pool[1]
+    pool = _gate_pool.get()
 
     def load(name: str) -> None:
         with contextlib.suppress(Exception):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
 from trajstore.cas import ArrayRecord, ObjectStore, load_record, read_array, read_rows
 from trajstore.errors import BundleError, IntegrityError, NotFoundError
 from trajstore.jsonio import parse_json, sha256_bytes
+from trajstore.pools import SharedPool
 from trajstore.schema import Index, Manifest
 
 MAX_BLOB_BYTES = 1 << 31
@@ -39,27 +40,8 @@ READ_AHEAD_MAX_BYTES = 512 << 20
 #: payloads read ahead at once (each read decodes a bounded run of rows at a time)
 READ_AHEAD_THREADS = min(2, os.cpu_count() or 1)
 _ctx = threading.local()
-_pool_lock = threading.Lock()
-_prefetch_pool: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The few threads that read payloads ahead (`StoredBundle.prefetch`)."""
-    global _prefetch_pool
-    with _pool_lock:
-        if _prefetch_pool is None:
-            _prefetch_pool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="prefetch")
-        return _prefetch_pool
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads do not exist there."""
-    global _prefetch_pool, _pool_lock
-    _pool_lock = threading.Lock()
-    _prefetch_pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+#: the few threads that read payloads ahead (`StoredBundle.prefetch`)
+_prefetch_pool = SharedPool(READ_AHEAD_THREADS, "prefetch")
 
 
 def _cctx() -> zstandard.ZstdCompressor:
@@ -258,7 +240,7 @@ class StoredBundle:
             return
         for name in names:
             if name not in self._ahead:
-                self._ahead[name] = _pool().submit(self._read_whole, entries[name])
+                self._ahead[name] = _prefetch_pool.get().submit(self._read_whole, entries[name])
 
     def _read_whole(self, entry: dict[str, Any]) -> tuple[ArrayRecord, np.ndarray]:
         rec = load_record(self.objs, entry["record"])
