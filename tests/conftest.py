@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,13 @@ import torch
 
 from trajstore.bundle.writer import BundleContents, write_bundle, write_rank
 from trajstore.jsonio import canonical_bytes, sha256_bytes
+
+# A suite started in the background of a non-interactive shell (`make test &`) inherits
+# SIGINT ignored, and so would every command the Ctrl-C tests interrupt: a Python
+# started with SIGINT ignored never raises KeyboardInterrupt. With a handler here, the
+# children start with the default action again (exec resets handled signals).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 #: the public producer's bundles, kept as the project's own test data
 #: (tests/fixtures/relax-v2/README.md says where they come from)
