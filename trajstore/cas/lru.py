@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 
 
 class BytesLRU:
@@ -29,6 +29,18 @@ class BytesLRU:
                 self._d.move_to_end(key)
             return v
 
+    def get_many(self, keys: Sequence[Hashable | None]) -> list[bytes | None]:
+        """`get` of each key under one lock (None for a None key)."""
+        out: list[bytes | None] = []
+        d = self._d
+        with self._lock:
+            for key in keys:
+                v = None if key is None else d.get(key)
+                if v is not None:
+                    d.move_to_end(key)
+                out.append(v)
+        return out
+
     def add(self, key: Hashable, value: bytes) -> None:
         if len(value) > self.max_bytes // self.item_fraction:
             return
@@ -39,6 +51,19 @@ class BytesLRU:
             self._bytes += len(value)
             while self._bytes > self.max_bytes:
                 self._bytes -= len(self._d.popitem(last=False)[1])
+
+    def add_many(self, items: Iterable[tuple[Hashable, bytes]]) -> None:
+        """`add` of each (key, value) under one lock."""
+        limit = self.max_bytes // self.item_fraction
+        d = self._d
+        with self._lock:
+            for key, value in items:
+                if len(value) > limit or key in d:
+                    continue
+                d[key] = value
+                self._bytes += len(value)
+            while self._bytes > self.max_bytes:
+                self._bytes -= len(d.popitem(last=False)[1])
 
     def clear(self) -> None:
         with self._lock:
