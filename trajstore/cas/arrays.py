@@ -529,6 +529,16 @@ def _row_windows(
     size = w * tb
     mv = memoryview(flat).cast("B")
     pos = 0
+    if heads is None and base is None:  # the common case, without per-window tuples/min
+        for n in lengths:
+            row_end = pos + n * tb
+            while pos + size < row_end:
+                yield mv[pos : pos + size]
+                pos += size
+            if pos < row_end:
+                yield mv[pos:row_end]
+            pos = row_end
+        return
     for i, n in enumerate(lengths):
         row_end = pos + n * tb
         cuts = (row_end,) if heads is None else (pos + heads[i] * tb, row_end)
@@ -753,10 +763,13 @@ def write_array(
                 encoded[k] = h
             ENCODE_CACHE.add_names(named)  # type: ignore[arg-type]
         slot_of += encoded  # type: ignore[arg-type]
+    if head_t is None:
+        counts = [-(-n // w) for n in lengths]
+    else:
+        counts = [-(-h // w) + -(-(n - h) // w) for n, h in zip(lengths, head_t, strict=True)]
     table: list[tuple[str | None, ...]] = []
     k = 0
-    for i, n in enumerate(lengths):
-        nw = _num_windows(n, None if head_t is None else head_t[i], w)
+    for nw in counts:
         table.append(tuple(slot_of[k : k + nw]))
         k += nw
 
