@@ -612,8 +612,8 @@ class _EncodeCache(BytesLRU):
         with self._lock:
             for key, h, size in items:
                 names[key] = (h, size)
-            while len(names) > self.max_names:
-                names.popitem(last=False)
+                if len(names) > self.max_names:
+                    names.popitem(last=False)
 
     def clear(self) -> None:
         super().clear()

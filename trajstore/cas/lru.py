@@ -62,8 +62,8 @@ class BytesLRU:
                     continue
                 d[key] = value
                 self._bytes += len(value)
-            while self._bytes > self.max_bytes:
-                self._bytes -= len(d.popitem(last=False)[1])
+                while self._bytes > self.max_bytes:
+                    self._bytes -= len(d.popitem(last=False)[1])
 
     def clear(self) -> None:
         with self._lock:
