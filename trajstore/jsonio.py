@@ -83,6 +83,100 @@ def read_regular(path: Path | str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+#: a file larger than this is read in pieces of this size, each hashed right after it is read
+#: (still in the CPU cache: sha256 of a whole 20 MB buffer after reading it is memory-bound)
+_HASH_PIECE = 1 << 20
+#: offset of a bytes object's first byte from id() in CPython (PyBytesObject.ob_sval)
+_BYTES_DATA_OFFSET = bytes.__basicsize__ - 1
+#: _writable_view, once it proved on a probe that it fills a bytes object (None: not tried)
+_fill_in_place: bool | None = None
+
+
+def _writable_view(out: bytes) -> memoryview | None:
+    """A writable view of the bytes of ``out``, a bytes object just made by ``bytes(n)`` that
+    nothing else refers to yet, so it is filled where it lies (no later copy); None where
+    this is not CPython or a probe showed the layout is not the expected one. The caller
+    keeps ``out`` alive while the view is used, and releases the view before returning."""
+    global _fill_in_place
+    if _fill_in_place is None:
+        _fill_in_place = False
+        try:
+            import ctypes
+            import sys
+
+            if sys.implementation.name == "cpython":
+                probe = bytes(64)
+                buf = (ctypes.c_char * 64).from_address(id(probe) + _BYTES_DATA_OFFSET)
+                ctypes.memmove(buf, bytes(range(64)), 64)
+                _fill_in_place = probe == bytes(range(64)) and len(probe) == 64
+        except Exception:  # pragma: no cover - ctypes missing or refused: the copying path
+            _fill_in_place = False
+    if not _fill_in_place or len(out) < 2:  # never the interpreter's shared 0/1-byte objects
+        return None
+    import ctypes
+
+    buf = (ctypes.c_char * len(out)).from_address(id(out) + _BYTES_DATA_OFFSET)
+    return memoryview(buf).cast("B")
+
+
+def read_regular_sha256(
+    path: Path | str, limit: int, size: int | None = None
+) -> tuple[bytes, str] | None:
+    """``read_regular`` and the sha256 hex digest of the bytes, in one pass: a file larger
+    than ``_HASH_PIECE`` is read in pieces into one bytes object, each piece hashed right
+    after it is read. None as ``read_regular`` says (not a regular file, over ``limit``, a
+    size change while read) and when ``size`` is given and the file is not of that size."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except (OSError, ValueError):
+        return None
+    try:
+        st = os.fstat(fd)
+        n = st.st_size
+        if not stat.S_ISREG(st.st_mode) or n > limit or (size is not None and n != size):
+            return None
+        if n <= _HASH_PIECE:
+            data = os.read(fd, n) if n else b""
+            if len(data) != n or os.read(fd, 1):
+                return None  # it changed size while read: the checked path reads it again
+            return data, hashlib.sha256(data).hexdigest()
+        out = bytes(n)
+        view = _writable_view(out)
+        if view is None:  # pragma: no cover - not CPython: one read, then the hash
+            data = _read_fd(fd, n)
+            return None if data is None else (data, hashlib.sha256(data).hexdigest())
+        h = hashlib.sha256()
+        try:
+            pos = 0
+            while pos < n:
+                piece = view[pos : pos + _HASH_PIECE]
+                got = os.readv(fd, [piece])
+                if not got:
+                    return None  # shorter than its fstat: it changed size while read
+                h.update(piece[:got])
+                piece.release()
+                pos += got
+        finally:
+            view.release()
+        if os.read(fd, 1):
+            return None  # longer than its fstat
+        return out, h.hexdigest()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int, n: int) -> bytes | None:
+    """``n`` bytes of ``fd`` (None when it is not exactly that long now)."""
+    if n > _ONE_READ:
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read()
+    else:
+        data = os.read(fd, n)
+    return data if len(data) == n and not os.read(fd, 1) else None
+
+
 def read_bytes(path: Path, label: str, limit: int = MAX_JSON_BYTES) -> bytes:
     """Read a regular file (never through a symlink), refusing oversize ones."""
     data = read_regular(path, limit)
