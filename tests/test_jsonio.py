@@ -9,7 +9,6 @@ messages, and the .pt reader's cache of checked tensor records changes no result
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import zipfile
@@ -17,21 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import copy_fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajstore import jsonio
 from trajstore.bundle.checks import sample_record_problems
 from trajstore.bundle.ptfile import read_pt_bytes
-from trajstore.bundle.reader import open_bundle
 from trajstore.errors import BundleError
-from trajstore.jsonio import (
-    _parse_stdlib,
-    is_binary_int_list,
-    parse_json,
-    read_regular_sha256,
-)
+from trajstore.jsonio import _parse_stdlib, is_binary_int_list, parse_json
 from trajstore.schema import Sample
 
 
@@ -239,48 +230,3 @@ def test_an_opened_bundle_keeps_the_bytes_its_gate_checked(target: str) -> None:
             assert data == (b.path / name).read_bytes()
         b.release()  # with the payloads: a cohort's ingest keeps one rank in memory
         assert b.files == {}
-
-
-@pytest.mark.parametrize("n", [0, 1, 5, (1 << 20), (1 << 20) + 1, (3 << 20) + 12345])
-def test_read_regular_sha256_is_the_file_and_its_digest(tmp_path: Path, n: int) -> None:
-    """Read piece by piece into one bytes object (each piece hashed as it is read): the
-    same bytes, a real immutable `bytes` (hashable, sliced, read-only to NumPy), its sha256."""
-    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
-    f = tmp_path / "p.pt"
-    f.write_bytes(data)
-    got = read_regular_sha256(f, 1 << 30, size=n)
-    assert got is not None
-    raw, digest = got
-    assert type(raw) is bytes and raw == data and digest == hashlib.sha256(data).hexdigest()
-    assert hash(raw) == hash(data) and raw[:7] + raw[n // 2 :] == data[:7] + data[n // 2 :]
-    assert not np.frombuffer(raw, dtype=np.uint8).flags.writeable
-    assert read_regular_sha256(f, 1 << 30) == got  # no size given: any size
-    if n:
-        assert read_regular_sha256(f, n - 1) is None  # over the cap
-        assert read_regular_sha256(f, 1 << 30, size=n - 1) is None  # not the declared size
-    link = tmp_path / "link.pt"
-    link.symlink_to(f)
-    assert read_regular_sha256(link, 1 << 30) is None  # never through a symlink
-    assert read_regular_sha256(tmp_path, 1 << 30) is None  # a directory
-    assert read_regular_sha256(tmp_path / "missing", 1 << 30) is None
-
-
-def test_a_payload_read_in_pieces_keeps_the_gate_and_its_words(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With pieces smaller than the fixture's payloads every payload goes the piece-by-piece
-    way: the same bytes as the file, and a flipped byte is refused with the same words."""
-    monkeypatch.setattr(jsonio, "_HASH_PIECE", 64)
-    bundle = copy_fixture("example_bundle", tmp_path)
-    b = open_bundle(bundle)
-    for name in b.payload_names():
-        raw = b.payload_file_bytes(name)
-        assert type(raw) is bytes and raw == (bundle / "payloads" / f"{name}.pt").read_bytes()
-        assert len(raw) > 64
-        b.load_payload(name)
-    f = bundle / "payloads" / "entropy.pt"
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    f.write_bytes(bytes(data))
-    with pytest.raises(BundleError, match=r"payload 'entropy': sha256 mismatch"):
-        open_bundle(bundle).load_payload("entropy")

@@ -23,7 +23,7 @@ from trajstore.jsonio import (
     parse_json,
     read_bytes,
     read_json,
-    read_regular_sha256,
+    read_regular,
     sha256_bytes,
 )
 from trajstore.schema import CohortComplete, Complete, Index, Manifest, RankShard
@@ -180,14 +180,10 @@ class Bundle:
         check_payload_name(name)
         spec = self.manifest.payloads[name]
         path = self.path / "payloads" / f"{name}.pt"
-        # one open + fstat, and one pass over the bytes (read and hashed piece by piece),
-        # when all is well; anything else goes to the step-by-step checks
-        got = read_regular_sha256(path, max_payload_bytes(), size=spec.bytes)
-        if got is None:
+        data = read_regular(path, max_payload_bytes())  # one open + fstat when all is well
+        if data is None or len(data) != spec.bytes:
             data = self._read_checked(name, path, spec.bytes)
-            digest = sha256_bytes(data)
-        else:
-            data, digest = got
+        digest = sha256_bytes(data)
         if digest != spec.sha256:
             raise BundleError(
                 f"payload '{name}': sha256 mismatch (file {digest[:12]}…, manifest "
