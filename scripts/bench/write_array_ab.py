@@ -26,7 +26,13 @@ import numpy as np
 import trajstore.cas.arrays as new
 from trajstore.bundle.reader import open_bundle
 from trajstore.cas.objects import LocalObjectStore, ObjectStore
-from trajstore.store.ingest import _BASE_NAMES, DELTA_BASES, _row_lengths
+from trajstore.store.ingest import (
+    _BASE_NAMES,
+    DELTA_BASES,
+    array_rows,
+    delta_base,
+    write_order,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,19 +55,10 @@ def load(root):
     out = []
     for m in sorted(Path(root).rglob("manifest.json")):
         b = open_bundle(m.parent)
-        names = sorted(b.payload_names(), key=lambda n: (n not in DELTA_BASES.values(), n))
         items = []
-        for name in names:
-            t = b.load_payload(name)
-            shape = tuple(t.shape)
-            lengths, rows = _row_lengths(name, shape, b)
-            values = np.ascontiguousarray(t.array).reshape(sum(lengths), *shape[1:])
-            heads = (
-                [max(0, s.total_length - s.response_length) for s in b.index.samples]
-                if rows == "total"
-                else None
-            )
-            items.append((name, values, lengths, t.dtype, heads))
+        for name in write_order(b):
+            values, lengths, _, heads = array_rows(b, name)
+            items.append((name, values, lengths, b.load_payload(name).dtype, heads))
         out.append(items)
     return out
 
@@ -115,14 +112,7 @@ def run(mod, bundles, tmp, log=False):
     for items in bundles:
         records, bvals = {}, {}
         for name, values, lengths, tag, heads in items:
-            base = records.get(DELTA_BASES.get(name, ""))
-            if base is not None and (base.dtype, base.shape[2:], base.row_lengths, base.heads) != (
-                values.dtype.name,
-                tuple(values.shape[1:]),
-                tuple(lengths),
-                None if heads is None else tuple(heads),
-            ):
-                base = None
+            base = delta_base(records, name, values, lengths, heads)
             r = mod.write_array(
                 objs,
                 values,

@@ -56,7 +56,7 @@ import zstandard
 from blake3 import blake3
 
 from trajstore.cas.chunk_cache import CHUNK_CACHE
-from trajstore.cas.lru import BytesLRU
+from trajstore.cas.lru import BytesLRU, touch_many
 from trajstore.cas.objects import ObjectStore, check_hash
 from trajstore.errors import IntegrityError, NotFoundError, UsageError
 
@@ -596,15 +596,8 @@ class _EncodeCache(BytesLRU):
 
     def names_of(self, keys: Sequence[bytes | None]) -> list[tuple[str, int] | None]:
         """`name` of each key under one lock (None for a None key)."""
-        out: list[tuple[str, int] | None] = []
-        names = self._names
         with self._lock:
-            for key in keys:
-                v = None if key is None else names.get(key)
-                if v is not None:
-                    names.move_to_end(key)
-                out.append(v)
-        return out
+            return touch_many(self._names, keys)
 
     def add_names(self, items: Iterable[tuple[bytes, str, int]]) -> None:
         """`add_name` of each (key, name, size) under one lock."""

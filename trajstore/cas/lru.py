@@ -11,6 +11,18 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 
+def touch_many(d: OrderedDict, keys: Sequence[Hashable | None]) -> list:
+    """The value of each key in `d` (None for a None or absent key), each found one marked
+    most recently used; the caller holds the lock that guards `d`."""
+    out = []
+    for key in keys:
+        v = None if key is None else d.get(key)
+        if v is not None:
+            d.move_to_end(key)
+        out.append(v)
+    return out
+
+
 class BytesLRU:
     """At most `max_bytes` of values; a value over `max_bytes // item_fraction` is not kept
     (one huge value would otherwise evict everything)."""
@@ -31,15 +43,8 @@ class BytesLRU:
 
     def get_many(self, keys: Sequence[Hashable | None]) -> list[bytes | None]:
         """`get` of each key under one lock (None for a None key)."""
-        out: list[bytes | None] = []
-        d = self._d
         with self._lock:
-            for key in keys:
-                v = None if key is None else d.get(key)
-                if v is not None:
-                    d.move_to_end(key)
-                out.append(v)
-        return out
+            return touch_many(self._d, keys)
 
     def add(self, key: Hashable, value: bytes) -> None:
         if len(value) > self.max_bytes // self.item_fraction:

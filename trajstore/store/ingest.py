@@ -176,6 +176,49 @@ def _row_lengths(name: str, shape: tuple[int, ...], b: Bundle) -> tuple[list[int
     return [n], "single"
 
 
+def write_order(b: Bundle) -> list[str]:
+    """A bundle's payload names, delta bases first (their deltas are written against them)."""
+    return sorted(b.payload_names(), key=lambda n: (n not in DELTA_BASES.values(), n))
+
+
+def array_rows(b: Bundle, name: str) -> tuple[np.ndarray, list[int], str, list[int] | None]:
+    """Payload `name` of `b` as `write_array` stores it: (values with one row per token,
+    row lengths, the row kind, prompt heads or None)."""
+    t = b.load_payload(name)
+    shape = tuple(t.shape)
+    lengths, rows = _row_lengths(name, shape, b)
+    values = np.ascontiguousarray(t.array).reshape(sum(lengths), *shape[1:])
+    # Rows of prompt + response: the prompt is windowed apart, so a group's shared
+    # prompt (the same prefill routes) is the same objects in every sample.
+    heads = (
+        [max(0, s.total_length - s.response_length) for s in b.index.samples]
+        if rows == "total"
+        else None
+    )
+    return values, lengths, rows, heads
+
+
+def delta_base(
+    records: dict[str, ArrayRecord],
+    name: str,
+    values: np.ndarray,
+    lengths: list[int],
+    heads: list[int] | None,
+) -> ArrayRecord | None:
+    """The record payload `name` is stored as a delta against (`DELTA_BASES`), when its
+    base is already written in `records` with the same geometry; else None."""
+    base = records.get(DELTA_BASES.get(name, ""))
+    if base is None:
+        return None
+    same = (base.dtype, base.shape[2:], base.row_lengths, base.heads) == (
+        values.dtype.name,
+        tuple(values.shape[1:]),
+        tuple(lengths),
+        None if heads is None else tuple(heads),
+    )
+    return base if same else None
+
+
 @dataclass
 class _Prepared:
     """A rank bundle whose objects are written; its ref is not yet published."""
@@ -293,29 +336,13 @@ def _write_bundle_objects(
     records: dict[str, ArrayRecord] = {}
     # Delta bases' values stay in memory while their deltas are written (no read-back).
     base_values: dict[str, np.ndarray] = {}
-    names = sorted(b.payload_names(), key=lambda n: (n not in DELTA_BASES.values(), n))
-    for name in names:
+    for name in write_order(b):
         raw = b.payload_file_bytes(name)
         t = b.load_payload(name)
         shape = tuple(t.shape)
-        lengths, rows = _row_lengths(name, shape, b)
-        values = np.ascontiguousarray(t.array).reshape(sum(lengths), *shape[1:])
-        # Rows of prompt + response: the prompt is windowed apart, so a group's shared
-        # prompt (the same prefill routes) is the same objects in every sample.
-        heads = (
-            [max(0, s.total_length - s.response_length) for s in b.index.samples]
-            if rows == "total"
-            else None
-        )
+        values, lengths, rows, heads = array_rows(b, name)
         base_name = DELTA_BASES.get(name, "")
-        base = records.get(base_name)
-        if base is not None and (base.dtype, base.shape[2:], base.row_lengths, base.heads) != (
-            values.dtype.name,
-            tuple(values.shape[1:]),
-            tuple(lengths),
-            None if heads is None else tuple(heads),
-        ):
-            base = None
+        base = delta_base(records, name, values, lengths, heads)
         record = write_array(
             rec,
             values,
