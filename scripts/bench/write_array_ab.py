@@ -105,7 +105,7 @@ class Rec(ObjectStore):
 
 def run(mod, bundles, tmp, log=False):
     mod.ENCODE_CACHE.clear()
-    inner = LocalObjectStore(Path(tempfile.mkdtemp(dir=tmp)), durable=False) if True else None
+    inner = LocalObjectStore(Path(tempfile.mkdtemp(dir=tmp)), durable=False)
     objs = Rec(inner) if log else inner
     recs = []
     t0 = time.process_time()
