@@ -19,6 +19,7 @@ from typing import Any
 
 from test_store import cli
 
+from trajstore.errors import StoreError
 from trajstore.store import Store
 
 RANKS = [0, 1]
@@ -82,10 +83,27 @@ def _refs(url: str) -> list[str]:
         return [d.name for d in store.space.list("refs/bundles")]
 
 
+def _kinds_once(url: str, want: list[str], timeout_s: float = 120) -> list[str]:
+    """The kinds of the published refs once they are `want` (or whatever they are at the
+    timeout): a capture publishes from its writer thread, a while after the step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with Store.open(url, create=False) as store:
+                kinds = [e.kind for e in store.refs.all()]
+        except StoreError:  # the capture has not created the store yet
+            kinds = []
+        if kinds == want or time.monotonic() > deadline:
+            return kinds
+        time.sleep(0.1)
+
+
 def test_two_ranks_on_two_hosts_publish_one_cohort(s3_env: Any, tmp_path: Path) -> None:
     url = s3_env.fresh_url("capture")
     hosts = {r: _host(tmp_path, f"host-{r}", s3_env, url) for r in RANKS}
     procs = {r: _start(r, *hosts[r]) for r in RANKS}
+    # rank 0's rollout bundle is published by its capture writer, in the background
+    assert _kinds_once(url, ["rollout"]) == ["rollout"]
     (hosts[1][0] / "go").touch()  # rank 1 first: it stores its shard, publishes nothing
     out1, err1 = procs[1].communicate(timeout=180)
     assert procs[1].returncode == 0, err1
