@@ -18,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from trajstore.cas.lru import BytesLRU
 
 FORMATS = ("npy", "raw", "pt")
 STREAM_CHUNK = 1 << 20
@@ -91,44 +91,25 @@ class Body:
             pos += v.nbytes
 
 
-class BodyCache:
+class BodyCache(BytesLRU):
     """Encoded payload bodies by ETag, bounded by bytes (least recently used out).
 
     An ETag names immutable content, so an entry is never stale. It saves the
     decode (zstd + hash checks, the slow part) on repeated downloads and on
     every Range request after the first, which would otherwise decode the
-    whole payload again for each range.
+    whole payload again for each range. A body over a quarter of the bound is
+    not kept (one huge payload must not evict everything else).
     """
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._bodies: OrderedDict[str, Body] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, etag: str) -> Body | None:
-        with self._lock:
-            body = self._bodies.get(etag)
-            if body is not None:
-                self._bodies.move_to_end(etag)
-            return body
-
-    def fits(self, size: int) -> bool:
-        """Whether a body of `size` bytes would be kept (one huge payload must not evict
-        everything else)."""
-        return size <= self.max_bytes // 4
+        super().__init__(max_bytes, item_fraction=4, size=_body_size)
 
     def put(self, etag: str, body: Body) -> None:
-        if not self.fits(body.size):
-            return
-        with self._lock:
-            if etag in self._bodies:
-                return
-            self._bodies[etag] = body
-            self._bytes += body.size
-            while self._bytes > self.max_bytes:
-                _, old = self._bodies.popitem(last=False)
-                self._bytes -= old.size
+        self.add(etag, body)
+
+
+def _body_size(body: Body) -> int:
+    return body.size
 
 
 class RangeNotSatisfiable(Exception):

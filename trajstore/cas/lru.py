@@ -1,14 +1,16 @@
-"""A thread-safe map of byte strings bounded by their total size, least recently used out.
+"""A thread-safe map of values bounded by their total size, least recently used out.
 
-Both in-process caches of the object layer use it: decoded chunks per store
-(`chunk_cache`) and encoded windows per process (`arrays._EncodeCache`).
+The in-process caches use it: decoded chunks per store (`chunk_cache`), encoded
+windows per process (`arrays._EncodeCache`) and the REST server's payload bodies
+(`api.payloads.BodyCache`, whose values size themselves).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 
 def touch_many(d: OrderedDict, keys: Sequence[Hashable | None]) -> list:
@@ -24,15 +26,23 @@ def touch_many(d: OrderedDict, keys: Sequence[Hashable | None]) -> list:
 
 
 class BytesLRU:
-    """At most `max_bytes` of values; a value over `max_bytes // item_fraction` is not kept
-    (one huge value would otherwise evict everything)."""
+    """At most `max_bytes` of values (each `size(value)` bytes: `len` for byte strings); a
+    value over `max_bytes // item_fraction` is not kept (one huge value would otherwise
+    evict everything)."""
 
-    def __init__(self, max_bytes: int, item_fraction: int = 8) -> None:
+    def __init__(
+        self, max_bytes: int, item_fraction: int = 8, size: Callable[[Any], int] = len
+    ) -> None:
         self.max_bytes = max_bytes
         self.item_fraction = item_fraction
-        self._d: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._size = size
+        self._d: OrderedDict[Hashable, Any] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+
+    def fits(self, size: int) -> bool:
+        """Whether a value of `size` bytes would be kept."""
+        return size <= self.max_bytes // self.item_fraction
 
     def get(self, key: Hashable) -> bytes | None:
         with self._lock:
@@ -46,29 +56,21 @@ class BytesLRU:
         with self._lock:
             return touch_many(self._d, keys)
 
-    def add(self, key: Hashable, value: bytes) -> None:
-        if len(value) > self.max_bytes // self.item_fraction:
-            return
-        with self._lock:
-            if key in self._d:
-                return
-            self._d[key] = value
-            self._bytes += len(value)
-            while self._bytes > self.max_bytes:
-                self._bytes -= len(self._d.popitem(last=False)[1])
+    def add(self, key: Hashable, value: Any) -> None:
+        self.add_many([(key, value)])
 
-    def add_many(self, items: Iterable[tuple[Hashable, bytes]]) -> None:
+    def add_many(self, items: Iterable[tuple[Hashable, Any]]) -> None:
         """`add` of each (key, value) under one lock."""
-        limit = self.max_bytes // self.item_fraction
-        d = self._d
+        size, d = self._size, self._d
         with self._lock:
             for key, value in items:
-                if len(value) > limit or key in d:
+                n = size(value)
+                if not self.fits(n) or key in d:
                     continue
                 d[key] = value
-                self._bytes += len(value)
+                self._bytes += n
                 while self._bytes > self.max_bytes:
-                    self._bytes -= len(d.popitem(last=False)[1])
+                    self._bytes -= size(d.popitem(last=False)[1])
 
     def clear(self) -> None:
         with self._lock:
