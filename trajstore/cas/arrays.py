@@ -581,26 +581,13 @@ class _EncodeCache(BytesLRU):
         self.max_names = max_names
         self._names: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
 
-    def name(self, key: bytes) -> tuple[str, int] | None:
-        with self._lock:
-            v = self._names.get(key)
-            if v is not None:
-                self._names.move_to_end(key)
-            return v
-
-    def add_name(self, key: bytes, h: str, size: int) -> None:
-        with self._lock:
-            self._names[key] = (h, size)
-            if len(self._names) > self.max_names:
-                self._names.popitem(last=False)
-
     def names_of(self, keys: Sequence[bytes | None]) -> list[tuple[str, int] | None]:
-        """`name` of each key under one lock (None for a None key)."""
+        """The (object name, size) stored for each key, or None (a None key: None)."""
         with self._lock:
             return touch_many(self._names, keys)
 
     def add_names(self, items: Iterable[tuple[bytes, str, int]]) -> None:
-        """`add_name` of each (key, name, size) under one lock."""
+        """Remember each (key, object name, size) stored, the oldest dropped past max_names."""
         names = self._names
         with self._lock:
             for key, h, size in items:
@@ -756,10 +743,9 @@ def write_array(
                 encoded[k] = h
             ENCODE_CACHE.add_names(named)  # type: ignore[arg-type]
         slot_of += encoded  # type: ignore[arg-type]
-    if head_t is None:
-        counts = [-(-n // w) for n in lengths]
-    else:
-        counts = [-(-h // w) + -(-(n - h) // w) for n, h in zip(lengths, head_t, strict=True)]
+    counts = [
+        _num_windows(n, None if head_t is None else head_t[i], w) for i, n in enumerate(lengths)
+    ]
     table: list[tuple[str | None, ...]] = []
     k = 0
     for nw in counts:
