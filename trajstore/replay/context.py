@@ -9,7 +9,7 @@ on another stage's module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -113,16 +113,22 @@ class StageMemo:
         hit = None if key is None else self._entries.get(key)
         if hit is None:
             return None
-        return _copy_outcome(hit[0]), hit[1]
+        return with_copied_divergences(hit[0]), hit[1]
 
     def put(self, key: tuple | None, outcome: StageOutcome, values: dict[str, Any]) -> None:
         """Keep `outcome` (as it is now: the runner sets fields of the one it returns)."""
         if key is not None:
-            self._entries[key] = (_copy_outcome(outcome), values)
+            self._entries[key] = (with_copied_divergences(outcome), values)
 
 
-def _copy_outcome(outcome: StageOutcome) -> StageOutcome:
-    return replace(outcome, divergences=[replace(d) for d in outcome.divergences])
+#: a StageOutcome or a Comparison: a dataclass with a list of divergence records
+_WithDivergences = TypeVar("_WithDivergences")
+
+
+def with_copied_divergences(result: _WithDivergences) -> _WithDivergences:
+    """A copy of a stage outcome or a comparison with its own divergence records (the
+    runner and the report set fields of those they return)."""
+    return replace(result, divergences=[replace(d) for d in result.divergences])
 
 
 class ReplayContext:

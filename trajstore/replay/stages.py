@@ -11,7 +11,6 @@ stage registers from `trajstore.router.stage`.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from trajstore.replay.context import (
     StageOutcome,
     is_number,
     outcome_of,
+    with_copied_divergences,
 )
 from trajstore.replay.registry import CapabilityCheck, StageDef, register_stage
 from trajstore.replay.source import BundleSource
@@ -278,7 +278,7 @@ def stage_advantage_estimate(ctx: ReplayContext) -> StageOutcome:
             comparison = values["comparison"]
             ctx.upstream_comparison = (
                 ctx.upstream["rewards_by_id"],
-                replace(comparison, divergences=[replace(d) for d in comparison.divergences]),
+                with_copied_divergences(comparison),
             )
         return outcome
     try:
