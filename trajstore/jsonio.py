@@ -1,4 +1,5 @@
-"""Canonical JSON, JSON-safe values and file hashing shared by the bundle writer and reader."""
+"""Canonical JSON, JSON-safe values, file reading and hashing, and temp-file names shared by the
+bundle writer and reader and the store."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,12 @@ def read_regular(path: Path | str, limit: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+def temp_sibling(path: Path) -> Path:
+    """A hidden, unique temp name beside `path`: written there, then linked or renamed
+    into place, so the final name never holds a partial file (readers skip dot names)."""
+    return path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def read_bytes(path: Path, label: str, limit: int = MAX_JSON_BYTES) -> bytes:

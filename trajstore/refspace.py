@@ -14,13 +14,13 @@ Keys are `/`-separated relative names such as `refs/bundles/<name>.json`.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 from trajstore.errors import NotFoundError, StoreError, UsageError
+from trajstore.jsonio import temp_sibling
 from trajstore.pools import SharedPool
 
 __all__ = [
@@ -163,7 +163,7 @@ def atomic_create(path: Path, data: bytes, *, durable: bool = True) -> bool:
     temp + fsync + link: the final name never holds a partial file and an
     existing file is never replaced, so this is a commit point.
     """
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_sibling(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -215,7 +215,7 @@ class LocalRefSpace(RefSpace):
             for d in {p.parent for p in paths}:
                 d.mkdir(parents=True, exist_ok=True)
             for path, (_, data) in zip(paths, items, strict=True):
-                tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+                tmp = temp_sibling(path)
                 tmps.append(tmp)
                 with open(tmp, "wb") as f:
                     f.write(data)

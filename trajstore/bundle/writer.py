@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 from trajstore.bundle.ptfile import as_torch, read_pt_bytes
 from trajstore.bundle.reader import check_payload_name
 from trajstore.errors import BundleError
-from trajstore.jsonio import canonical_bytes, read_json, sha256_bytes
+from trajstore.jsonio import canonical_bytes, read_json, sha256_bytes, temp_sibling
 from trajstore.schema import WRITE_FORMAT_VERSION, CohortComplete, Index, Manifest, RankShard
 from trajstore.vocab import Payload, Stage
 
@@ -168,10 +167,6 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _temp_sibling(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 def write_bundle(
     dest: Path | str,
     contents: BundleContents,
@@ -186,7 +181,7 @@ def write_bundle(
     dest.parent.mkdir(parents=True, exist_ok=True)
     r = 0 if rank is None else rank
     ranks = [r] if expected_ranks is None else sorted(expected_ranks)
-    tmp = _temp_sibling(dest)
+    tmp = temp_sibling(dest)
     try:
         (tmp / "payloads").mkdir(parents=True)
         specs = {
@@ -251,7 +246,7 @@ def write_bundle(
 
 def _atomic_create(path: Path, data: bytes) -> bool:
     """Create ``path`` with ``data`` unless it exists (link is atomic, no overwrite)."""
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_sibling(path)
     try:
         _fsync_write(tmp, data)  # a full disk fails here: the temp file goes too
         os.link(tmp, path)

@@ -11,11 +11,11 @@ bundle writer: OUT never holds a partial export.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from pathlib import Path
 
 from trajstore.errors import IntegrityError, UsageError
+from trajstore.jsonio import temp_sibling
 from trajstore.store.stored_bundle import StoredBundle
 
 METADATA = ("manifest.json", "index.json", "expected.json")
@@ -51,7 +51,7 @@ def export_bundles(
         return _export_converted(bundles, out, format_major)
     cohort = bundles[0].ref.get("cohort_ranks")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_sibling(out)
     try:
         if cohort is None:
             if len(bundles) != 1:
@@ -97,7 +97,7 @@ def _export_converted(bundles: list[StoredBundle], out: Path, major: int) -> Pat
     if cohort is None:
         return write_bundle(out, contents(bundles[0]))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_sibling(out)
     try:
         for b in sorted(bundles, key=lambda b: b.rank):
             write_rank(tmp, contents(b), rank=b.rank, expected_ranks=list(cohort))
