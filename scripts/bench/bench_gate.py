@@ -28,13 +28,10 @@ from pathlib import Path
 
 
 def targets_of(dirs: list[Path]) -> list[Path]:
-    out = []
-    for d in dirs:
-        out += sorted(
-            p.parent for p in d.rglob("manifest.json") if not p.parent.name.startswith("rank-")
-        )
-        out += sorted({p.parent.parent for p in d.rglob("rank-*/manifest.json")})
-    return out
+    """Every bundle and cohort under `dirs`, as ingest finds them."""
+    from trajstore.bundle.capture_dir import discover_targets
+
+    return [t for d in dirs for t in discover_targets(d)]
 
 
 def measure(targets: list[Path], reps: int, profile: str | None) -> dict:
