@@ -422,7 +422,7 @@ class Ingestor:
         with gclock.writing(self.objs):
             written = self.write(gated, run)
             self.objs.flush()
-            return self.publish(written, self.live_keys())
+            return self.publish_many([written], self.live_keys())[0]
 
     def gate(self, path: Path) -> _Gated | IngestOutcome:
         """Open `path` behind the whole integrity gate (every rank), or say why it is refused.
@@ -484,35 +484,16 @@ class Ingestor:
             prepared.append(_Prepared(identity, doc["content_digest"], doc))
         return _Written(gated.path, prepared, logical)
 
-    def publish(self, written: _Written, live: set[str]) -> IngestOutcome:
-        """Create the refs of a written target whose objects are durable (flushed).
-
-        `live` holds the keys already live (this call adds the ones it publishes).
-        """
-        keys: list[str] = []
-        published = False
-        for p in written.prepared:
-            capture = p.doc["cohort_sentinels"].get("COMPLETE") or p.digest
-            attempt = self._claim_attempt(p.identity[:4], capture)
-            key = bundle_key(*p.identity, attempt)
-            keys.append(key)
-            if key in live:
-                continue
-            p.doc.update(key=key, attempt=attempt, published_at=_now())
-            data = json.dumps(p.doc, sort_keys=True, indent=1).encode()
-            published |= self._publish(key, data)
-            live.add(key)
-        status = "published" if published else "unchanged"
-        return IngestOutcome(str(written.path), status, keys, None, written.logical)
-
     def publish_many(self, writtens: list[_Written], live: set[str]) -> list[IngestOutcome]:
-        """`publish` of each written target, in order, with the same outcome, attempts and
-        refs, but the documents of all of them created in three batches
+        """Create the refs of written targets whose objects are durable (flushed), in order;
+        `live` holds the keys already live (this call adds the ones it publishes). The
+        documents of all of them are created in three batches
         (`RefSpace.create_many_if_absent`: one fsync per directory, not per document):
         the attempt claims, then the ref guards, then the refs, each batch durable before
-        the next starts (the order `publish` keeps one target at a time). Anything but the
-        first try of each (a claim held by another capture, a ref already there) takes
-        the one-by-one path.
+        the next starts (the module docstring's order, for the whole batch). Anything but
+        the first try of each (a claim held by another capture, a ref already there) takes
+        the one-by-one path (`_claim_attempt`, `_publish`), so attempts and keys are those
+        of publishing the targets one at a time.
         """
         items = [(w, p) for w in writtens for p in w.prepared]
         captures = [p.doc["cohort_sentinels"].get("COMPLETE") or p.digest for _, p in items]
