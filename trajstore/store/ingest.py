@@ -411,19 +411,6 @@ class Ingestor:
 
     # -- one target --
 
-    def ingest_target(self, path: Path, run: str) -> IngestOutcome:
-        """Ingest one target: the whole gate, then its objects (flushed) and its refs, these
-        under the store's writer lock, so gc (even `--grace 0`) never runs while its
-        objects are written but its refs not yet created."""
-        check_run_name(run)
-        gated = self.gate(path)
-        if isinstance(gated, IngestOutcome):
-            return gated
-        with gclock.writing(self.objs):
-            written = self.write(gated, run)
-            self.objs.flush()
-            return self.publish_many([written], self.live_keys())[0]
-
     def gate(self, path: Path) -> _Gated | IngestOutcome:
         """Open `path` behind the whole integrity gate (every rank), or say why it is refused.
 
