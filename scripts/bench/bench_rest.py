@@ -82,10 +82,19 @@ else:
 _BLOBS: dict[int, bytes] = {}
 
 
+def _blob(size: int) -> bytes:
+    """`size` random bytes, made once per size (not per request: `os.urandom` of 64 MB
+    takes longer than sending it)."""
+    blob = _BLOBS.get(size)
+    if blob is None:
+        blob = _BLOBS[size] = os.urandom(size)
+    return blob
+
+
 @bare_app.get("/blob/{size}")
 def bare_blob(size: int) -> Response:
     """`size` bytes from memory: the HTTP ceiling of a download on this machine."""
-    blob = _BLOBS.setdefault(size, os.urandom(size))
+    blob = _blob(size)
     return Response(content=blob, media_type="application/octet-stream")
 
 
@@ -94,7 +103,7 @@ def bare_blob_streamed(size: int) -> StreamingResponse:
     """The same bytes as `bare_blob`, sent in 2 MiB pieces (as the streamed download sends
     its decode batches): one large write costs asyncio two copies of what the socket did
     not take at once."""
-    blob = _BLOBS.setdefault(size, os.urandom(size))
+    blob = _blob(size)
     pieces = [blob[i : i + (2 << 20)] for i in range(0, size, 2 << 20)]
     return StreamingResponse(
         iter(pieces),
