@@ -22,9 +22,9 @@ from trajstore.replay.context import ReplayContext, StageMemo
 from trajstore.replay.from_store import (
     Target,
     _replay_rollout,
-    _upstream_rewards,
     check_linkage,
     replay_stored,
+    upstream_rewards,
 )
 from trajstore.replay.runner import StageRequest, replay_sources
 from trajstore.replay.selection import Selection
@@ -49,7 +49,7 @@ def _fresh_linkage(store: Store, step: int):  # noqa: ANN202
     report = replay_stored(store, Target(run=RUN, step=(ROLLOUT, step)))
     sources = store.step(RUN, ROLLOUT, step)
     rollout_report = _replay_rollout(store, RUN, ROLLOUT, None)
-    rewards = _upstream_rewards(rollout_report)
+    rewards = upstream_rewards(rollout_report)
     assert all(b.upstream_comparison is not None for b in report.bundles)
     assert all(b.upstream_comparison[0] is not rewards for b in report.bundles)
     plain = dataclasses.replace(
@@ -122,7 +122,7 @@ def test_stage_outcomes_taken_from_the_rollout_equal_the_steps_own(
         memo = StageMemo()
         rollout_report = replay_sources(rollout, label="ro", memo=memo)
         kept = len(memo._entries)
-        rewards = _upstream_rewards(rollout_report)
+        rewards = upstream_rewards(rollout_report)
         upstream = [{"rewards_by_id": rewards}]
         memoized = replay_sources(step, label="st", upstream=upstream, memo=memo)
         assert kept == 2 and len(memo._entries) == kept  # the step's stages were hits

@@ -18,8 +18,12 @@ import numpy as np
 import pytest
 from trajstore.examples.replay_builders import Faults, consistent_contents
 
+from trajstore.bundle.reader import open_target
 from trajstore.bundle.writer import BundleContents, write_bundle
+from trajstore.replay.from_store import Target, replay_linked, replay_stored
+from trajstore.replay.runner import replay_sources
 from trajstore.store import Store
+from trajstore.vocab import StageStatus
 
 RUN = "x"
 ROLLOUT = 7
@@ -240,3 +244,22 @@ def test_no_link_reports_the_check_as_skipped(consistent_store: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["linkage"]["status"] == "skipped"
+
+
+def test_replay_linked_of_exported_directories_finds_the_same_root(tmp_path: Path) -> None:
+    # The linked replay needs no store: the capture's own directories give the verdict the
+    # stored step gives (the fault rooted in the rollout's rewards, the check failed).
+    root = make_store(tmp_path, rollout=rollout_contents(tamper=True), steps={1: step_contents(1)})
+    ro = open_target(tmp_path / "cap" / f"replay-rollout-{ROLLOUT}")
+    step = open_target(tmp_path / "cap" / f"replay-{ROLLOUT}-1")
+    ro_report = replay_sources(ro.bundles, label=ro.first.bundle_id)
+    report = replay_linked(step.bundles, ro_report, label=step.first.bundle_id)
+    with Store.open(root, create=False) as store:
+        stored = replay_stored(store, Target(run=RUN, step=(ROLLOUT, 1)))
+    got = [
+        (r.linkage.status, r.linkage.mismatch_count, r.first_divergent_stage, r.root_stage)
+        for r in (report, stored)
+    ]
+    assert got[0] == got[1]
+    assert got[0][0] == StageStatus.FAIL and got[0][3] == "reward.post_process"
+    assert report.linkage.rollout_bundle_id == f"ro-{ROLLOUT}"

@@ -9,6 +9,8 @@ the step's producer declared no reward or advantage stage. A divergence that
 starts in the rollout and reached the step is reported as rooted there, with
 the step's stages marked downstream of it. Where the check cannot run (rollout
 not stored, no rewards recomputed, ``link=False``) the report says so.
+`replay_linked` is that linked replay of a step against its rollout's report, for
+any sources (a benchmark replays exported directories with it).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def stored_sources(store: Any, target: Target) -> list[Any]:
     return store.rollout(run, target.rollout, attempt=target.attempt)
 
 
-def _upstream_rewards(rollout_report: ReplayReport) -> dict[str, float]:
+def upstream_rewards(rollout_report: ReplayReport) -> dict[str, float]:
     """sample_id -> recomputed post-processed reward, from a rollout replay."""
     out: dict[str, float] = {}
     for b in rollout_report.bundles:
@@ -182,7 +184,36 @@ def replay_stored(
         )
     else:
         rollout_report = _replay_rollout(store, run, rollout_id, rollout_cache, memo=memo)
-    rewards = {} if rollout_report is None else _upstream_rewards(rollout_report)
+    if rollout_report is None:
+        report = replay_sources(
+            sources, label=label, request=request, selection=selection, memo=memo
+        )
+        report.linkage = Linkage(
+            status=StageStatus.SKIPPED,
+            reason=f"rollout {rollout_id} of run {run} is not in the store; {unchecked}",
+        )
+        return report
+    return replay_linked(
+        sources, rollout_report, label=label, request=request, selection=selection, memo=memo
+    )
+
+
+def replay_linked(
+    sources: list[Any],
+    rollout_report: ReplayReport,
+    *,
+    label: str,
+    request: StageRequest | None = None,
+    selection: SelectionRequest | None = None,
+    memo: StageMemo | None = None,
+) -> ReplayReport:
+    """Replay a step's ranks against the replay of its rollout bundle: the step's
+    ``advantage.estimate`` uses the rollout's recomputed rewards, `check_linkage` sets
+    ``report.linkage``, and a fault the step consumed from the rollout's rewards is named
+    as rooted there (``root_*``). Any sources will do: stored ones (`replay_stored`) or
+    exported directories (`trajstore.bundle.reader.open_target`)."""
+    request = request or StageRequest()
+    rewards = upstream_rewards(rollout_report)
     upstream = None
     if rewards:
         upstream = [
@@ -194,17 +225,10 @@ def replay_stored(
     report = replay_sources(
         sources, label=label, request=request, selection=selection, upstream=upstream, memo=memo
     )
-    if rollout_report is None:
-        report.linkage = Linkage(
-            status=StageStatus.SKIPPED,
-            reason=f"rollout {rollout_id} of run {run} is not in the store; {unchecked}",
-        )
-    else:
-        report.linkage = check_linkage(report, sources, rollout_report, rewards, request)
+    report.linkage = check_linkage(report, sources, rollout_report, rewards, request)
     if (
         report.linkage.status == StageStatus.FAIL
         and report.first is not None
-        and rollout_report is not None
         and rollout_report.first_divergent_stage in FEEDS_STEPS
     ):
         # The step consumed what a faulty rollout produced: the fault is rooted there.
@@ -290,7 +314,7 @@ def check_linkage(
             "not checked against them",
             **base,
         )
-    by_key = {src.bundle_key: src for src in sources}
+    by_label = {src.label: src for src in sources}  # a directory's ranks have no bundle key
     requested = not request.explicit or bool(
         {Stage.REWARD_POST_PROCESS, Stage.ADVANTAGE_ESTIMATE} & set(request.stages)
     )
@@ -299,7 +323,7 @@ def check_linkage(
     missing: list[str] = []
     skipped: list[str] = []
     for b in report.bundles:
-        got = _linkage_outcome(by_key[b.bundle_key], b, rewards, ro_name)
+        got = _linkage_outcome(by_label[b.label], b, rewards, ro_name)
         if isinstance(got, str):
             skipped.append(got)
             continue
