@@ -21,6 +21,11 @@ script run:
 3. the same in one process (`open_target` + `replay_sources` against
    `replay_stored`, a fresh `Store` and empty in-process caches each time),
    wall time and CPU time (`time.process_time`: every thread of the process).
+   The linked store replay does two bundles' work (the rollout's replay, then
+   the step's): its figure compares it with the same linked replay of the
+   exported rollout and step directories (`replay_linked`), and also prints
+   its ratio to the step's directory alone; `link=False` compares with the
+   step's directory.
 
 Every report is checked to be the same on both sides (status, first
 divergent stage). `--cold` drops the page cache (root only) before each
@@ -103,11 +108,11 @@ def build(work: Path, steps: int, samples: int, mean_tokens: int) -> Path:
     return store
 
 
-def export(store: Path, step: tuple[int, int], out: Path) -> Path:
+def export(store: Path, what: list[str], out: Path) -> Path:
+    """`trajstore export` of `what` (["--step", "R:S"] or ["--rollout", "R"]) to `out`."""
     if not out.is_dir():
         subprocess.run(
-            [TRAJSTORE, "export", "--store", str(store), "--run", RUN]
-            + ["--step", f"{step[0]}:{step[1]}", str(out)],
+            [TRAJSTORE, "export", "--store", str(store), "--run", RUN, *what, str(out)],
             check=True,
             stdout=subprocess.DEVNULL,
         )
@@ -188,9 +193,14 @@ def cli_figures(
     }
 
 
-def inproc_sides(store: Path, exported: Path, step: tuple[int, int], cold: bool) -> tuple:
+def inproc_sides(
+    store: Path, exported: Path, step: tuple[int, int], cold: bool, rollout_dir: Path | None
+) -> tuple:
     """(fresh, sides): the in-process replays of each side, with the trajstore importable
-    here (this checkout's, or a --baseline-src checkout's in `worker`)."""
+    here (this checkout's, or a --baseline-src checkout's in `worker`). With `rollout_dir`
+    (the step's rollout exported) the "dir_linked" side replays the rollout's directory,
+    then the step's against it (`replay_linked`): the linked store replay's work, from
+    directories."""
     from trajstore.bundle.reader import open_target
     from trajstore.replay.from_store import Target, replay_stored
     from trajstore.replay.runner import replay_sources
@@ -210,6 +220,14 @@ def inproc_sides(store: Path, exported: Path, step: tuple[int, int], cold: bool)
         b = open_target(exported)
         return replay_sources(b.bundles, label=b.first.bundle_id)
 
+    def run_dir_linked():  # noqa: ANN202
+        from trajstore.replay.from_store import replay_linked
+
+        ro = open_target(rollout_dir)
+        ro_report = replay_sources(ro.bundles, label=ro.first.bundle_id)
+        b = open_target(exported)
+        return replay_linked(b.bundles, ro_report, label=b.first.bundle_id)
+
     def run_store(link: bool):  # noqa: ANN202
         with Store.open(store, create=False) as st:
             return replay_stored(st, Target(run=RUN, step=step), link=link)
@@ -219,6 +237,8 @@ def inproc_sides(store: Path, exported: Path, step: tuple[int, int], cold: bool)
         "store": lambda: run_store(True),
         "store_nolink": lambda: run_store(False),
     }
+    if rollout_dir is not None:
+        sides["dir_linked"] = run_dir_linked
     for fn in sides.values():  # warm-up
         fresh()
         fn()
@@ -240,7 +260,7 @@ def worker(argv: list[str]) -> int:
     (a --baseline-src checkout), one timed replay per side name read from stdin."""
     store, exported, step, cold = argv
     r, s = (int(x) for x in step.split(":"))
-    fresh, sides = inproc_sides(Path(store), Path(exported), (r, s), cold == "1")
+    fresh, sides = inproc_sides(Path(store), Path(exported), (r, s), cold == "1", None)
     print("ready", flush=True)
     for line in sys.stdin:
         dt, cpu, got = timed_inproc(fresh, sides[line.strip()])
@@ -256,10 +276,11 @@ def inproc_figures(
     cold: bool,
     profile: bool,
     baseline: Path | None = None,
+    rollout_dir: Path | None = None,
 ) -> dict:
     """In-process replays of each side, interleaved; with `baseline` the same sides of that
     checkout's code run in a worker process, interleaved with these (suffix _baseline)."""
-    fresh, sides = inproc_sides(store, exported, step, cold)
+    fresh, sides = inproc_sides(store, exported, step, cold, rollout_dir)
     names = list(sides)
     base = None
     if baseline is not None:
@@ -274,7 +295,7 @@ def inproc_figures(
         )
         if base.stdout.readline().strip() != "ready":
             raise SystemExit("the --baseline-src worker did not start")
-        names += [f"{k}_baseline" for k in sides]
+        names += [f"{k}_baseline" for k in sides if k != "dir_linked"]
     times: dict[str, list[float]] = {k: [] for k in names}
     cpus: dict[str, list[float]] = {k: [] for k in names}
     got = set()
@@ -353,14 +374,15 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=True)
         store = build(work, 2, args.samples, args.mean_tokens)
         step = (0, 1)
-        exported = export(store, step, work / "export-0-1")
+        exported = export(store, ["--step", f"{step[0]}:{step[1]}"], work / "export-0-1")
+        rollout_dir = export(store, ["--rollout", str(step[0])], work / "export-rollout-0")
         tokens = json.loads((work / "store.truth.json").read_text())["response_tokens_per_bundle"]
         say(f"store: 1 rollout + 2 steps of {args.samples} samples, ~{tokens} tokens per bundle")
         cli = cli_figures(
             store, exported, f"{step[0]}:{step[1]}", reps, args.cold, args.baseline_src
         )
         inp = inproc_figures(
-            store, exported, step, reps, args.cold, args.profile, args.baseline_src
+            store, exported, step, reps, args.cold, args.profile, args.baseline_src, rollout_dir
         )
     after = load1()
     cache = "cold" if args.cold else "warm"
@@ -382,12 +404,15 @@ def main() -> int:
             f"as above without the rollout linkage: store {m['store_nolink'] * 1e3:.0f} ms",
         ),
         figure(
-            "store replay in process: replay_stored / replay_sources(open_target(dir))",
-            n["dir"] / n["store"],
+            "store replay in process, with linkage: replay_stored / replay_linked of the "
+            "exported step and rollout directories",
+            n["dir_linked"] / n["store"],
             f"median of {reps}, fresh Store and empty chunk cache each run, page cache {cache}; "
-            f"dir {n['dir'] * 1e3:.0f} ms, store {n['store'] * 1e3:.0f} ms (linkage included); "
-            f"CPU ratio {nc['dir'] / nc['store']:.2f}x ({nc['dir'] * 1e3:.0f} vs "
-            f"{nc['store'] * 1e3:.0f} ms, all threads)",
+            f"both sides replay the rollout, then the step against it: dirs "
+            f"{n['dir_linked'] * 1e3:.0f} ms, store {n['store'] * 1e3:.0f} ms; CPU ratio "
+            f"{nc['dir_linked'] / nc['store']:.2f}x ({nc['dir_linked'] * 1e3:.0f} vs "
+            f"{nc['store'] * 1e3:.0f} ms, all threads); against the step's directory alone "
+            f"(no linkage: {n['dir'] * 1e3:.0f} ms) {n['dir'] / n['store']:.2f}x",
         ),
         figure(
             "store replay in process, link=False",
