@@ -623,7 +623,8 @@ class LocalObjectStore(ObjectStore):
                 data = view[off - start : off - start + ln]
                 if len(data) != ln:
                     raise IntegrityError(f"object {hashes[i]} is truncated in {where}")
-                out[i] = _verified(hashes[i], data, where).tobytes() if b - a > 1 else run
+                _verified(hashes[i], data, where)  # every object, a run's only one too
+                out[i] = data.tobytes() if b - a > 1 else run
             a = b
 
     def has_cached(self, h: str, size: int) -> bool:
