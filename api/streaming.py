@@ -28,7 +28,7 @@ from itertools import islice
 
 import numpy as np
 
-from trajstore.cas.arrays import ArrayRecord, decode_chunk
+from trajstore.cas.arrays import ArrayRecord, decode_chunks
 from trajstore.cas.objects import ObjectStore
 
 from .payloads import as_npy_array
@@ -104,17 +104,11 @@ class StreamedPayload:
     def _decode(self, batch: list[Window], fmt: str) -> bytes:
         size = self.record.chunk_bytes
         wanted = list(dict.fromkeys(h for h, _ in batch if h is not None))
-        decoded = {
-            h: decode_chunk(data, size, h)
-            for h, data in zip(wanted, self.objs.get_many(wanted), strict=True)
-        }
+        views = decode_chunks(self.objs.get_many(wanted), size, wanted)
+        decoded = dict(zip(wanted, views, strict=True))
         # one copy: a whole window joins as decoded, a row's last (short) one as a view
         raw = b"".join(
-            bytes(n)
-            if h is None
-            else decoded[h]
-            if n == len(decoded[h])
-            else memoryview(decoded[h])[:n]
+            bytes(n) if h is None else decoded[h] if n == len(decoded[h]) else decoded[h][:n]
             for h, n in batch
         )
         if fmt == "npy" and self.widen:

@@ -22,6 +22,7 @@ from trajstore.cas import (
     record_objects,
     write_array,
 )
+from trajstore.cas.arrays import decode_chunks
 from trajstore.errors import IntegrityError, NotFoundError, StoreError, UsageError
 
 
@@ -358,6 +359,22 @@ def test_chunk_larger_than_declared_is_refused(tmp_path: Path) -> None:
     forged = ArrayRecord.from_dict({**rec.to_dict(), "chunks": [[bomb]]})
     with pytest.raises(IntegrityError, match=bomb):
         read_array(objs, forged)
+
+
+def test_decode_chunks_gives_what_decode_chunk_gives_each() -> None:
+    c = zstandard.ZstdCompressor(write_content_size=True)
+    raws = [os.urandom(100) + bytes(924), bytes(1024), os.urandom(1024)]
+    got = decode_chunks([c.compress(r) for r in raws], 1024, ["a", "b", "c"])
+    assert [bytes(v) for v in got] == raws
+
+
+@pytest.mark.parametrize("size", [1000, 1 << 20])
+def test_decode_chunks_names_the_chunk_of_the_wrong_size(size: int) -> None:
+    # A frame shorter or longer than the window (a bomb) is refused, never allocated.
+    c = zstandard.ZstdCompressor(write_content_size=True)
+    frames = [c.compress(bytes(1024)), c.compress(bytes(size))]
+    with pytest.raises(IntegrityError, match="chunk object bad "):
+        decode_chunks(frames, 1024, ["good", "bad"])
 
 
 def test_record_with_insane_sizes_is_refused() -> None:

@@ -163,6 +163,27 @@ def decode_chunk(data: bytes, size: int, h: str = "?") -> bytes:
     return raw
 
 
+def decode_chunks(datas: Sequence[Any], size: int, names: Sequence[str]) -> list[memoryview]:
+    """`decode_chunk` of each chunk object in `datas` (named `names`), in one call that
+    decodes them all into one buffer: views of it, each exactly `size` bytes (they keep
+    the buffer alive: for decoding that is copied out at once, as a download does).
+
+    Twice as fast as a call per chunk on 16 KiB windows (no allocation per chunk). Each
+    frame is decoded into exactly `size` bytes or refused; on a refusal each chunk is
+    decoded alone so the error names the bad one.
+    """
+    if not datas:
+        return []
+    sizes = np.full(len(datas), size, dtype="<u8").tobytes()
+    try:
+        out = _dctx().multi_decompress_to_buffer(list(datas), decompressed_sizes=sizes)
+    except zstandard.ZstdError:
+        for data, h in zip(datas, names, strict=True):
+            decode_chunk(data, size, h)  # raises the bad chunk's IntegrityError
+        raise IntegrityError(f"chunk objects {names[0]}.. do not decode") from None
+    return [memoryview(out[i]) for i in range(len(datas))]
+
+
 @dataclass(frozen=True)
 class ArrayRecord:
     """Where a payload array lives: its zarr.json object and, per row, its chunk objects.
