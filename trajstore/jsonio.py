@@ -1,5 +1,5 @@
-"""Canonical JSON, JSON-safe values, file reading and hashing, and temp-file names shared by the
-bundle writer and reader and the store."""
+"""Canonical JSON, JSON-safe values, file reading and hashing, temp-file names and atomic
+creates shared by the bundle writer and reader and the store."""
 
 from __future__ import annotations
 
@@ -89,6 +89,41 @@ def temp_sibling(path: Path) -> Path:
     """A hidden, unique temp name beside `path`: written there, then linked or renamed
     into place, so the final name never holds a partial file (readers skip dot names)."""
     return path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by name (a directory's entries: its links)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_create(path: Path, data: bytes, *, durable: bool = True) -> bool:
+    """Create `path` holding `data` unless it exists; False if it did.
+
+    temp + fsync + link: the final name never holds a partial file and an
+    existing file is never replaced, so this is a commit point (a store's refs, a
+    cohort's COMPLETE). `durable` also fsyncs the directory, so the link survives
+    a crash.
+    """
+    tmp = temp_sibling(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        if durable:
+            fsync_path(path.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_bytes(path: Path, label: str, limit: int = MAX_JSON_BYTES) -> bytes:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trajstore.errors import NotFoundError, StoreError, UsageError
-from trajstore.jsonio import temp_sibling
+from trajstore.jsonio import atomic_create, fsync_path, temp_sibling
 from trajstore.pools import SharedPool
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "DocRef",
     "LocalRefSpace",
     "RefSpace",
-    "atomic_create",
     "listing_margin_s",
 ]
 
@@ -133,15 +132,6 @@ class DocRef:
         return self.space.where(self.key)
 
 
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a directory by name (a directory's entries: its links)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 #: threads fsyncing a batch of documents (they wait on the disk, not the CPU)
 _FSYNC_THREADS = 8
 _fsync_pool = SharedPool(_FSYNC_THREADS, "refspace-fsync")
@@ -150,35 +140,11 @@ _fsync_pool = SharedPool(_FSYNC_THREADS, "refspace-fsync")
 def _fsync_all(paths: list[Path]) -> None:
     if len(paths) < 2:
         for p in paths:
-            _fsync_path(p)
+            fsync_path(p)
         return
     pool = _fsync_pool.get()
-    for f in [pool.submit(_fsync_path, p) for p in paths]:
+    for f in [pool.submit(fsync_path, p) for p in paths]:
         f.result()
-
-
-def atomic_create(path: Path, data: bytes, *, durable: bool = True) -> bool:
-    """Create `path` holding `data` unless it exists; False if it did.
-
-    temp + fsync + link: the final name never holds a partial file and an
-    existing file is never replaced, so this is a commit point.
-    """
-    tmp = temp_sibling(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        if durable:
-            _fsync_path(path.parent)
-        return True
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 class LocalRefSpace(RefSpace):
@@ -230,7 +196,7 @@ class LocalRefSpace(RefSpace):
                     created.append(False)
             if self.durable:
                 for d in sorted({p.parent for p, c in zip(paths, created, strict=True) if c}):
-                    _fsync_path(d)
+                    fsync_path(d)
             return created
         finally:
             for tmp in tmps:

@@ -21,7 +21,13 @@ from typing import Any
 from trajstore.bundle.ptfile import as_torch, read_pt_bytes
 from trajstore.bundle.reader import check_payload_name
 from trajstore.errors import BundleError
-from trajstore.jsonio import canonical_bytes, read_json, sha256_bytes, temp_sibling
+from trajstore.jsonio import (
+    atomic_create,
+    canonical_bytes,
+    read_json,
+    sha256_bytes,
+    temp_sibling,
+)
 from trajstore.schema import WRITE_FORMAT_VERSION, CohortComplete, Index, Manifest, RankShard
 from trajstore.vocab import Payload, Stage
 
@@ -244,19 +250,6 @@ def write_bundle(
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _atomic_create(path: Path, data: bytes) -> bool:
-    """Create ``path`` with ``data`` unless it exists (link is atomic, no overwrite)."""
-    tmp = temp_sibling(path)
-    try:
-        _fsync_write(tmp, data)  # a full disk fails here: the temp file goes too
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_rank(
     cohort_dir: Path | str, contents: BundleContents, *, rank: int, expected_ranks: list[int]
 ) -> Path:
@@ -270,7 +263,7 @@ def write_rank(
     )
     shard = read_json(member / f"COMPLETE.{rank}", f"COMPLETE.{rank}")
     shard["relpath"] = f"rank-{rank}"
-    if not _atomic_create(cohort_dir / f"COMPLETE.{rank}", canonical_bytes(shard)):
+    if not atomic_create(cohort_dir / f"COMPLETE.{rank}", canonical_bytes(shard)):
         raise BundleError(f"{cohort_dir}: cohort shard COMPLETE.{rank} already exists")
     try_finalize(cohort_dir)
     return member
@@ -305,5 +298,5 @@ def try_finalize(cohort_dir: Path | str) -> bool:
         raise BundleError(f"{cohort_dir}: cohort shards disagree on the anchor; not finalizing")
     doc = {"ranks": want, "shards": {str(r): shards[r].raw for r in want}}
     CohortComplete.from_dict(doc)
-    _atomic_create(cohort_dir / "COMPLETE", canonical_bytes(doc))
+    atomic_create(cohort_dir / "COMPLETE", canonical_bytes(doc))
     return True

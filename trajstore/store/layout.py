@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from trajstore.errors import NotFoundError, StoreError
-from trajstore.refspace import RefSpace, atomic_create
+from trajstore.jsonio import atomic_create
+from trajstore.refspace import RefSpace
 
-__all__ = ["RefEntry", "RefIndex", "StoreLayout", "atomic_create", "new_doc_name"]
+__all__ = ["RefEntry", "RefIndex", "StoreLayout", "new_doc_name"]
 
 REFS = Path("refs")
 BUNDLE_REFS = REFS / "bundles"
