@@ -32,6 +32,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from trajstore.errors import UsageError
+
 from .errors import ApiError, error_response
 
 #: the largest request body accepted (the only body is POST /v1/replay's selection:
@@ -81,11 +83,7 @@ class BodyLimit:
 
 def request_timeout_s() -> float:
     """`TRAJSTORE_API_REQUEST_TIMEOUT_S` (default 30); read per connection, so tests can set it."""
-    try:
-        value = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_REQUEST_TIMEOUT_S)
-    except ValueError:
-        return DEFAULT_REQUEST_TIMEOUT_S
-    return value if value > 0 else DEFAULT_REQUEST_TIMEOUT_S
+    return _env_number(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S, float, "seconds above 0", 0.0)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -138,11 +136,7 @@ DEFAULT_MAX_QUEUED_REPLAYS = 8
 
 def max_queued_replays() -> int:
     """`TRAJSTORE_API_MAX_QUEUED_REPLAYS` (default 8; 0: no waiting, one at a time)."""
-    try:
-        value = int(os.environ.get(QUEUE_ENV) or DEFAULT_MAX_QUEUED_REPLAYS)
-    except ValueError:
-        return DEFAULT_MAX_QUEUED_REPLAYS
-    return max(value, 0)
+    return int(_env_number(QUEUE_ENV, DEFAULT_MAX_QUEUED_REPLAYS, int, "a count from 0", -1))
 
 
 class QueueLimitedLock:
@@ -179,21 +173,50 @@ SERIAL_BUILD_ENV = "TRAJSTORE_API_SERIAL_BUILD_BYTES"
 DEFAULT_SERIAL_BUILD_BYTES = 64 << 20
 
 
-def _bytes_from_env(name: str, default: int) -> int:
-    """A non-negative byte count from the environment; the default when unset or malformed
-    (as the other TRAJSTORE_API_* variables)."""
-    try:
-        value = int(os.environ.get(name) or default)
-    except ValueError:
+#: bytes of encoded payload bodies the server keeps by ETag, in MiB
+CACHE_MB_ENV = "TRAJSTORE_API_CACHE_MB"
+DEFAULT_CACHE_MB = 512
+
+
+def _env_number(
+    name: str, default: float, parse: type[int] | type[float], what: str, above: float
+) -> float:
+    """The number `name` holds in the environment (`default` when unset or empty); a
+    value that is not a number of that kind above `above` is a `UsageError` naming the
+    variable: a server never runs on a setting it guessed (`trajstore serve` checks them
+    all at start, `check_environment`)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
         return default
-    return value if value >= 0 else default
+    try:
+        value = parse(raw)
+    except ValueError:
+        value = None
+    if value is None or not value > above or value != value or value == float("inf"):
+        raise UsageError(f"{name}={raw!r:.40}: expected {what}")
+    return value
 
 
 def max_buffered_bytes() -> int:
     """`TRAJSTORE_API_MAX_BUFFERED_BYTES` (default 2 GiB); read once at app start."""
-    return _bytes_from_env(MAX_BUFFERED_ENV, DEFAULT_MAX_BUFFERED_BYTES)
+    return int(_env_number(MAX_BUFFERED_ENV, DEFAULT_MAX_BUFFERED_BYTES, int, "bytes from 0", -1))
 
 
 def serial_build_bytes() -> int:
     """`TRAJSTORE_API_SERIAL_BUILD_BYTES` (default 64 MiB); read once at app start."""
-    return _bytes_from_env(SERIAL_BUILD_ENV, DEFAULT_SERIAL_BUILD_BYTES)
+    return int(_env_number(SERIAL_BUILD_ENV, DEFAULT_SERIAL_BUILD_BYTES, int, "bytes from 0", -1))
+
+
+def body_cache_bytes() -> int:
+    """`TRAJSTORE_API_CACHE_MB` (default 512; 0: keep no body) in bytes; read at app start."""
+    return int(_env_number(CACHE_MB_ENV, DEFAULT_CACHE_MB, int, "MiB from 0", -1)) << 20
+
+
+def check_environment() -> None:
+    """Raise `UsageError` for the first malformed TRAJSTORE_API_* setting; `trajstore
+    serve` runs it before it binds, so a typo is one line and exit 2, not a default."""
+    request_timeout_s()
+    max_queued_replays()
+    max_buffered_bytes()
+    serial_build_bytes()
+    body_cache_bytes()

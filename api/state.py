@@ -7,7 +7,6 @@ into a closure, so each router module stands alone.
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -25,7 +24,7 @@ from trajstore.store import Store
 from trajstore.store.stored_bundle import StoredBundle
 
 from .errors import ApiError
-from .limits import QueueLimitedLock, max_buffered_bytes, serial_build_bytes
+from .limits import QueueLimitedLock, body_cache_bytes, max_buffered_bytes, serial_build_bytes
 from .payloads import Body, BodyCache
 from .snapshot import CatalogSnapshot, View
 
@@ -58,7 +57,7 @@ class AppState:
         self._lock = threading.Lock()
         # RefIndex (used by replay) is not thread-safe; a full queue answers 503 busy
         self.replay_lock = QueueLimitedLock()
-        self.bodies = BodyCache(int(os.environ.get("TRAJSTORE_API_CACHE_MB", "512")) << 20)
+        self.bodies = BodyCache(body_cache_bytes())
         # payload bodies built in memory: refused over the limit, built one at a time over
         # the threshold, a body being sent shared by ETag (api/routes/bundles.py)
         self.max_buffered_bytes = max_buffered_bytes()

@@ -9,6 +9,7 @@ port; the streamed download runs under uvicorn in a thread (tests/test_api.py's
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -206,3 +207,30 @@ def test_serve_rejects_a_bad_worker_count(long_store: tuple[Path, dict]) -> None
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "--workers must be 1..64" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TRAJSTORE_API_REQUEST_TIMEOUT_S", "0"),
+        ("TRAJSTORE_API_MAX_QUEUED_REPLAYS", "-1"),
+        ("TRAJSTORE_API_MAX_BUFFERED_BYTES", "2G"),
+        ("TRAJSTORE_API_SERIAL_BUILD_BYTES", "1.5"),
+        ("TRAJSTORE_API_CACHE_MB", "512M"),
+    ],
+)
+def test_serve_refuses_a_malformed_api_setting_before_it_starts(
+    tmp_path: Path, name: str, value: str
+) -> None:
+    # checked before the store is opened: the setting is what the one line names
+    env = {**os.environ, name: value}
+    out = subprocess.run(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"trajstore: error: {name}={value!r}: expected ")
+    assert len(out.stderr.strip().splitlines()) == 1

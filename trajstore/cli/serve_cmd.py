@@ -46,6 +46,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
     if not 1 <= args.workers <= 64:
         raise UsageError(f"--workers must be 1..64, got {args.workers}")
+    from trajstore.api.limits import check_environment
+
+    check_environment()  # a malformed TRAJSTORE_API_* value: one line, before anything starts
     # fail early, as one line: a missing store, or a catalog that cannot be opened
     with Store.open(args.store, create=False, catalog_url=args.catalog) as store:
         if args.catalog:
