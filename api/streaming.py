@@ -23,13 +23,14 @@ import os
 import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from itertools import islice
 
 import numpy as np
 
 from trajstore.cas.arrays import ArrayRecord, decode_chunks
 from trajstore.cas.objects import ObjectStore
+from trajstore.pools import SharedPool
 
 from .payloads import as_npy_array
 
@@ -38,7 +39,8 @@ BATCH_BYTES = 2 << 20
 #: batches decoded ahead of the socket (bounds memory to about DEPTH * BATCH_BYTES)
 DEPTH = 4
 THREADS = min(4, os.cpu_count() or 1)
-_POOL = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="decode")
+#: the decode threads (made again in a forked child, as a `--workers N` server may fork)
+_POOL = SharedPool(THREADS, "decode")
 
 #: one window of a row: its chunk object (None: fill, all zero) and its bytes in the output
 Window = tuple[str | None, int]
@@ -127,7 +129,7 @@ class StreamedPayload:
         per_batch = max(1, BATCH_BYTES // self.record.chunk_bytes)
         batches = iter(_batches(_windows(self.record), BATCH_BYTES, per_batch))
         pending: deque[Future[bytes]] = deque(
-            _POOL.submit(self._decode, batch, fmt) for batch in islice(batches, DEPTH)
+            _POOL.get().submit(self._decode, batch, fmt) for batch in islice(batches, DEPTH)
         )
         return self._sent(fmt, batches, pending)
 
@@ -140,7 +142,7 @@ class StreamedPayload:
             while pending:
                 piece = pending.popleft().result()
                 for batch in islice(batches, DEPTH - 1 - len(pending)):
-                    pending.append(_POOL.submit(self._decode, batch, fmt))
+                    pending.append(_POOL.get().submit(self._decode, batch, fmt))
                 yield piece
         finally:
             for future in pending:  # a client that went away: stop decoding for it
@@ -156,5 +158,5 @@ def start_threads() -> None:
         with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait(timeout=5)
 
-    for future in [_POOL.submit(meet) for _ in range(THREADS)]:
+    for future in [_POOL.get().submit(meet) for _ in range(THREADS)]:
         future.result()

@@ -24,10 +24,10 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from trajstore.cas.lru import BytesLRU
+from trajstore.pools import SharedPool
 
 #: decoded bytes kept per object store (a 256-sample x 1k-token bundle's chunks are ~25 MiB:
 #: a step and its rollout fit)
@@ -35,6 +35,8 @@ MAX_BYTES = 64 << 20
 #: chunks per pool task; fewer misses than two batches are fetched and decoded inline
 BATCH = 128
 _WORKERS = min(4, os.cpu_count() or 1)
+#: the threads that fetch and decode batches of misses (made again in a forked child)
+_pool = SharedPool(_WORKERS, "chunks")
 
 Decoder = Callable[[bytes, int, str], bytes]
 
@@ -46,7 +48,6 @@ class ChunkCache:
         self.max_bytes = max_bytes
         self._stores: weakref.WeakKeyDictionary[Any, BytesLRU] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
 
     def _of(self, objs: Any) -> BytesLRU | None:
         with self._lock:
@@ -57,12 +58,6 @@ class ChunkCache:
             except TypeError:  # not weak-referenceable: no cache
                 return None
             return c
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="chunks")
-            return self._pool
 
     def clear(self) -> None:
         with self._lock:
@@ -99,7 +94,7 @@ class ChunkCache:
         if len(batches) < 2 or _WORKERS < 2:
             results = [fetch(b) for b in batches]
         else:
-            pool = self._executor()
+            pool = _pool.get()
             futures = [pool.submit(fetch, b) for b in batches]
             results = [f.result() for f in futures]
         for idx, got in zip(batches, results, strict=True):
@@ -110,11 +105,9 @@ class ChunkCache:
         return out  # type: ignore[return-value]
 
     def _after_fork(self) -> None:
-        # a forked child has none of the parent's threads: a pool that believes it
-        # has idle workers would never run what it is given
-        # (and a cache lock held by one of them would stay held): start afresh
+        # a forked child has none of the parent's threads: a cache lock held by one of
+        # them would stay held (the pool is made again by SharedPool): start afresh
         self._lock = threading.Lock()
-        self._pool = None
         self._stores = weakref.WeakKeyDictionary()
 
 
