@@ -28,8 +28,8 @@ import zstandard
 
 from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
 from trajstore.cas import ArrayRecord, ObjectStore, load_record, read_array, read_rows
-from trajstore.errors import BundleError, IntegrityError, NotFoundError
-from trajstore.jsonio import parse_json, sha256_bytes
+from trajstore.errors import IntegrityError, NotFoundError
+from trajstore.jsonio import NOT_PARSED, parse_json_fast, sha256_bytes
 from trajstore.pools import SharedPool
 from trajstore.schema import Index, Manifest
 
@@ -83,13 +83,11 @@ def get_json_blob(objs: ObjectStore, h: str) -> Any:
 
 def _decode_json_blob(h: str, data: bytes) -> Any:
     blob = _decode_blob(h, data)
-    try:
-        # the bundle reader's parser (orjson where it gives the stdlib's result: an index's
-        # long loss-mask lists parse several times faster); what it refuses is parsed again
-        # below so that errors read as before
-        return parse_json(blob, f"document object {h}")
-    except BundleError:
-        pass
+    # orjson where it gives the stdlib's result (an index's long loss-mask lists parse
+    # several times faster); anything else is parsed by the stdlib, which words the error
+    value = parse_json_fast(blob)
+    if value is not NOT_PARSED:
+        return value
     try:
         return json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
