@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 import trajstore.cas.arrays as new
-from trajstore.bundle.reader import open_bundle
+from trajstore.bundle.capture_dir import discover_targets
+from trajstore.bundle.reader import open_target
 from trajstore.cas.objects import LocalObjectStore, ObjectStore
 from trajstore.store.ingest import (
     _BASE_NAMES,
@@ -52,9 +53,9 @@ spec.loader.exec_module(old)
 
 
 def load(root):
+    """Every bundle (each rank of a cohort) under `root`, as ingest finds and opens them."""
     out = []
-    for m in sorted(Path(root).rglob("manifest.json")):
-        b = open_bundle(m.parent)
+    for b in (b for t in discover_targets(Path(root)) for b in open_target(t).bundles):
         items = []
         for name in write_order(b):
             values, lengths, _, heads = array_rows(b, name)
