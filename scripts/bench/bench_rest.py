@@ -40,7 +40,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,9 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the free-port helper the tests use
+from serving import free_port  # noqa: E402
+
 RUN = "bench"
 BIG_ROLLOUT = 999999
 
@@ -120,12 +122,6 @@ request = function()
   return wrk.format("GET", string.format("/v1/runs/%(run)s/steps/%%d:%%d", rollout, step))
 end
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drop_caches() -> None:
