@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -87,9 +88,11 @@ def latest_verdict(view: View, keys: list[str]) -> models.Verdict | None:
     return models.Verdict(**json_safe(latest))
 
 
-def check_run(view: View, run: str) -> None:
-    if run not in view.runs:
-        raise ApiError(404, "not_found", f"no run {run!r} (runs: {list(view.runs)[:20]})")
+def check_run(view: View, run: str, known: Sequence[str] | None = None) -> None:
+    """404 unless `run` has visible bundles (or is one of `known`, when given)."""
+    runs = view.runs if known is None else known
+    if run not in runs:
+        raise ApiError(404, "not_found", f"no run {run!r} (runs: {list(runs)[:20]})")
 
 
 def check_range(rollout_from: int | None, rollout_to: int | None) -> None:

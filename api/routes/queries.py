@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
-from trajstore.catalog import query_divergences, query_router_metrics, stats
+from trajstore.catalog import list_runs, query_divergences, query_router_metrics, stats
 from trajstore.catalog.queries import DEFAULT_PAGE_SIZE
 from trajstore.jsonio import json_safe
 
@@ -32,6 +32,8 @@ def divergences(
     cursor: Cursor = None,
 ) -> models.Page:
     """Divergences of each visible step's or rollout's latest result."""
+    if run is not None:
+        check_run(state.view, run)
     check_range(rollout_from, rollout_to)
     page = query_divergences(
         state.snap.catalog,
@@ -58,6 +60,8 @@ def router_metrics(
     cursor: Cursor = None,
 ) -> models.Page:
     """Route consistency metrics (router-metrics.md names) per bundle."""
+    if run is not None:
+        check_run(state.view, run)
     check_range(rollout_from, rollout_to)
     page = query_router_metrics(
         state.snap.catalog,
@@ -73,7 +77,10 @@ def router_metrics(
 
 @router.get("/stats", response_model=models.Open)
 def store_stats(state: StateDep, run: Text = None) -> models.Open:
-    """Counts and sizes over the catalog (or one run)."""
+    """Counts and sizes over the catalog (or one run: any run ever published, so a removed
+    one still shows its removed bundles)."""
+    if run is not None:
+        check_run(state.view, run, sorted(row["run"] for row in list_runs(state.snap.catalog)))
     return models.Open(**json_safe(stats(state.snap.catalog, run=run)))
 
 

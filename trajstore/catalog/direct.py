@@ -112,6 +112,19 @@ _PRAGMA_RE = re.compile(r"^\s*pragma\s+([a-z_]+)", re.IGNORECASE)
 _EXPLAIN_RE = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?", re.IGNORECASE)
 
 
+def check_filter_words(status: str | None = None, **stages: str | None) -> None:
+    """Refuse a verdict filter that no row can match: a status or stage name outside the
+    replay vocabulary (a typo such as `loss` for `loss.policy` would list no rows, read
+    as "nothing diverged"). `stages` maps each stage filter's name to its value."""
+    from trajstore.vocab import STAGE_ORDER, STEP_STATUSES
+
+    if status is not None and status not in STEP_STATUSES:
+        raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
+    for name, stage in stages.items():
+        if stage is not None and stage not in STAGE_ORDER:
+            raise UsageError(f"{name} must be one of {', '.join(STAGE_ORDER)}, got {stage!r}")
+
+
 def check_readonly(sql: str) -> None:
     """Refuse anything but one read-only statement, using DuckDB's own parser."""
     duckdb = driver()
@@ -344,6 +357,10 @@ class DirectCatalog:
 
     # -- the queries (trajstore.catalog.queries, unpaged) --------------------------------
 
+    def run_names(self) -> list[str]:
+        """Every run the catalog knows (published once, even if removed since), sorted."""
+        return [row["run"] for row in self._rows("SELECT run FROM runs ORDER BY run", [])]
+
     def bundles(
         self,
         run: str | None = None,
@@ -382,10 +399,9 @@ class DirectCatalog:
     ) -> list[dict]:
         """As query_steps (step order, DuckDB's plan: no stage prefilter), every page;
         only `columns` (and the step's identity, ranks, bundle_keys) when given."""
-        from trajstore.vocab import STEP_STATUSES, UNREPLAYED
+        from trajstore.vocab import UNREPLAYED
 
-        if status is not None and status not in STEP_STATUSES:
-            raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
+        check_filter_words(status, first_divergent_stage=first_divergent_stage)
         params: list = []
         step_where = ["kind = 'step'", "is_latest"]
         _range(step_where, params, "rollout_id", rollout_from, rollout_to)
@@ -448,6 +464,7 @@ class DirectCatalog:
         limit: int | None = None,
     ) -> list[dict]:
         """As query_divergences, every page."""
+        check_filter_words(stage=stage)
         params: list = []
         latest_sql = _latest_results_sql(params, run, None)
         where: list[str] = []

@@ -20,12 +20,13 @@ from trajstore.catalog.db import Catalog
 from trajstore.catalog.direct import (  # noqa: F401  (JSON_COLUMNS: re-exported)
     JSON_COLUMNS,
     MAX_SQL_ROWS,
+    check_filter_words,
     jsonable,
     readonly_sql_duckdb,
 )
 from trajstore.catalog.direct import check_readonly as _check_readonly
 from trajstore.errors import UsageError
-from trajstore.vocab import STEP_STATUSES, UNREPLAYED
+from trajstore.vocab import UNREPLAYED
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -530,8 +531,7 @@ def query_steps(
     tag = "steps" if sort == "step" else f"steps:{sort}"
     lead_kind = "i" if sort.removeprefix("-") == "tokens" else "s"
     after = _decode_cursor(tag, cursor, "siii" if by_step else lead_kind + "siii")
-    if status is not None and status not in STEP_STATUSES:
-        raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
+    check_filter_words(status, first_divergent_stage=first_divergent_stage)
     prefilter = None if catalog.is_duckdb else first_divergent_stage
     page_query = _steps_page(
         _latest_attempt_steps(run, rollout_from, rollout_to, attempt, stage=prefilter),
@@ -577,6 +577,7 @@ def query_divergences(
 
     Ordered by (run, rollout_id, step_id, result_id, position).
     """
+    check_filter_words(stage=stage)
     limit = _limit(limit)
     after = _decode_cursor("divergences", cursor, "siiii")
     d = tables.divergences

@@ -111,6 +111,11 @@ class PagedReader:
 
         return _all_pages(partial(getattr(queries, name), self.catalog), limit, **kw)
 
+    def run_names(self) -> list[str]:
+        from trajstore.catalog.queries import list_runs
+
+        return sorted(row["run"] for row in list_runs(self.catalog))
+
     def bundles(self, limit: int | None = None, columns: Any = None, **kw: Any) -> list[dict]:
         """`columns` is a hint: whole rows are returned."""
         return self._pages("list_bundles", limit, **kw)
@@ -150,6 +155,18 @@ def catalog_reader(path: str | Path, url: str | None = None) -> Iterator[Any]:
             return
     with synced_catalog(path, url) as cat:
         yield PagedReader(cat)
+
+
+def check_run(reader: Any, run: str | None) -> None:
+    """Refuse a --run the catalog does not know: its filter would list no rows, which
+    reads as "nothing there" when the name is only misspelt."""
+    if run is None:
+        return
+    known = reader.run_names()
+    if run not in known:
+        from trajstore.errors import NotFoundError
+
+        raise NotFoundError(f"run {run!r} is not in the store (runs: {', '.join(known) or 'none'})")
 
 
 def all_bundles(cat: Any, run: str | None, kind: str | None, all_attempts: bool) -> list[dict]:

@@ -199,6 +199,7 @@ ROUTE_COLUMNS = [
 
 
 def cmd_query(args: argparse.Namespace) -> int:
+    from trajstore.cli._catalog import check_run
     from trajstore.errors import UsageError
 
     if args.limit is not None and args.limit < 1:
@@ -213,6 +214,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     # table and csv print only their columns; json prints whole rows
     projected = args.format != "json"
     with _catalog_reader(args) as cat:
+        check_run(cat, args.run)
         if args.what == "steps":
             rows = cat.steps(
                 columns=tuple(STEP_COLUMNS) if projected else None,

@@ -194,12 +194,13 @@ LS_COLUMNS = ("key", "bundle_id", "num_samples", "logical_bytes", "is_latest")
 
 def cmd_ls(args: argparse.Namespace) -> int:
     # the catalog alone: the object layer (numpy, zstandard, ...) is not imported
-    from trajstore.cli._catalog import catalog_reader
+    from trajstore.cli._catalog import catalog_reader, check_run
     from trajstore.errors import UsageError
 
     if not args.store:
         raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
     with catalog_reader(args.store, args.catalog) as reader:
+        check_run(reader, args.run)
         rows = reader.bundles(
             run=args.run,
             kind=args.kind,

@@ -1,0 +1,141 @@
+"""A misspelt filter is refused with the names it could have been, never answered with an
+empty list (which reads as "nothing diverged"): an unknown run, stage or first divergent
+stage, from the CLI (both catalog readers) and REST. A store of real bundles: run
+"default" (step 7:1 replayed with --record, so it has divergences) and run "gone"
+(ingested, then removed with `rm`: known, with nothing left to list)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import make_contents
+from test_api import serve
+from test_store import cli
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.catalog import queries
+from trajstore.catalog.direct import DirectCatalog
+from trajstore.errors import UsageError
+from trajstore.store import Store
+from trajstore.vocab import STAGE_ORDER
+
+RUNS = "runs: default, gone"
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("filters")
+    write_bundle(root / "cap" / "replay-7-1", make_contents(step_id=1, seed=1))
+    st = root / "store"
+    with Store.open(st) as store:
+        for run in ("default", "gone"):
+            assert all(o.status == "published" for o in store.ingest([root / "cap"], run=run))
+    rec = cli("replay", "--store", st, "--run", "default", "--step", "7:1", "--record")
+    assert rec.returncode == 1, rec.stderr  # factory numbers are random: it diverges
+    removed = cli("rm", "--store", st, "--run", "gone")
+    assert removed.returncode == 0, removed.stderr
+    return st
+
+
+def _recorded_stage(store_dir: Path) -> str:
+    res = cli("query", "divergences", "--store", store_dir, "--format", "json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)[0]["stage"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("query", "steps"),
+        ("query", "bundles"),
+        ("query", "divergences"),
+        ("query", "routes"),
+        ("ls",),
+    ],
+)
+def test_cli_unknown_run_is_refused_naming_the_runs(store_dir: Path, command: tuple) -> None:
+    res = cli(*command, "--store", store_dir, "--run", "defualt")
+    assert res.returncode == 2
+    assert res.stdout == ""
+    assert res.stderr.strip() == f"trajstore: error: run 'defualt' is not in the store ({RUNS})"
+
+
+def test_cli_removed_run_is_known_and_lists_nothing(store_dir: Path) -> None:
+    res = cli("query", "steps", "--store", store_dir, "--run", "gone")
+    assert (res.returncode, res.stdout.strip()) == (0, "(no rows)"), res.stderr
+
+
+def test_cli_unknown_stage_is_refused_naming_the_stages(store_dir: Path) -> None:
+    res = cli("query", "divergences", "--store", store_dir, "--stage", "loss")
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        f"trajstore: error: stage must be one of {', '.join(STAGE_ORDER)}, got 'loss'"
+    )
+
+
+def test_cli_unknown_first_divergent_stage_is_refused(store_dir: Path) -> None:
+    res = cli("query", "steps", "--store", store_dir, "--first-divergent-stage", "advantage")
+    assert res.returncode == 2
+    assert "first_divergent_stage must be one of" in res.stderr
+    assert "got 'advantage'" in res.stderr
+
+
+def test_cli_recorded_stage_still_filters(store_dir: Path) -> None:
+    stage = _recorded_stage(store_dir)
+    res = cli(
+        "query", "divergences", "--store", store_dir, "--run", "default", "--stage", stage,
+        "--format", "json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert rows and {r["stage"] for r in rows} == {stage}
+
+
+def test_both_catalog_readers_refuse_an_unknown_stage(store_dir: Path) -> None:
+    with DirectCatalog.open(store_dir) as direct, pytest.raises(UsageError, match="'loss'"):
+        direct.divergences(stage="loss")
+    with DirectCatalog.open(store_dir) as direct, pytest.raises(UsageError, match="'sampel'"):
+        direct.steps(first_divergent_stage="sampel")
+    with Store.open(store_dir) as store, store.catalog() as cat:
+        with pytest.raises(UsageError, match="'loss'"):
+            queries.query_divergences(cat, stage="loss")
+        with pytest.raises(UsageError, match="'sampel'"):
+            queries.query_steps(cat, first_divergent_stage="sampel")
+
+
+def test_both_catalog_readers_know_the_same_runs(store_dir: Path) -> None:
+    from trajstore.cli._catalog import PagedReader
+
+    with DirectCatalog.open(store_dir) as direct:
+        names = direct.run_names()
+    with Store.open(store_dir) as store, store.catalog() as cat:
+        assert PagedReader(cat).run_names() == names == ["default", "gone"]
+
+
+@pytest.mark.parametrize("path", ["/v1/divergences", "/v1/router/metrics", "/v1/stats"])
+def test_rest_unknown_run_is_404_naming_the_runs(store_dir: Path, path: str) -> None:
+    with serve(store_dir) as client:
+        resp = client.get(path, params={"run": "defualt"})
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"] == "not_found"
+    assert "no run 'defualt'" in resp.json()["detail"]
+    assert "'default'" in resp.json()["detail"]
+
+
+def test_rest_stats_of_a_removed_run_counts_its_removed_bundles(store_dir: Path) -> None:
+    with serve(store_dir) as client:
+        resp = client.get("/v1/stats", params={"run": "gone"})
+    assert resp.status_code == 200, resp.text
+    assert (resp.json()["bundles"], resp.json()["removed_bundles"]) == (0, 1)
+
+
+def test_rest_unknown_stage_is_400(store_dir: Path) -> None:
+    with serve(store_dir) as client:
+        div = client.get("/v1/divergences", params={"stage": "loss"})
+        steps = client.get("/v1/runs/default/steps", params={"first_divergent_stage": "loss"})
+        good = client.get("/v1/divergences", params={"stage": _recorded_stage(store_dir)})
+    assert (div.status_code, steps.status_code) == (400, 400)
+    assert "got 'loss'" in div.json()["detail"] and "got 'loss'" in steps.json()["detail"]
+    assert good.status_code == 200 and good.json()["items"]
