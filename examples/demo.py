@@ -91,6 +91,39 @@ def r3_section(store: Path, steps: int) -> None:
     )
 
 
+#: written in the work directory when the demo makes it: a later run may recreate both
+DEMO_MARK = ".trajstore-demo"
+
+
+def own_dirs(store: Path, work: Path) -> str | None:
+    """Recreate the demo's store and work directory, empty; or say why not (None: done).
+
+    Only what the demo made is deleted: an existing non-empty directory is recreated
+    when the work directory holds DEMO_MARK, so a real store given by mistake
+    (`trajstore demo ~/runs/store`) is refused, never removed.
+    """
+    for d in (store, work):
+        if d.is_symlink() or (d.exists() and not d.is_dir()):
+            return f"{d}: exists and is not a directory"
+    made_by_demo = (work / DEMO_MARK).is_file()
+    for d in (store, work):
+        if d.is_dir() and any(d.iterdir()) and not made_by_demo:
+            return (
+                f"{d} exists and was not made by the demo (no {work / DEMO_MARK}); "
+                "give a new directory, or remove it yourself"
+            )
+    for d in (store, work):
+        shutil.rmtree(d, ignore_errors=True)
+    try:
+        work.mkdir(parents=True)
+    except (FileExistsError, NotADirectoryError, PermissionError) as e:
+        return f"cannot create {work}: {e.strerror}: {e.filename}"
+    (work / DEMO_MARK).write_text(
+        f"made by `trajstore demo`: it recreates {store.name} and this directory on each run\n"
+    )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -101,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     store = Path(args.store)
     work = store.parent / (store.name + "-work")
-    for own_dir in (store, work):  # the demo's own directories, recreated each run
-        shutil.rmtree(own_dir, ignore_errors=True)
-    work.mkdir(parents=True)
+    refusal = own_dirs(store, work)
+    if refusal is not None:
+        print(f"trajstore demo: error: {refusal}", file=sys.stderr)
+        return 2
 
     say("1/6 tiny MoE GRPO run, captured through CaptureManager (runs baseline and r3)")
     run(

@@ -129,6 +129,29 @@ def test_compare_plot_writes_png(two_run_store, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(
+    ("plot", "message"),
+    [
+        ("cmp", "must end in .png"),
+        ("cmp.svg", "must end in .png"),
+        ("a-file/cmp.png", "a-file: exists and is not a directory"),
+        ("a-dir.png", "is a directory"),
+    ],
+)
+def test_compare_refuses_an_unwritable_plot_before_comparing(
+    two_run_store, tmp_path, capsys, plot, message
+):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir.png").mkdir()
+    args = ["router", "compare", "--store", str(two_run_store), "--run", "base", "--run", "fix"]
+    assert main([*args, "--plot", str(tmp_path / plot)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused up front: no table printed, then a failure
+    assert err.startswith("trajstore: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cmp.png").exists() and not (tmp_path.parent / "cmp.png").exists()
+
+
 def test_compare_unknown_run_exits_2(two_run_store, capsys):
     args = ["router", "compare", "--store", str(two_run_store), "--run", "base", "--run", "nope"]
     assert main(args) == 2

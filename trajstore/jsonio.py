@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from trajstore.errors import BundleError
+from trajstore.errors import BundleError, UsageError
 
 try:  # about 5x faster than the stdlib on bundle documents (long int lists: loss masks)
     import orjson as _orjson
@@ -89,6 +89,17 @@ def temp_sibling(path: Path) -> Path:
     """A hidden, unique temp name beside `path`: written there, then linked or renamed
     into place, so the final name never holds a partial file (readers skip dot names)."""
     return path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def check_creatable(path: Path) -> None:
+    """Refuse an output path that cannot be created because an ancestor is not a directory
+    (`out/x` where `out` is a file): one line naming it, instead of the OSError of a
+    mkdir deep inside a command, after its work was done."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{parent}: exists and is not a directory (needed for {path})")
+            return
 
 
 def fsync_path(path: Path) -> None:

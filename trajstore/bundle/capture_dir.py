@@ -95,6 +95,8 @@ def discover_targets(path: Path | str) -> list[Path]:
         raise BundleError(f"{path}: no such file or directory")
     if is_target_dir(path):
         return [path]
+    if not path.is_dir():
+        raise BundleError(f"{path}: not a bundle, cohort or capture directory")
     found: list[Path] = []
     for child in sorted(path.iterdir()):
         if child.is_dir() and not child.is_symlink() and not child.name.startswith("."):

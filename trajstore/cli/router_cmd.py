@@ -233,6 +233,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from trajstore.router.compare import compare_store
     from trajstore.store import Store
 
+    if args.plot:  # refused before the comparison is computed, not after
+        from trajstore.router.plot import plot_path
+
+        plot_path(args.plot)
     store = Store.open(_store_path(args), create=False, catalog_url=args.catalog)
     cmp = compare_store(store, args.run)
     fmt = "json" if args.json else args.format

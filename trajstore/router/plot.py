@@ -13,8 +13,24 @@ from pathlib import Path
 from trajstore.router.compare import RATIO_METRICS, RunComparison
 
 
+def plot_path(path: Path | str) -> Path:
+    """`path` checked as where a plot can be written (a new or existing .png file, its
+    parent creatable), before the comparison it draws is computed."""
+    from trajstore.errors import UsageError
+    from trajstore.jsonio import check_creatable
+
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise UsageError(f"plot file {str(path)!r} must end in .png (it is written as PNG)")
+    if path.is_dir():
+        raise UsageError(f"{path}: is a directory; the plot needs a file name")
+    check_creatable(path)
+    return path
+
+
 def plot_comparison(cmp: RunComparison, path: Path | str, *, title: str | None = None) -> Path:
     """Write the per-step curves of ``cmp`` to ``path`` (PNG) and return it."""
+    path = plot_path(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,8 +64,7 @@ def plot_comparison(cmp: RunComparison, path: Path | str, *, title: str | None =
     axes[-1].set_xlabel("actor step (rollout_id:step_id)")
     fig.suptitle(title or "router consistency: " + " vs ".join(cmp.runs), fontsize=10)
     fig.tight_layout()
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path

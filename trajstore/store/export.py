@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from trajstore.errors import IntegrityError, UsageError
-from trajstore.jsonio import temp_sibling
+from trajstore.jsonio import check_creatable, temp_sibling
 from trajstore.store.stored_bundle import StoredBundle
 
 METADATA = ("manifest.json", "index.json", "expected.json")
@@ -47,6 +47,7 @@ def export_bundles(
         raise UsageError("nothing to export")
     if out.exists():
         raise UsageError(f"{out}: already exists; refusing to overwrite")
+    check_creatable(out)
     if format_major is not None and any(b.manifest.major != format_major for b in bundles):
         return _export_converted(bundles, out, format_major)
     cohort = bundles[0].ref.get("cohort_ranks")

@@ -646,8 +646,9 @@ def ingest_paths(
     for p in paths:
         try:
             targets += discover_targets(p)
-        except TrajstoreError as e:
-            outcomes.append(IngestOutcome(str(p), "refused", reason=str(e)))
+        except TrajstoreError as e:  # its message starts with the path the outcome names
+            reason = str(e).removeprefix(f"{p}: ")
+            outcomes.append(IngestOutcome(str(p), "refused", reason=reason))
             if on_outcome is not None:
                 on_outcome(outcomes[-1])
     if not targets:

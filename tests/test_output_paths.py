@@ -1,0 +1,91 @@
+"""Paths a command cannot use are refused in one line (exit 2) before any work, and a
+directory the demo did not make is never deleted by it: `export` under a file,
+`ingest` of a plain file, `trajstore demo` over a real store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import make_contents
+from test_cli_bundle import assert_clean_failure
+from test_store import cli
+from trajstore.examples.demo import DEMO_MARK, own_dirs
+
+from trajstore.bundle.writer import write_bundle
+from trajstore.store import Store
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("paths")
+    write_bundle(root / "cap" / "replay-3-0", make_contents(step_id=0, rollout_id=3))
+    with Store.open(root / "store") as store:
+        assert all(o.status == "published" for o in store.ingest([root / "cap"]))
+    return root / "store"
+
+
+def test_export_under_a_file_is_refused_naming_it(store_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("kept")
+    out = tmp_path / "a-file" / "sub" / "step"
+    lines = assert_clean_failure(cli("export", "--store", store_dir, "--step", "3:0", out))
+    assert lines == [
+        f"trajstore: error: {tmp_path / 'a-file'}: exists and is not a directory (needed for {out})"
+    ]
+    assert (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_export_creates_missing_parents(store_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "new" / "dirs" / "step"
+    res = cli("export", "--store", store_dir, "--step", "3:0", out)
+    assert res.returncode == 0, res.stderr
+    assert (out / "manifest.json").is_file()
+
+
+def test_ingest_of_a_plain_file_is_refused_once(store_dir: Path, tmp_path: Path) -> None:
+    f = tmp_path / "bundle.tar"
+    f.write_bytes(b"not a directory")
+    res = cli("ingest", "--store", store_dir, f)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert (
+        res.stderr.strip() == f"trajstore: refused: {f}: not a bundle, cohort or capture directory"
+    )
+
+
+def test_demo_refuses_a_directory_it_did_not_make(tmp_path: Path) -> None:
+    real = tmp_path / "store"
+    real.mkdir()
+    (real / "TRAJSTORE_STORE").write_text("a real store\n")
+    res = cli("demo", real)
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        f"trajstore demo: error: {real} exists and was not made by the demo "
+        f"(no {tmp_path / 'store-work' / DEMO_MARK}); give a new directory, or remove it yourself"
+    )
+    assert (real / "TRAJSTORE_STORE").read_text() == "a real store\n"
+    assert not (tmp_path / "store-work").exists()
+
+
+def test_demo_refuses_a_file(tmp_path: Path) -> None:
+    (tmp_path / "store").write_text("kept")
+    assert own_dirs(tmp_path / "store", tmp_path / "store-work") == (
+        f"{tmp_path / 'store'}: exists and is not a directory"
+    )
+    assert (tmp_path / "store").read_text() == "kept"
+
+
+def test_demo_recreates_what_it_made(tmp_path: Path) -> None:
+    store, work = tmp_path / "store", tmp_path / "store-work"
+    assert own_dirs(store, work) is None  # new: made, and marked
+    store.mkdir()  # the last demo's store
+    (store / "old-object").write_text("from the last demo")
+    (work / "capture").mkdir()
+    assert own_dirs(store, work) is None  # marked: recreated empty
+    assert not store.exists()  # Store.open makes it again
+    assert sorted(p.name for p in work.iterdir()) == [DEMO_MARK]
+
+
+def test_demo_uses_an_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    assert own_dirs(tmp_path / "store", tmp_path / "store-work") is None
+    assert (tmp_path / "store-work" / DEMO_MARK).is_file()
