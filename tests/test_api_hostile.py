@@ -185,22 +185,21 @@ def test_traversal_in_query_keys_and_the_replay_body_is_a_json_4xx(
 
 
 def test_traversal_in_a_filter_matches_nothing(server: tuple[int, int]) -> None:
-    """A filter is compared with catalog values, never opened: it finds no rows."""
+    """A filter is compared with catalog values, never opened: a group finds no rows, a
+    run is not one of the store's (404) and a stage not one of the replay's (400)."""
     _, port = server
     for attack in TRAVERSALS:
-        for target, empty in (
-            (f"/v1/bundles/{KEY}/samples?group={attack}", {"items": []}),
-            (f"/v1/divergences?run={attack}", {"items": [], "next_cursor": None}),
-            (f"/v1/router/metrics?run={attack}", {"items": [], "next_cursor": None}),
-            (
-                f"/v1/runs/cap/steps?first_divergent_stage={attack}",
-                {"items": [], "next_cursor": None},
-            ),
+        status, body = raw_request(port, f"/v1/bundles/{KEY}/samples?group={attack}")
+        assert (status, json.loads(body)) == (200, {"items": []}), attack
+        for target, expected in (
+            (f"/v1/divergences?run={attack}", (404, "not_found")),
+            (f"/v1/router/metrics?run={attack}", (404, "not_found")),
+            (f"/v1/stats?run={attack}", (404, "not_found")),
+            (f"/v1/runs/cap/steps?first_divergent_stage={attack}", (400, "bad_request")),
+            (f"/v1/divergences?stage={attack}", (400, "bad_request")),
         ):
             status, body = raw_request(port, target)
-            assert (status, json.loads(body)) == (200, empty), target
-        status, body = raw_request(port, f"/v1/stats?run={attack}")
-        assert status == 200 and json.loads(body)["bundles"] == 0
+            assert (status, json.loads(body)["error"]) == expected, target
 
 
 def test_web_pages_answer_the_static_shell_for_any_traversal(server: tuple[int, int]) -> None:
