@@ -230,6 +230,30 @@ def test_absent_step_exits_2_naming_it() -> None:
     assert "no bundle for step 999:0" in lines[0]
 
 
+@pytest.mark.parametrize("command", ["replay", "inspect", "validate"])
+def test_a_bundle_of_another_step_than_the_one_asked_for_exits_2(command: str) -> None:
+    step = CAPTURE_DIR / "replay-120-0"
+    lines = assert_clean_failure(run(command, step, "--step", "121:0"))
+    assert lines == [
+        f"trajstore: error: {step} is the bundle of step 120:0, not step 121:0; drop "
+        "--step/--rollout or give the capture directory that holds it"
+    ]
+
+
+def test_a_step_bundle_given_with_rollout_exits_2() -> None:
+    lines = assert_clean_failure(run("replay", CAPTURE_DIR / "replay-120-0", "--rollout", "120"))
+    assert "is the bundle of step 120:0, not rollout 120" in lines[0]
+
+
+def test_a_bundle_given_with_its_own_step_is_replayed() -> None:
+    step = CAPTURE_DIR / "replay-120-0"
+    direct, selected = (
+        run("replay", step, "--json"),
+        run("replay", step, "--step", "120:0", "--json"),
+    )
+    assert selected.returncode == direct.returncode and selected.stdout == direct.stdout
+
+
 def test_missing_path_exits_2(tmp_path: Path) -> None:
     lines = assert_clean_failure(run("validate", tmp_path / "nope"))
     assert "no such file or directory" in lines[0]

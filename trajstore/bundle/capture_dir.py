@@ -70,6 +70,8 @@ def resolve_target(
     if not path.exists():
         raise BundleError(f"{path}: no such file or directory")
     if is_target_dir(path):
+        if step is not None or rollout is not None:
+            _check_selected(path, step, rollout)
         return path
     children = list_capture(path)
     if not children:
@@ -86,6 +88,28 @@ def resolve_target(
         what = f"step {step[0]}:{step[1]}" if step is not None else f"rollout {rollout}"
         raise BundleError(f"{path}: no bundle for {what} (expected {name}/; have {have})")
     return target
+
+
+def _check_selected(path: Path, step: tuple[int, int] | None, rollout: int | None) -> None:
+    """A bundle or cohort directory given with --step/--rollout must be that step or rollout:
+    replaying step 0:0 when 5:0 was asked for is a verdict about the wrong step."""
+    from trajstore.bundle.reader import open_target
+    from trajstore.errors import TrajstoreError
+
+    try:
+        ident = open_target(path).first.index.identity
+    except TrajstoreError:
+        return  # not readable as a bundle: the command opens it and says why
+    if ident.kind == "step":
+        holds = f"step {ident.rollout_id}:{ident.step_id}"
+    else:
+        holds = f"rollout {ident.rollout_id}"
+    asked = f"step {step[0]}:{step[1]}" if step is not None else f"rollout {rollout}"
+    if holds != asked:
+        raise UsageError(
+            f"{path} is the bundle of {holds}, not {asked}; drop --step/--rollout "
+            "or give the capture directory that holds it"
+        )
 
 
 def discover_targets(path: Path | str) -> list[Path]:
