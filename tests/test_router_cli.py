@@ -152,6 +152,14 @@ def test_compare_refuses_an_unwritable_plot_before_comparing(
     assert not (tmp_path / "cmp.png").exists() and not (tmp_path.parent / "cmp.png").exists()
 
 
+def test_compare_the_same_run_twice_exits_2(two_run_store, capsys):
+    args = ["router", "compare", "--store", str(two_run_store), "--run", "base", "--run", "base"]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip() == "trajstore: error: router compare: run 'base' given more than once"
+
+
 def test_compare_unknown_run_exits_2(two_run_store, capsys):
     args = ["router", "compare", "--store", str(two_run_store), "--run", "base", "--run", "nope"]
     assert main(args) == 2

@@ -338,12 +338,13 @@ def compare_store(
     ``steps`` (actor step ids) limits the comparison to those steps, so a
     caller showing a window of a long run recomputes only that window.
     """
-    from trajstore.errors import NotFoundError
+    from trajstore.errors import NotFoundError, UsageError
 
     if len(runs) < 2:
-        from trajstore.errors import UsageError
-
         raise UsageError("router compare needs at least two --run")
+    twice = sorted({run for run in runs if runs.count(run) > 1})
+    if twice:
+        raise UsageError(f"router compare: run {twice[0]!r} given more than once")
     cells: dict[tuple[str, tuple[int, int]], StepMetrics] = {}
     known = {r["run"] for r in store.runs()}
     for run in runs:
