@@ -154,6 +154,39 @@ def test_step_samples_summary_and_verdict_shape(client: httpx.Client) -> None:
     assert rollout["kind"] == "rollout" and rollout["step_ids"] == [0]
 
 
+def test_a_samples_filter_naming_nothing_in_the_bundle_is_404(client: httpx.Client) -> None:
+    key = client.get("/v1/runs/cap/steps/120:0").json()["bundles"][0]["key"]
+    samples = client.get(f"/v1/bundles/{key}/samples").json()["items"]
+    groups = sorted({s["semantic_group"] for s in samples})
+    for params, what in (
+        ({"group": "g-999"}, "group 'g-999'"),
+        ({"micro_batch": "mb-x"}, "micro-batch 'mb-x'"),
+    ):
+        resp = client.get(f"/v1/bundles/{key}/samples", params=params)
+        body = _error(resp, 404, "not_found")
+        assert f"no {what}" in body["detail"]
+    assert (
+        ", ".join(groups)
+        in client.get(f"/v1/bundles/{key}/samples", params={"group": "g-999"}).json()["detail"]
+    )
+
+
+def test_a_group_and_micro_batch_that_share_no_sample_list_nothing(client: httpx.Client) -> None:
+    key = client.get("/v1/runs/cap/steps/120:0").json()["bundles"][0]["key"]
+    samples = client.get(f"/v1/bundles/{key}/samples").json()["items"]
+    pairs = {(s["semantic_group"], s["micro_batch_id"]) for s in samples}
+    apart = [
+        (g, mb)
+        for g in {s["semantic_group"] for s in samples}
+        for mb in {s["micro_batch_id"] for s in samples}
+        if (g, mb) not in pairs
+    ]
+    assert apart, "the fixture has a group and a micro-batch that share no sample"
+    g, mb = apart[0]
+    resp = client.get(f"/v1/bundles/{key}/samples", params={"group": g, "micro_batch": mb})
+    assert resp.status_code == 200 and resp.json() == {"items": []}
+
+
 def test_one_sample_slice(client: httpx.Client) -> None:
     key = "ex/step-120-0/a1"
     index = json.loads((EXAMPLE / "index.json").read_text())["samples"]

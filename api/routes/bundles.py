@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Path, Query, Request
@@ -146,6 +146,12 @@ def _buffered_body(
     return body
 
 
+def _no_such(key: str, what: str, value: str, present: list[Any]) -> None:
+    names = sorted({str(v) for v in present if v is not None})
+    shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+    raise ApiError(404, "not_found", f"{key}: no {what} {value!r} (it has {shown or 'none'})")
+
+
 @router.get("/bundles/{key:path}/samples", response_model=models.SampleList)
 def bundle_samples(
     state: StateDep,
@@ -155,17 +161,25 @@ def bundle_samples(
     ] = None,
     micro_batch: Text = None,
 ) -> models.SampleList:
+    """The bundle's samples; `group` and `micro_batch` must each name one of the bundle's
+    (404 otherwise, naming them: a misspelt filter is not an empty list)."""
     view = state.view
     known_bundle(view, key)
     items = view.samples.get(key, [])
     if group is not None:
-        items = [
+        picked = [
             sample
             for sample in items
             if sample["semantic_group"] == group
             or (group.isdigit() and sample["group_index"] == int(group))
         ]
+        if not picked:
+            _no_such(key, "group", group, [sample["semantic_group"] for sample in items])
+        items = picked
     if micro_batch is not None:
+        present = [sample["micro_batch_id"] for sample in view.samples.get(key, [])]
+        if micro_batch not in present:
+            _no_such(key, "micro-batch", micro_batch, present)
         items = [sample for sample in items if sample["micro_batch_id"] == micro_batch]
     return models.SampleList(items=[models.SampleRow(**json_safe(sample)) for sample in items])
 
