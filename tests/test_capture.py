@@ -93,11 +93,25 @@ def test_capture_is_off_without_the_switch(tmp_path):
             "RELAX_REPLAY_CAPTURE_DIR",
         ),
         ({"TRAJSTORE_RUN": "../escape"}, "run name"),
+        ({"TRAJSTORE_CAPTURE_STPES": "120:0"}, "unknown capture variable TRAJSTORE_CAPTURE_STPES"),
+        ({"TRAJSTORE_CAPTURES": "1"}, "unknown capture variable TRAJSTORE_CAPTURES"),
     ],
 )
 def test_malformed_env_var_is_an_error_at_construction(env, names):
     with pytest.raises(CaptureConfigError, match=names.replace("_", ".")):
         CaptureManager.from_env(environ=env)
+
+
+def test_unknown_capture_variable_error_names_the_known_ones():
+    with pytest.raises(CaptureConfigError) as err:
+        CaptureConfig.from_env({"TRAJSTORE_CAPTURE_STPES": "120:0"})
+    assert "TRAJSTORE_CAPTURE_STEPS" in str(err.value) and "TRAJSTORE_CAPTURE_DIR" in str(err.value)
+
+
+def test_other_variables_of_either_family_are_not_checked():
+    # the producer's RELAX_REPLAY_* family has variables of its own; other TRAJSTORE_* too
+    cfg = CaptureConfig.from_env({"RELAX_REPLAY_CAPTURE_EXTRA": "x", "TRAJSTORE_STORE": "/s"})
+    assert not cfg.enabled
 
 
 def test_public_producer_spellings_are_accepted(tmp_path):

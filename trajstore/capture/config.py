@@ -3,7 +3,8 @@
 Why parse eagerly: a typo in ``TRAJSTORE_CAPTURE_STEPS`` must stop the run at
 start-up, not silently capture nothing for a week or fail at step 5,000. So
 every recognised variable is parsed at construction (even with capture off)
-and a malformed one raises `CaptureConfigError` naming the variable.
+and a malformed one raises `CaptureConfigError` naming the variable; so does a
+``TRAJSTORE_CAPTURE*`` variable that is none of these (a misspelt name).
 
 Variables (the public producer's ``RELAX_REPLAY_CAPTURE*`` spellings are
 accepted too; both spellings set to different values is an error):
@@ -101,6 +102,20 @@ def parse_rollouts(text: str, var: str = "TRAJSTORE_CAPTURE_ROLLOUTS") -> frozen
     if bad:
         raise CaptureConfigError(f"{var}: item {bad[0]!r} is not a non-negative integer rollout id")
     return frozenset(int(i) for i in items)
+
+
+#: every variable of ENV_VARS; a TRAJSTORE_CAPTURE* name outside it is a typo
+_KNOWN_VARS = frozenset(name for names in ENV_VARS.values() for name in names)
+
+
+def _refuse_unknown(env: Mapping[str, str]) -> None:
+    """A misspelt ``TRAJSTORE_CAPTURE*`` variable (``..._STPES``) would be ignored and the
+    run captured with the default instead: refuse it, naming the known ones. (The
+    producer's ``RELAX_REPLAY_*`` family has variables of its own: not checked.)"""
+    stray = sorted(n for n in env if n.startswith("TRAJSTORE_CAPTURE") and n not in _KNOWN_VARS)
+    if stray:
+        known = ", ".join(sorted(n for n in _KNOWN_VARS if n.startswith("TRAJSTORE_CAPTURE")))
+        raise CaptureConfigError(f"unknown capture variable {stray[0]} (known: {known})")
 
 
 def _read(env: Mapping[str, str], key: str) -> tuple[str, str] | None:
@@ -205,6 +220,7 @@ class CaptureConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CaptureConfig:
         """Read the capture variables (see module doc); ``overrides`` win."""
         env = os.environ if environ is None else environ
+        _refuse_unknown(env)
         kw: dict[str, Any] = {}
         got = _read(env, "enabled")
         if got:
