@@ -27,11 +27,10 @@ from trajstore import __version__
 
 from . import links, streaming, web
 from .errors import ERRORS, error_response, install_error_handlers
-from .limits import BodyLimit
+from .limits import TOKEN_ENV, BodyLimit
 from .routes import ROUTERS
 from .state import AppState
 
-TOKEN_ENV = "TRAJSTORE_API_TOKEN"
 #: where `app_from_env` (each `trajstore serve --workers N` worker) finds its store and catalog
 STORE_ENV = "TRAJSTORE_SERVE_STORE"
 CATALOG_ENV = "TRAJSTORE_SERVE_CATALOG"

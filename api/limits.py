@@ -212,9 +212,18 @@ def body_cache_bytes() -> int:
     return int(_env_number(CACHE_MB_ENV, DEFAULT_CACHE_MB, int, "MiB from 0", -1)) << 20
 
 
+#: the bearer token of the REST API (read by api.app)
+TOKEN_ENV = "TRAJSTORE_API_TOKEN"
+
+
 def check_environment() -> None:
-    """Raise `UsageError` for the first malformed TRAJSTORE_API_* setting; `trajstore
-    serve` runs it before it binds, so a typo is one line and exit 2, not a default."""
+    """Raise `UsageError` for the first malformed or unknown TRAJSTORE_API_* setting;
+    `trajstore serve` runs it before it binds, so a typo is one line and exit 2, not a
+    default (a misspelt token variable would serve without authentication)."""
+    known = (TOKEN_ENV, TIMEOUT_ENV, QUEUE_ENV, MAX_BUFFERED_ENV, SERIAL_BUILD_ENV, CACHE_MB_ENV)
+    stray = sorted(n for n in os.environ if n.startswith("TRAJSTORE_API_") and n not in known)
+    if stray:
+        raise UsageError(f"unknown variable {stray[0]} (known: {', '.join(sorted(known))})")
     request_timeout_s()
     max_queued_replays()
     max_buffered_bytes()

@@ -234,3 +234,19 @@ def test_serve_refuses_a_malformed_api_setting_before_it_starts(
     assert out.returncode == 2
     assert out.stderr.startswith(f"trajstore: error: {name}={value!r}: expected ")
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_serve_refuses_a_misspelt_api_variable_before_it_starts(tmp_path: Path) -> None:
+    # TRAJSTORE_API_TOKN=... would otherwise serve without the token the user meant to set
+    env = {**os.environ, "TRAJSTORE_API_TOKN": "s3cret"}
+    out = subprocess.run(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith("trajstore: error: unknown variable TRAJSTORE_API_TOKN (known: ")
+    assert "TRAJSTORE_API_TOKEN" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
