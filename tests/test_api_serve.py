@@ -250,3 +250,41 @@ def test_serve_refuses_a_misspelt_api_variable_before_it_starts(tmp_path: Path) 
     assert out.stderr.startswith("trajstore: error: unknown variable TRAJSTORE_API_TOKN (known: ")
     assert "TRAJSTORE_API_TOKEN" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [
+        ("0.0.0.0", None, True),
+        ("0.0.0.0", "s3cret", False),
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+    ],
+)
+def test_serve_warns_before_serving_other_hosts_without_a_token(
+    tmp_path: Path, host: str, token: str | None, warned: bool
+) -> None:
+    # a missing store stops it right after the warning: nothing binds in this test
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
+    if token is not None:
+        env["TRAJSTORE_API_TOKEN"] = token
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trajstore",
+            "serve",
+            "--store",
+            str(tmp_path / "none"),
+            "--host",
+            host,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[-1].endswith("not a trajstore store (no TRAJSTORE_STORE)")
+    warning = f"trajstore: warning: serving on {host} without TRAJSTORE_API_TOKEN: anyone who "
+    assert (lines[0].startswith(warning) and len(lines) == 2) if warned else len(lines) == 1

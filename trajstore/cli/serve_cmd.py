@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from trajstore.cli._common import add_catalog_arg, default_store
 
@@ -46,9 +47,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be 0..65535, got {args.port}")
     if not 1 <= args.workers <= 64:
         raise UsageError(f"--workers must be 1..64, got {args.workers}")
-    from trajstore.api.limits import check_environment
+    from trajstore.api.limits import TOKEN_ENV, check_environment
 
     check_environment()  # a malformed TRAJSTORE_API_* value: one line, before anything starts
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None and not _loopback(args.host):
+        print(
+            f"trajstore: warning: serving on {args.host} without {TOKEN_ENV}: anyone who "
+            f"reaches port {args.port} can read every bundle of the store",
+            file=sys.stderr,
+        )
     # fail early, as one line: a missing store, or a catalog that cannot be opened
     with Store.open(args.store, create=False, catalog_url=args.catalog) as store:
         if args.catalog:
@@ -75,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     app = api_app.create_app(
         args.store,
-        token=os.environ.get("TRAJSTORE_API_TOKEN") or None,
+        token=token,
         catalog_url=args.catalog,
     )
     from trajstore.api.limits import GuardedH11Protocol
@@ -84,6 +92,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level, http=GuardedH11Protocol
     )
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is a loopback address or name (only this machine can connect)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def run_workers(
