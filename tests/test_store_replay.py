@@ -93,6 +93,20 @@ def test_replay_all_resumes_without_redoing_recorded_work(fixture_store: str) ->
     assert summary["skipped_already_recorded"] == summary["total"] == 3
 
 
+def test_replay_all_of_an_unknown_run_exits_2_naming_the_runs(fixture_store: str) -> None:
+    out = run_cli("replay", "--store", str(fixture_store), "--run", "ex-typo", "--all")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("trajstore: error: run 'ex-typo' is not in the store (runs: ")
+
+
+def test_replay_of_a_reversed_rollout_range_exits_2(fixture_store: str) -> None:
+    out = run_cli(
+        "replay", "--store", str(fixture_store), "--rollout-from", "121", "--rollout-to", "120"
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == "trajstore: error: --rollout-from 121 is after --rollout-to 120"
+
+
 def test_divergences_query_names_sample_and_token(fixture_store: str) -> None:
     run_cli("replay", "--store", str(fixture_store), "--all", "--record")
     out = run_cli(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterable
 
 
 class TrajstoreError(Exception):
@@ -32,6 +33,14 @@ class SelectionError(TrajstoreError):
 
 class NotFoundError(TrajstoreError):
     """A step, bundle, run or payload does not exist."""
+
+
+def check_known_run(run: str | None, known: Iterable[str]) -> None:
+    """Refuse a run filter naming no run of the store (`known`): it would select nothing,
+    which reads as "nothing there" when the name is only misspelt. None: no filter."""
+    names = sorted(set(known))
+    if run is not None and run not in names:
+        raise NotFoundError(f"run {run!r} is not in the store (runs: {', '.join(names) or 'none'})")
 
 
 class IntegrityError(TrajstoreError):

@@ -158,15 +158,11 @@ def catalog_reader(path: str | Path, url: str | None = None) -> Iterator[Any]:
 
 
 def check_run(reader: Any, run: str | None) -> None:
-    """Refuse a --run the catalog does not know: its filter would list no rows, which
-    reads as "nothing there" when the name is only misspelt."""
-    if run is None:
-        return
-    known = reader.run_names()
-    if run not in known:
-        from trajstore.errors import NotFoundError
+    """Refuse a --run the catalog does not know (`check_known_run`)."""
+    if run is not None:
+        from trajstore.errors import check_known_run
 
-        raise NotFoundError(f"run {run!r} is not in the store (runs: {', '.join(known) or 'none'})")
+        check_known_run(run, reader.run_names())
 
 
 def all_bundles(cat: Any, run: str | None, kind: str | None, all_attempts: bool) -> list[dict]:

@@ -72,9 +72,17 @@ class BatchSummary:
 def list_targets(
     store: Any, *, run: str | None, rollout_from: int | None, rollout_to: int | None
 ) -> list[BatchTarget]:
-    """Latest attempt of every (run, kind, anchor), all ranks, ordered by (run, rollout, step)."""
+    """Latest attempt of every (run, kind, anchor), all ranks, ordered by (run, rollout, step).
+    A run the store does not hold, or a reversed rollout range, is refused (it would
+    select nothing and report "0 of 0 replayed" as a success)."""
+    from trajstore.errors import UsageError, check_known_run
+
+    live = list(store.refs.live().values())
+    if rollout_from is not None and rollout_to is not None and rollout_from > rollout_to:
+        raise UsageError(f"--rollout-from {rollout_from} is after --rollout-to {rollout_to}")
+    check_known_run(run, (e.run for e in live))
     groups: dict[tuple, list] = {}
-    for e in store.refs.live().values():
+    for e in live:
         if run is not None and e.run != run:
             continue
         if rollout_from is not None and e.rollout_id < rollout_from:

@@ -338,7 +338,7 @@ def compare_store(
     ``steps`` (actor step ids) limits the comparison to those steps, so a
     caller showing a window of a long run recomputes only that window.
     """
-    from trajstore.errors import NotFoundError, UsageError
+    from trajstore.errors import UsageError, check_known_run
 
     if len(runs) < 2:
         raise UsageError("router compare needs at least two --run")
@@ -348,10 +348,7 @@ def compare_store(
     cells: dict[tuple[str, tuple[int, int]], StepMetrics] = {}
     known = {r["run"] for r in store.runs()}
     for run in runs:
-        if run not in known:
-            raise NotFoundError(
-                f"run {run!r} is not in the store (runs: {', '.join(sorted(known)) or 'none'})"
-            )
+        check_known_run(run, known)
         ids = sorted(
             {(int(b["rollout_id"]), int(b["step_id"])) for b in store.bundles(run=run, kind="step")}
         )
