@@ -393,3 +393,41 @@ def test_s3_store_with_postgres_catalog_lists_refs_from_the_mark(s3_env, pg_url,
     assert len(names) == 3 and after_second == names[2:]
     assert (again.listed, again.new_refs) == (1, 1)
     assert len(keys) == 4
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        (
+            "sqlite:///side.db",
+            "catalog backend 'sqlite' is not supported (use postgresql+psycopg://",
+        ),
+        ("mysql://host/db", "catalog backend 'mysql' is not supported (use postgresql+psycopg://"),
+        ("notaurl", "catalog URL 'notaurl' is not a database URL (e.g. postgresql+psycopg://"),
+    ],
+)
+def test_a_catalog_url_of_another_database_is_refused_in_one_line(
+    tmp_path: Path, url: str, message: str
+) -> None:
+    # sqlite used to get half-way through the first migration: an internal error, a file left
+    Store.open(tmp_path / "store").close()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trajstore",
+            "ls",
+            "--store",
+            str(tmp_path / "store"),
+            "--catalog",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"trajstore: error: {message}")
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "side.db").exists()

@@ -41,6 +41,8 @@ def catalog_url(store_dir: Path | str | None, url: str | None = None) -> str:
 
 #: the PostgreSQL advisory lock migrations take (pg_advisory_xact_lock)
 MIGRATION_LOCK_ID = 0x7472616B  # "trak"
+#: the databases a catalog may live in (their dialects are the ones migrations are written for)
+CATALOG_BACKENDS = ("duckdb", "postgresql")
 #: how long a connection to a server catalog may take before the command fails
 CONNECT_TIMEOUT_S = 10
 
@@ -48,12 +50,21 @@ CONNECT_TIMEOUT_S = 10
 def parse_url(url: str) -> sa.engine.URL:
     """A catalog URL, parsed; a malformed one is one line naming it."""
     try:
-        return sa.engine.make_url(url)
+        parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError:
         raise StoreError(
             f"catalog URL {url!r} is not a database URL (e.g. "
             "postgresql+psycopg://user@host:5432/db or duckdb:///path/catalog.duckdb)"
         ) from None
+    backend = parsed.get_backend_name()
+    if backend not in CATALOG_BACKENDS:
+        # the migrations and queries are written for these two; another dialect fails
+        # half-way through a migration, not with a message
+        raise StoreError(
+            f"catalog backend {backend!r} is not supported (use postgresql+psycopg://"
+            "user@host:5432/db or duckdb:///path/catalog.duckdb)"
+        )
+    return parsed
 
 
 def shown_url(url: sa.engine.URL | str) -> str:
