@@ -102,6 +102,23 @@ def test_malformed_env_var_is_an_error_at_construction(env, names):
         CaptureManager.from_env(environ=env)
 
 
+@pytest.mark.parametrize("where", ["output_dir", "store_dir"])
+def test_a_destination_that_is_a_file_is_an_error_at_construction(tmp_path, where):
+    (tmp_path / "a-file").write_text("kept")
+    with pytest.raises(
+        CaptureConfigError, match=f"{where} .*a-file: exists and is not a directory"
+    ):
+        CaptureManager(CaptureConfig(enabled=True, **{where: tmp_path / "a-file"}))
+    with pytest.raises(CaptureConfigError, match="a-file: exists and is not a directory"):
+        CaptureManager(CaptureConfig(enabled=True, **{where: tmp_path / "a-file" / "sub"}))
+    assert (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_an_unusable_destination_is_not_checked_while_capture_is_off(tmp_path):
+    (tmp_path / "a-file").write_text("kept")
+    assert not CaptureConfig(enabled=False, output_dir=tmp_path / "a-file").enabled
+
+
 def test_unknown_capture_variable_error_names_the_known_ones():
     with pytest.raises(CaptureConfigError) as err:
         CaptureConfig.from_env({"TRAJSTORE_CAPTURE_STPES": "120:0"})
@@ -325,8 +342,8 @@ def test_blocking_queue_writes_everything(tmp_path):
 
 def test_writer_error_is_counted_not_raised(tmp_path):
     blocker = tmp_path / "not-a-dir"
-    blocker.write_text("x")
     cap = CaptureManager(CaptureConfig(enabled=True, output_dir=blocker, run="t"))
+    blocker.write_text("x")  # the destination breaks after start-up (its check passed)
     assert one_step(cap)
     stats = cap.close()
     assert (stats.written, stats.errors) == (0, 1)

@@ -191,6 +191,8 @@ class CaptureConfig:
                 "capture is on but needs exactly one destination: TRAJSTORE_CAPTURE_DIR "
                 "(bundle directories) or TRAJSTORE_CAPTURE_STORE (a store)"
             )
+        if self.enabled:
+            self._check_destination()
         ranks = self.producer_ranks
         if ranks is not None:
             ranks = tuple(sorted({int(r) for r in ranks}))
@@ -215,6 +217,22 @@ class CaptureConfig:
                 raise CaptureConfigError(
                     f"parallel[{k!r}]={v!r}: keys dp/tp/pp/cp, positive int world sizes"
                 )
+
+    def _check_destination(self) -> None:
+        """A local destination that can never be written (a file, or under one) stops the
+        run now: the writer thread would otherwise count an error per bundle, for days."""
+        from trajstore.jsonio import check_creatable
+
+        dest = self.output_dir if self.output_dir is not None else self.store_dir
+        if not isinstance(dest, Path):
+            return  # an s3:// store: reached when the manager opens it
+        what = "output_dir" if self.output_dir is not None else "store_dir"
+        if dest.exists() and not dest.is_dir():
+            raise CaptureConfigError(f"{what} {dest}: exists and is not a directory")
+        try:
+            check_creatable(dest)
+        except UsageError as exc:
+            raise CaptureConfigError(f"{what}: {exc}") from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CaptureConfig:
