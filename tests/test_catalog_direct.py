@@ -156,6 +156,20 @@ def test_direct_sql_refuses_as_the_sqlalchemy_path(store: Path, sql: str) -> Non
     assert str(fast.value) == str(full.value)
 
 
+def test_sql_over_the_row_cap_is_refused_not_cut_by_both_paths(store: Path) -> None:
+    from trajstore.catalog.queries import run_readonly_sql
+
+    with DirectCatalog.open(store) as direct:
+        assert len(direct.readonly_sql("SELECT * FROM range(10)", max_rows=10)[1]) == 10
+        with pytest.raises(UsageError, match="more than 10 rows") as fast:
+            direct.readonly_sql("SELECT * FROM range(11)", max_rows=10)
+    with open_catalog(store) as cat:
+        assert len(run_readonly_sql(cat, "SELECT * FROM range(10)", max_rows=10)[1]) == 10
+        with pytest.raises(UsageError) as full:
+            run_readonly_sql(cat, "SELECT * FROM range(11)", max_rows=10)
+    assert str(fast.value) == str(full.value)
+
+
 def test_a_catalog_without_a_listing_record_is_opened_the_full_way(tmp_path: Path) -> None:
     root = tmp_path / "store"
     (root / "refs" / "bundles").mkdir(parents=True)

@@ -431,3 +431,13 @@ def test_a_catalog_url_of_another_database_is_refused_in_one_line(
     assert out.stderr.startswith(f"trajstore: error: {message}")
     assert len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "side.db").exists()
+
+
+def test_sql_over_the_row_cap_is_refused_on_postgresql_too(tmp_path, pg_url):
+    Store.open(tmp_path / "store", catalog_url=pg_url).close()
+    with open_catalog(None, pg_url) as cat:
+        assert (
+            len(run_readonly_sql(cat, "SELECT * FROM generate_series(1, 10)", max_rows=10)[1]) == 10
+        )
+        with pytest.raises(UsageError, match="more than 10 rows, the most `sql` prints"):
+            run_readonly_sql(cat, "SELECT * FROM generate_series(1, 11)", max_rows=10)

@@ -149,6 +149,17 @@ def check_readonly(sql: str) -> None:
     raise UsageError(f"only read-only SQL is allowed (SELECT, WITH, EXPLAIN, ...), not {kind}")
 
 
+def check_row_count(rows: list, max_rows: int) -> list:
+    """`rows` (fetched up to max_rows + 1), refused when there are more than max_rows: a
+    result cut short without a word would read as the whole answer."""
+    if len(rows) > max_rows:
+        raise UsageError(
+            f"the statement returns more than {max_rows:,} rows, the most `sql` prints; "
+            "add LIMIT/OFFSET or aggregate"
+        )
+    return rows
+
+
 def readonly_sql_duckdb(raw: Any, sql: str, max_rows: int) -> tuple[list[str], list[list]]:
     """One checked read-only statement on a DuckDB connection, in a READ ONLY transaction
     that is rolled back; file access from SQL is switched off first (for good)."""
@@ -159,7 +170,7 @@ def readonly_sql_duckdb(raw: Any, sql: str, max_rows: int) -> tuple[list[str], l
         try:
             cur.execute(sql)
             columns = [d[0] for d in (cur.description or [])]
-            rows = cur.fetchmany(max_rows) if columns else []
+            rows = check_row_count(cur.fetchmany(max_rows + 1), max_rows) if columns else []
         finally:
             cur.execute("ROLLBACK")
     except UsageError:

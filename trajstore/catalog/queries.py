@@ -21,6 +21,7 @@ from trajstore.catalog.direct import (  # noqa: F401  (JSON_COLUMNS: re-exported
     JSON_COLUMNS,
     MAX_SQL_ROWS,
     check_filter_words,
+    check_row_count,
     jsonable,
     readonly_sql_duckdb,
 )
@@ -779,7 +780,7 @@ def run_readonly_sql(
             conn.exec_driver_sql("SET TRANSACTION READ ONLY")
             result = conn.exec_driver_sql(sql)
             columns = list(result.keys())
-            rows = result.fetchmany(max_rows)
+            rows = check_row_count(result.fetchmany(max_rows + 1), max_rows)
         except sa.exc.DBAPIError as exc:
             raise UsageError(f"SQL failed: {str(exc.orig).splitlines()[0]}") from None
         finally:
