@@ -258,6 +258,18 @@ def test_diff_of_two_bundles_written_alike_exits_0(tmp_path: Path) -> None:
     assert json.loads(same.stdout)["differences"] == []
 
 
+def test_diff_of_two_sample_sets_says_how_many_it_did_not_list(tmp_path: Path) -> None:
+    a = write_bundle(tmp_path / "a" / "replay-7-0", make_contents(groups=4, samples_per_group=4))
+    # rank 1's samples are s-1-<i>: none shared with a's
+    b = write_bundle(
+        tmp_path / "b" / "replay-7-0", make_contents(groups=4, samples_per_group=4, rank=1)
+    )
+    out = run_cli("diff", str(a), str(b), "--json")
+    assert out.returncode == 1, out.stderr
+    (sample_set,) = [d for d in json.loads(out.stdout)["differences"] if d["what"] == "sample set"]
+    assert sample_set["detail"].count("and 6 more") == 2  # 16 samples each side, 10 listed
+
+
 def test_sql_refuses_a_write_statement(fixture_store: str) -> None:
     out = run_cli("sql", "--store", str(fixture_store), "DELETE FROM bundles")
     assert out.returncode == 2

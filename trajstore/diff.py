@@ -153,11 +153,8 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
     ids_b = [s.sample_id for s in b.index.samples]
     only_a, only_b = sorted(set(ids_a) - set(ids_b)), sorted(set(ids_b) - set(ids_a))
     if only_a or only_b:
-        add(
-            Difference(
-                "samples", "sample set", f"only in a: {only_a[:10]}; only in b: {only_b[:10]}"
-            )
-        )
+        detail = f"only in a: {_listed(only_a)}; only in b: {_listed(only_b)}"
+        add(Difference("samples", "sample set", detail))
     elif ids_a != ids_b:
         add(Difference("samples", "sample order", "same samples in a different order"))
     rec_b = {s.sample_id: s.raw for s in b.index.samples}
@@ -226,3 +223,9 @@ def diff_sources(a: Any, b: Any, *, a_label: str, b_label: str) -> DiffReport:
             elif (i := _first_unequal(xa, xb)) is not None:
                 add(Difference("payload", name, f"values differ at row {i}"))
     return rep
+
+
+def _listed(ids: list[str], most: int = 10) -> str:
+    """`ids` as a list, the first `most` of them and how many more (a cut list says so)."""
+    more = f" and {len(ids) - most} more" if len(ids) > most else ""
+    return f"{ids[:most]}{more}"
