@@ -21,13 +21,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from trajstore import __version__
 
 from . import links, streaming, web
 from .errors import ERRORS, error_response, install_error_handlers
 from .limits import TOKEN_ENV, BodyLimit
+from .params import only_declared_query
 from .routes import ROUTERS
 from .state import AppState
 
@@ -161,7 +162,7 @@ def create_app(
     generated_openapi = app.openapi
     app.openapi = lambda: links.add_links(generated_openapi())  # type: ignore[method-assign]
     for router in ROUTERS:
-        app.include_router(router, prefix="/v1")
+        app.include_router(router, prefix="/v1", dependencies=[Depends(only_declared_query)])
     app.include_router(web.router)
     return app
 

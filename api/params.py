@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Path, Query
+from fastapi import Path, Query, Request
 
 from trajstore.catalog import MAX_PAGE_SIZE
 from trajstore.catalog.queries import STEP_SORTS
+
+from .errors import ApiError
 
 MAX_ID = 2**63 - 1
 
@@ -22,3 +24,34 @@ Sort = Annotated[
     Literal[STEP_SORTS],  # type: ignore[valid-type]
     Query(description="step (default), status, stage or tokens; a leading '-' reverses"),
 ]
+
+#: route -> the query parameter names it declares (routes never change once built)
+_DECLARED: dict[int, frozenset[str]] = {}
+
+
+def _declared(dependant: Any) -> frozenset[str]:
+    names = {field.alias for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _declared(sub)
+    return frozenset(names)
+
+
+async def only_declared_query(request: Request) -> None:
+    """Refuse a query parameter the endpoint does not take (400, naming those it does).
+
+    HTTP frameworks ignore unknown parameters; here a misspelt filter
+    (`?first_divergent_stag=loss.policy`) would answer with every row, read as the
+    filtered answer. An async dependency: no thread hop per request.
+    """
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    declared = _DECLARED.get(id(route))
+    if declared is None:
+        declared = _DECLARED[id(route)] = _declared(dependant)
+    for name in request.query_params:
+        if name not in declared:
+            takes = ", ".join(sorted(declared)) or "none"
+            detail = f"unknown query parameter {name!r} (this endpoint takes: {takes})"
+            raise ApiError(400, "bad_request", detail)

@@ -187,6 +187,35 @@ def test_a_group_and_micro_batch_that_share_no_sample_list_nothing(client: httpx
     assert resp.status_code == 200 and resp.json() == {"items": []}
 
 
+def test_a_misspelt_query_parameter_is_400_not_ignored(client: httpx.Client) -> None:
+    # ignored, it would list every step as if they had all diverged first at loss.policy
+    resp = client.get("/v1/runs/cap/steps", params={"first_divergent_stag": "loss.policy"})
+    body = _error(resp, 400, "bad_request")
+    assert body["detail"].startswith("unknown query parameter 'first_divergent_stag' (")
+    assert "first_divergent_stage" in body["detail"]
+
+
+def test_every_endpoint_takes_exactly_its_documented_query_parameters(
+    client: httpx.Client,
+) -> None:
+    spec = client.get("/openapi.json").json()
+    checked = 0
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            documented = sorted(p["name"] for p in op.get("parameters", []) if p["in"] == "query")
+            url = path.replace("{rollout_id}:{step_id}", "1:1")
+            for name in ("run", "key", "rollout_id", "name"):
+                url = url.replace("{" + name + "}", "x")
+            resp = client.request(method.upper(), url, params={"zz_not_a_parameter": "1"})
+            assert resp.status_code == 400, (method, path, resp.text)
+            takes = ", ".join(documented) or "none"
+            assert resp.json()["detail"] == (
+                f"unknown query parameter 'zz_not_a_parameter' (this endpoint takes: {takes})"
+            ), (method, path)
+            checked += 1
+    assert checked >= 15  # every /v1 operation (18 when written)
+
+
 def test_one_sample_slice(client: httpx.Client) -> None:
     key = "ex/step-120-0/a1"
     index = json.loads((EXAMPLE / "index.json").read_text())["samples"]
