@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from trajstore import __version__
 
 from . import links, streaming, web
 from .errors import ERRORS, error_response, install_error_handlers
 from .limits import TOKEN_ENV, BodyLimit
-from .params import only_declared_query
+from .params import DeclaredQueryOnly
 from .routes import ROUTERS
 from .state import AppState
 
@@ -155,6 +155,7 @@ def create_app(
         lifespan=lifespan,
         responses=ERRORS,
     )
+    app.add_middleware(DeclaredQueryOnly, routers=ROUTERS)
     app.add_middleware(BodyLimit)  # inside the bearer check: no body is read before it
     if token:
         app.add_middleware(BearerAuth, token=token)
@@ -162,7 +163,7 @@ def create_app(
     generated_openapi = app.openapi
     app.openapi = lambda: links.add_links(generated_openapi())  # type: ignore[method-assign]
     for router in ROUTERS:
-        app.include_router(router, prefix="/v1", dependencies=[Depends(only_declared_query)])
+        app.include_router(router, prefix="/v1")
     app.include_router(web.router)
     return app
 

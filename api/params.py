@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from fastapi import Path, Query, Request
+from fastapi import Path, Query
+from starlette.datastructures import QueryParams
+from starlette.routing import Match
 
 from trajstore.catalog import MAX_PAGE_SIZE
 from trajstore.catalog.queries import STEP_SORTS
 
-from .errors import ApiError
+from .errors import error_response
 
 MAX_ID = 2**63 - 1
 
@@ -25,9 +28,6 @@ Sort = Annotated[
     Query(description="step (default), status, stage or tokens; a leading '-' reverses"),
 ]
 
-#: route -> the query parameter names it declares (routes never change once built)
-_DECLARED: dict[int, frozenset[str]] = {}
-
 
 def _declared(dependant: Any) -> frozenset[str]:
     names = {field.alias for field in dependant.query_params}
@@ -36,22 +36,47 @@ def _declared(dependant: Any) -> frozenset[str]:
     return frozenset(names)
 
 
-async def only_declared_query(request: Request) -> None:
-    """Refuse a query parameter the endpoint does not take (400, naming those it does).
+class DeclaredQueryOnly:
+    """Pure ASGI middleware: a query parameter the matched /v1 endpoint does not take is
+    400, naming those it does.
 
     HTTP frameworks ignore unknown parameters; here a misspelt filter
     (`?first_divergent_stag=loss.policy`) would answer with every row, read as the
-    filtered answer. An async dependency: no thread hop per request.
+    filtered answer. Only a request with a query string is matched against the routes
+    (as FastAPI matches them: first full match, in `routers` order); a lookup without
+    one pays a dict lookup (a FastAPI dependency cost every request ~10% of lookup
+    throughput).
     """
-    route = request.scope.get("route")
-    dependant = getattr(route, "dependant", None)
-    if dependant is None:
-        return
-    declared = _DECLARED.get(id(route))
-    if declared is None:
-        declared = _DECLARED[id(route)] = _declared(dependant)
-    for name in request.query_params:
-        if name not in declared:
-            takes = ", ".join(sorted(declared)) or "none"
-            detail = f"unknown query parameter {name!r} (this endpoint takes: {takes})"
-            raise ApiError(400, "bad_request", detail)
+
+    def __init__(self, app: Any, routers: Iterable[Any], prefix: str = "/v1") -> None:
+        self.app = app
+        self.prefix = prefix
+        self.routes = [
+            (route, _declared(route.dependant))
+            for router in routers
+            for route in router.routes
+            if getattr(route, "dependant", None) is not None
+        ]
+
+    def _declared_for(self, scope: dict) -> frozenset[str] | None:
+        child = {**scope, "path": scope["path"][len(self.prefix) :], "root_path": ""}
+        for route, declared in self.routes:
+            if route.matches(child)[0] == Match.FULL:
+                return declared
+        return None  # no endpoint: the app answers 404/405 as it would
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (
+            scope["type"] == "http"
+            and scope.get("query_string")
+            and scope.get("path", "").startswith(self.prefix + "/")
+        ):
+            declared = self._declared_for(scope)
+            if declared is not None:
+                for name in QueryParams(scope["query_string"]):
+                    if name not in declared:
+                        takes = ", ".join(sorted(declared)) or "none"
+                        detail = f"unknown query parameter {name!r} (this endpoint takes: {takes})"
+                        await error_response(400, "bad_request", detail)(scope, receive, send)
+                        return
+        await self.app(scope, receive, send)
