@@ -99,6 +99,14 @@ def test_replay_all_of_an_unknown_run_exits_2_naming_the_runs(fixture_store: str
     assert out.stderr.startswith("trajstore: error: run 'ex-typo' is not in the store (runs: ")
 
 
+def test_replay_of_a_step_of_an_unknown_run_names_the_runs(fixture_store: str) -> None:
+    out = run_cli("replay", "--store", str(fixture_store), "--run", "r-typo", "--step", "120:0")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "trajstore: error: run 'r-typo' is not in the store (runs: r1, r2)"
+    missing = run_cli("replay", "--store", str(fixture_store), "--run", "r1", "--step", "9:0")
+    assert missing.stderr.strip() == "trajstore: error: run 'r1' has no step 9:0"
+
+
 def test_replay_of_a_reversed_rollout_range_exits_2(fixture_store: str) -> None:
     out = run_cli(
         "replay", "--store", str(fixture_store), "--rollout-from", "121", "--rollout-to", "120"

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trajstore.cas import LocalObjectStore, ObjectStore
-from trajstore.errors import NotFoundError, StoreError, UsageError
+from trajstore.errors import NotFoundError, StoreError, UsageError, check_known_run
 from trajstore.refspace import LocalRefSpace, RefSpace
 from trajstore.store.ingest import Ingestor, IngestOutcome, check_run_name, ingest_paths
 from trajstore.store.layout import (
@@ -239,7 +239,8 @@ class Store:
         if not cands:
             self.refs.refresh(force=True)  # published since the last listing?
             cands = self.refs.at_anchor(run, kind, rollout_id, step_id)
-        if not cands:
+        if not cands:  # say so when it is the run that is not there
+            check_known_run(run, (e.run for e in self.refs.live().values()))
             raise NotFoundError(f"run {run!r} has no {what}")
         if attempt is None:
             attempt = max(e.attempt for e in cands)
