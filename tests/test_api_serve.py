@@ -209,6 +209,20 @@ def test_serve_rejects_a_bad_worker_count(long_store: tuple[Path, dict]) -> None
     assert "--workers must be 1..64" in done.stderr
 
 
+def _serve_without_a_store(
+    tmp_path: Path, env: dict[str, str], *args: str
+) -> subprocess.CompletedProcess:
+    """`trajstore serve` on a store that does not exist: what it checks before opening the
+    store is all it does (nothing binds)."""
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(tmp_path / "none"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -223,14 +237,7 @@ def test_serve_refuses_a_malformed_api_setting_before_it_starts(
     tmp_path: Path, name: str, value: str
 ) -> None:
     # checked before the store is opened: the setting is what the one line names
-    env = {**os.environ, name: value}
-    out = subprocess.run(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(tmp_path / "none")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = _serve_without_a_store(tmp_path, {**os.environ, name: value})
     assert out.returncode == 2
     assert out.stderr.startswith(f"trajstore: error: {name}={value!r}: expected ")
     assert len(out.stderr.strip().splitlines()) == 1
@@ -238,14 +245,7 @@ def test_serve_refuses_a_malformed_api_setting_before_it_starts(
 
 def test_serve_refuses_a_misspelt_api_variable_before_it_starts(tmp_path: Path) -> None:
     # TRAJSTORE_API_TOKN=... would otherwise serve without the token the user meant to set
-    env = {**os.environ, "TRAJSTORE_API_TOKN": "s3cret"}
-    out = subprocess.run(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(tmp_path / "none")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = _serve_without_a_store(tmp_path, {**os.environ, "TRAJSTORE_API_TOKN": "s3cret"})
     assert out.returncode == 2
     assert out.stderr.startswith("trajstore: error: unknown variable TRAJSTORE_API_TOKN (known: ")
     assert "TRAJSTORE_API_TOKEN" in out.stderr
@@ -268,22 +268,7 @@ def test_serve_warns_before_serving_other_hosts_without_a_token(
     env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
     if token is not None:
         env["TRAJSTORE_API_TOKEN"] = token
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trajstore",
-            "serve",
-            "--store",
-            str(tmp_path / "none"),
-            "--host",
-            host,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = _serve_without_a_store(tmp_path, env, "--host", host)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and lines[-1].endswith("not a trajstore store (no TRAJSTORE_STORE)")
     warning = f"trajstore: warning: serving on {host} without TRAJSTORE_API_TOKEN: anyone who "

@@ -411,22 +411,7 @@ def test_a_catalog_url_of_another_database_is_refused_in_one_line(
 ) -> None:
     # sqlite used to get half-way through the first migration: an internal error, a file left
     Store.open(tmp_path / "store").close()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trajstore",
-            "ls",
-            "--store",
-            str(tmp_path / "store"),
-            "--catalog",
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    out = _cli("ls", "--store", str(tmp_path / "store"), "--catalog", url.format(tmp=tmp_path))
     assert out.returncode == 2
     assert out.stderr.startswith(f"trajstore: error: {message}")
     assert len(out.stderr.strip().splitlines()) == 1
