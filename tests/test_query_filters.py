@@ -139,3 +139,21 @@ def test_rest_unknown_stage_is_400(store_dir: Path) -> None:
     assert (div.status_code, steps.status_code) == (400, 400)
     assert "got 'loss'" in div.json()["detail"] and "got 'loss'" in steps.json()["detail"]
     assert good.status_code == 200 and good.json()["items"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--min-abs-err", "nan"), "argument --min-abs-err: 'nan' is not a finite number >= 0"),
+        (("--min-abs-err", "inf"), "argument --min-abs-err: 'inf' is not a finite number >= 0"),
+        (
+            ("--rollout-from", "-5"),
+            "argument --rollout-from: '-5' is not a rollout id (an integer >= 0)",
+        ),
+    ],
+)
+def test_cli_a_bound_no_row_can_meet_is_refused(store_dir: Path, args: tuple, message: str) -> None:
+    # nan matched no row (an empty answer); REST refused these already (422)
+    res = cli("query", "divergences", "--store", store_dir, *args)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().endswith(message)

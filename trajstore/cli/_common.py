@@ -49,6 +49,30 @@ def target_selector(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def rollout_id(text: str) -> int:
+    """argparse type of --rollout-from/--rollout-to: a rollout id (an integer >= 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rollout id (an integer >= 0)")
+    return value
+
+
+def error_bound(text: str) -> float:
+    """argparse type of --min-abs-err: a finite number >= 0 (`nan` would match no row)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout, indent=2, sort_keys=True, default=str)
     sys.stdout.write("\n")

@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trajstore.cli._common import add_catalog_arg, default_store, print_json
+from trajstore.cli._common import (
+    add_catalog_arg,
+    default_store,
+    error_bound,
+    print_json,
+    rollout_id,
+)
 from trajstore.vocab import STEP_STATUSES
 
 FORMATS = ("table", "json", "csv")
@@ -25,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_catalog_arg(p)
     p.add_argument("--run", help="only this run")
-    p.add_argument("--rollout-from", type=int, metavar="R")
-    p.add_argument("--rollout-to", type=int, metavar="R")
+    p.add_argument("--rollout-from", type=rollout_id, metavar="R")
+    p.add_argument("--rollout-to", type=rollout_id, metavar="R")
     p.add_argument(
         "--first-divergent-stage",
         metavar="S",
@@ -38,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="steps: latest verdict, or unreplayed (no result recorded)",
     )
     p.add_argument("--stage", metavar="S", help="divergences: at this stage")
-    p.add_argument("--min-abs-err", type=float, metavar="X", help="divergences: abs_err >= X")
+    p.add_argument("--min-abs-err", type=error_bound, metavar="X", help="divergences: abs_err >= X")
     p.add_argument("--sample", metavar="ID", help="divergences: of this sample")
     p.add_argument("--kind", choices=["step", "rollout"], help="bundles: only this kind")
     p.add_argument(

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trajstore.cli._common import add_catalog_arg, default_store, print_json, target_selector
+from trajstore.cli._common import (
+    add_catalog_arg,
+    default_store,
+    print_json,
+    rollout_id,
+    target_selector,
+)
 
 
 def add_selection_args(p: argparse.ArgumentParser) -> None:
@@ -47,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_catalog_arg(st)
     st.add_argument("--run", help="run name (default: the store's only run)")
     st.add_argument("--attempt", type=int, help="attempt of a re-captured step (default: latest)")
-    st.add_argument("--rollout-from", type=int, metavar="R", help="with --all: first rollout id")
-    st.add_argument("--rollout-to", type=int, metavar="R", help="with --all: last rollout id")
+    for flag, which in (("--rollout-from", "first"), ("--rollout-to", "last")):
+        st.add_argument(flag, type=rollout_id, metavar="R", help=f"with --all: {which} rollout id")
     st.add_argument(
         "--workers",
         type=int,
