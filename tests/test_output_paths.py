@@ -89,3 +89,14 @@ def test_demo_uses_an_empty_directory(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     assert own_dirs(tmp_path / "store", tmp_path / "store-work") is None
     assert (tmp_path / "store-work" / DEMO_MARK).is_file()
+
+
+def test_ingest_says_when_it_creates_the_store(tmp_path: Path) -> None:
+    # a misspelt --store is a new, empty store: said once, on stderr
+    write_bundle(tmp_path / "cap" / "replay-3-0", make_contents(step_id=0, rollout_id=3))
+    new = tmp_path / "runs.stoer"
+    first = cli("ingest", "--store", new, tmp_path / "cap")
+    assert first.returncode == 0, first.stderr
+    assert first.stderr == f"trajstore: created a new store at {new}\n"
+    again = cli("ingest", "--store", new, tmp_path / "cap")
+    assert (again.returncode, again.stderr) == (0, "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from trajstore.cli._common import print_json
@@ -126,7 +127,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         else:
             if args.ray_address is not None:
                 raise UsageError("--ray-address needs --executor ray")
+            new = _new_local_store(args.store)
             with _open(args, create=True) as store:
+                if new:  # a misspelt --store would otherwise fill a fresh store unnoticed
+                    print(f"trajstore: created a new store at {args.store}", file=sys.stderr)
                 store.ingest(
                     args.paths,
                     run=args.run,
@@ -147,6 +151,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         for o in refused:
             print(f"trajstore: refused: {o.path}: {o.reason}", file=sys.stderr)
     return 2 if refused else 0
+
+
+def _new_local_store(path: str | None) -> bool:
+    """Whether ingest is about to create the store at `path` (a directory not yet a store)."""
+    from trajstore.store.layout import MARKER
+
+    return bool(path) and "://" not in str(path) and not (Path(path) / MARKER).is_file()
 
 
 def _ingest_on_ray(args: argparse.Namespace, report: Any) -> None:
