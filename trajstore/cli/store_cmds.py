@@ -154,10 +154,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def _new_local_store(path: str | None) -> bool:
-    """Whether ingest is about to create the store at `path` (a directory not yet a store)."""
-    from trajstore.store.layout import MARKER
+    """Whether ingest is about to create the store at `path`: the test `Store.open` makes
+    before it creates one (a directory, not yet a store)."""
+    from trajstore.store.api import is_remote
+    from trajstore.store.layout import StoreLayout
 
-    return bool(path) and "://" not in str(path) and not (Path(path) / MARKER).is_file()
+    return bool(path) and not is_remote(path) and not StoreLayout(Path(path)).is_store()
 
 
 def _ingest_on_ray(args: argparse.Namespace, report: Any) -> None:
