@@ -184,7 +184,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 rollouts per run (< 2 min)")
     ap.add_argument("--json", type=Path, help="write the issue-15 figures here")
-    ap.add_argument("--workdir", type=Path, help="temp files here (default: system temp)")
+    ap.add_argument(
+        "--workdir", type=Path, help="temp files under this directory (created if missing)"
+    )
     ap.add_argument(
         "--no-shared", action="store_true", help="skip the shared-prefill run (information only)"
     )
@@ -198,6 +200,8 @@ def main() -> int:
     if not args.no_shared:
         shared = [*rollouts, "--samples", "128", "--routes", "--shared-prompt-routes"]
         runs.append(("routed, shared prefill", None, None, shared))
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     figures = []
     print(f"machine: nproc {os.cpu_count()}, load {load0:.2f}")
     for name, target, limit, gen_args in runs:

@@ -155,7 +155,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="baseline/ingest pairs per workload")
     ap.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
     ap.add_argument("--json", type=Path, help="write the issue-15 figures here")
-    ap.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
+    ap.add_argument(
+        "--workdir", type=Path, help="temp files under this directory (created if missing)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.rollouts, args.steps, args.samples = 2, 4, 32
@@ -164,6 +166,8 @@ def main() -> int:
     from trajstore.store import Store
     from trajstore.store.maintenance import stats
 
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()[0]
     figures = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
