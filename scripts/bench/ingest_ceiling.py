@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What native code for the gate's reads and a faster chunk codec would buy ingest.
 
-    .venv/bin/python scripts/bench/ingest_ceiling.py [--quick] [--reps 3] [--workdir DIR]
+    .venv/bin/python scripts/bench/ingest_ceiling.py [--quick] [--reps 3] [--parts] [--workdir DIR]
 
 An experiment for issue 15, not the product path. Its routed-run target (ingest at least
 1.0x a FastCDC-16k + BLAKE3 + zstd-3 pipeline over the same files) is missed, and the
@@ -18,8 +18,10 @@ alternating with the baseline on the same files:
 - `both`.
 
 Everything else is the product's ingest (`Store.open` + `ingest`, fsync on, the whole
-gate, + close into a new store) on the data `bench_store.py` generates. Needs gcc,
-Python's headers and OpenSSL's (`apt-get install gcc libssl-dev`); exits 2 without them.
+gate, + close into a new store) on the data `bench_store.py` generates. `--parts` also
+splits an as-is ingest's CPU between those per-byte parts and the rest, with thread-CPU
+timers around the functions that do them. Needs gcc, Python's headers and OpenSSL's
+(`apt-get install gcc libssl-dev`); exits 2 without them.
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_store import bench_fastcdc, files_of, generate  # noqa: E402
 
 CONFIGS = ("as-is", "native", "zstd-1", "both")
+#: what `--parts` times (thread CPU, all threads) in an as-is ingest
+PARTS = ("sha256", "zstd", "BLAKE3 of windows", "reads", "BLAKE3 of new objects")
 
 #: read(2) a whole file in 1 MiB pieces, sha256 of each piece right after it is read, the
 #: GIL released once: (bytes, hex digest), or None when the file is not `size` bytes.
@@ -158,10 +164,39 @@ def _use_native_reads(ext_dir: Path) -> None:
     reader.Bundle._read_verified = read_verified
 
 
+def _time_parts() -> dict[str, float]:
+    """Wrap the per-byte C work of ingest in thread-CPU timers: {part: seconds}, filled
+    as ingest runs (all threads)."""
+    from trajstore.bundle import reader
+    from trajstore.cas import arrays, objects
+
+    spent: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+    lock = threading.Lock()
+
+    def timed(part: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                with lock:
+                    spent[part] += time.thread_time() - t
+
+        return run
+
+    reader.sha256_bytes = timed("sha256", reader.sha256_bytes)
+    reader.read_regular = timed("reads", reader.read_regular)
+    arrays.encode_chunk = timed("zstd", arrays.encode_chunk)
+    arrays.blake3 = timed("BLAKE3 of windows", arrays.blake3)
+    objects.object_hash = timed("BLAKE3 of new objects", objects.object_hash)
+    return spent
+
+
 def worker(config: str, cap: Path, store_dir: Path, ext_dir: Path) -> None:
     """One ingest in this (fresh) process under `config`; prints a JSON line."""
     from trajstore.cas import arrays
 
+    spent = _time_parts() if config == "parts" else {}
     if config in ("native", "both"):
         _use_native_reads(ext_dir)
     if config in ("zstd-1", "both"):
@@ -182,7 +217,7 @@ def worker(config: str, cap: Path, store_dir: Path, ext_dir: Path) -> None:
     cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
     with Store.open(store_dir) as store:
         physical = stats(store)["physical_bytes"]
-    print(json.dumps({"wall": wall, "cpu": cpu, "physical": physical}))
+    print(json.dumps({"wall": wall, "cpu": cpu, "physical": physical, "parts": spent}))
 
 
 def run_worker(config: str, cap: Path, store_dir: Path, ext_dir: Path) -> dict:
@@ -230,6 +265,16 @@ def report(title: str, cap: Path, res: dict[str, dict]) -> None:
     )
 
 
+def report_parts(cap: Path, tmp: Path, reps: int) -> None:
+    """Where an as-is ingest's CPU goes: the timed parts and the rest, medians of `reps`."""
+    runs = [run_worker("parts", cap, tmp / "store", tmp) for _ in range(reps)]
+    print(f"\nas-is ingest, CPU s by part (thread CPU, all threads; medians of {reps} runs):")
+    for part in PARTS:
+        print(f"- {part}: {statistics.median(r['parts'][part] for r in runs):.2f}")
+    rest = statistics.median(r["cpu"] - sum(r["parts"].values()) for r in runs)
+    print(f"- the rest: {rest:.2f} (of {statistics.median(r['cpu'] for r in runs):.2f} in all)")
+
+
 def main() -> int:
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
         worker(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
@@ -238,6 +283,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="rounds of the four configs")
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
     ap.add_argument("--no-small", action="store_true", help="only the routed long run")
+    ap.add_argument("--parts", action="store_true", help="also split the routed ingest's CPU")
     ap.add_argument("--workdir", type=Path, help="temp files under this directory")
     args = ap.parse_args()
     if args.reps < 1:
@@ -257,6 +303,8 @@ def main() -> int:
         cap = tmp / "routed"
         generate(cap, [*routed, "--routes", "--resumed", "0.1", "--seed", "1"])
         report("Routed long run", cap, measure(cap, tmp, tmp, args.reps))
+        if args.parts:
+            report_parts(cap, tmp, args.reps)
         shutil.rmtree(cap)
         if not args.no_small:
             cap = tmp / "small"
