@@ -148,7 +148,7 @@ def test_rest_unknown_stage_is_400(store_dir: Path) -> None:
         (("--min-abs-err", "inf"), "argument --min-abs-err: 'inf' is not a finite number >= 0"),
         (
             ("--rollout-from", "-5"),
-            "argument --rollout-from: '-5' is not a rollout id (an integer >= 0)",
+            f"argument --rollout-from: '-5' is not a rollout id (an integer from 0 to {2**63 - 1})",
         ),
     ],
 )
@@ -157,3 +157,33 @@ def test_cli_a_bound_no_row_can_meet_is_refused(store_dir: Path, args: tuple, me
     res = cli("query", "divergences", "--store", store_dir, *args)
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.strip().endswith(message)
+
+
+def test_cli_a_rollout_id_past_bigint_is_refused(store_dir: Path) -> None:
+    # it reached PostgreSQL as an overflow: "internal error", exit 2 with a traceback hint
+    res = cli("query", "divergences", "--store", store_dir, "--rollout-to", str(2**64))
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().endswith(
+        f"argument --rollout-to: '{2**64}' is not a rollout id (an integer from 0 to {2**63 - 1})"
+    )
+
+
+def test_both_catalog_readers_refuse_a_rollout_bound_past_bigint(store_dir: Path) -> None:
+    with DirectCatalog.open(store_dir) as direct, pytest.raises(UsageError, match="rollout_from"):
+        direct.steps(rollout_from=2**63)
+    with (
+        Store.open(store_dir) as store,
+        store.catalog() as cat,
+        pytest.raises(UsageError, match="rollout_to"),
+    ):
+        queries.query_divergences(cat, rollout_to=2**63)
+
+
+def test_cli_a_limit_past_bigint_lists_every_row(store_dir: Path) -> None:
+    # DuckDB refused the LIMIT as an overflow ("internal error"); no table has that many rows
+    def rows(*args: str) -> list:
+        res = cli("query", "bundles", "--store", store_dir, "--format", "json", *args)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    assert rows("--limit", str(10**20)) == rows()

@@ -125,6 +125,20 @@ def check_filter_words(status: str | None = None, **stages: str | None) -> None:
             raise UsageError(f"{name} must be one of {', '.join(STAGE_ORDER)}, got {stage!r}")
 
 
+#: the largest value of a BIGINT column (rollout ids, step ids); REST bounds ids the same way
+BIGINT_MAX = 2**63 - 1
+
+
+def check_rollout_range(rollout_from: int | None, rollout_to: int | None) -> None:
+    """Refuse a rollout bound that is not a rollout id: one past BIGINT reached the
+    database as an overflow (PostgreSQL: an internal error)."""
+    for name, value in (("rollout_from", rollout_from), ("rollout_to", rollout_to)):
+        if value is not None and (type(value) is not int or not 0 <= value <= BIGINT_MAX):
+            raise UsageError(
+                f"{name} must be a rollout id, an integer from 0 to {BIGINT_MAX}, got {value!r}"
+            )
+
+
 def check_readonly(sql: str) -> None:
     """Refuse anything but one read-only statement, using DuckDB's own parser."""
     duckdb = driver()
@@ -556,6 +570,7 @@ def _eq(where: list[str], params: list, column: str, value: Any) -> None:
 
 
 def _range(where: list[str], params: list, column: str, lo: int | None, hi: int | None) -> None:
+    check_rollout_range(lo, hi)
     if lo is not None:
         where.append(f"{column} >= ?")
         params.append(lo)
@@ -565,7 +580,13 @@ def _range(where: list[str], params: list, column: str, lo: int | None, hi: int 
 
 
 def _limit(params: list, limit: int | None) -> str:
-    if limit is None:
+    """A LIMIT clause; none for a limit no table can reach (past BIGINT, which the
+    database refuses), as the paged reader treats it."""
+    if isinstance(limit, bool) or (limit is not None and not isinstance(limit, int)):
+        raise UsageError(f"limit must be an integer >= 1, got {limit!r}")
+    if limit is not None and limit < 1:
+        raise UsageError(f"limit must be an integer >= 1, got {limit}")
+    if limit is None or limit > BIGINT_MAX:
         return ""
     params.append(int(limit))
     return " LIMIT ?"

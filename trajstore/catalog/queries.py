@@ -21,6 +21,7 @@ from trajstore.catalog.direct import (  # noqa: F401  (JSON_COLUMNS: re-exported
     JSON_COLUMNS,
     MAX_SQL_ROWS,
     check_filter_words,
+    check_rollout_range,
     check_row_count,
     jsonable,
     readonly_sql_duckdb,
@@ -104,6 +105,7 @@ def _before(sort_exprs: list, values: list | None):
 
 
 def _rollout_range(col, rollout_from: int | None, rollout_to: int | None) -> list:
+    check_rollout_range(rollout_from, rollout_to)
     clauses = []
     if rollout_from is not None:
         clauses.append(col >= rollout_from)

@@ -50,13 +50,18 @@ def target_selector(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def rollout_id(text: str) -> int:
-    """argparse type of --rollout-from/--rollout-to: a rollout id (an integer >= 0)."""
+    """argparse type of --rollout-from/--rollout-to: a rollout id (an integer from 0 to
+    the catalog's BIGINT maximum)."""
+    from trajstore.catalog.direct import BIGINT_MAX
+
     try:
         value = int(text)
     except ValueError:
         value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rollout id (an integer >= 0)")
+    if not 0 <= value <= BIGINT_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a rollout id (an integer from 0 to {BIGINT_MAX})"
+        )
     return value
 
 
