@@ -1,6 +1,7 @@
 """Paths a command cannot use are refused in one line (exit 2) before any work, and a
 directory the demo did not make is never deleted by it: `export` under a file,
-`ingest` of a plain file, `trajstore demo` over a real store."""
+`ingest` of a plain file, of only missing paths or with an invalid run (no store is made),
+`trajstore demo` over a real store."""
 
 from __future__ import annotations
 
@@ -100,3 +101,35 @@ def test_ingest_says_when_it_creates_the_store(tmp_path: Path) -> None:
     assert first.stderr == f"trajstore: created a new store at {new}\n"
     again = cli("ingest", "--store", new, tmp_path / "cap")
     assert (again.returncode, again.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("run", ["", "a/b", "café", "ﬁx"])
+def test_ingest_with_an_invalid_run_creates_no_store(tmp_path: Path, run: str) -> None:
+    # the name was checked after the store was made: a refused command left a new store;
+    # str.isalnum let "café" and the ligature "ﬁ" through the documented [A-Za-z0-9._-]
+    write_bundle(tmp_path / "cap" / "replay-3-0", make_contents(step_id=0, rollout_id=3))
+    res = cli("ingest", "--store", tmp_path / "new", "--run", run, tmp_path / "cap")
+    lines = assert_clean_failure(res)
+    assert lines == [
+        f"trajstore: error: run name {run!r} must be 1-128 characters of [A-Za-z0-9._-], "
+        "not starting with '.'"
+    ]
+    assert not (tmp_path / "new").exists()
+
+
+def test_ingest_of_only_missing_paths_creates_no_store(tmp_path: Path) -> None:
+    res = cli("ingest", "--store", tmp_path / "new", tmp_path / "typo", tmp_path / "typo2")
+    lines = assert_clean_failure(res)
+    assert lines == [
+        f"trajstore: error: nothing to ingest: no such file or directory: "
+        f"{tmp_path / 'typo'}, {tmp_path / 'typo2'}"
+    ]
+    assert not (tmp_path / "new").exists()
+
+
+def test_ingest_with_one_missing_path_stores_the_rest(tmp_path: Path) -> None:
+    write_bundle(tmp_path / "cap" / "replay-3-0", make_contents(step_id=0, rollout_id=3))
+    res = cli("ingest", "--store", tmp_path / "new", tmp_path / "typo", tmp_path / "cap")
+    assert res.returncode == 2
+    assert f"trajstore: refused: {tmp_path / 'typo'}: no such file or directory" in res.stderr
+    assert res.stdout.startswith("published ")

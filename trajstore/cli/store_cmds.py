@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         else:
             if args.ray_address is not None:
                 raise UsageError("--ray-address needs --executor ray")
+            _check_before_creating(args)
             new = _new_local_store(args.store)
             with _open(args, create=True) as store:
                 if new:  # a misspelt --store would otherwise fill a fresh store unnoticed
@@ -151,6 +153,18 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         for o in refused:
             print(f"trajstore: refused: {o.path}: {o.reason}", file=sys.stderr)
     return 2 if refused else 0
+
+
+def _check_before_creating(args: argparse.Namespace) -> None:
+    """Refuse what no target could get past before the store is opened (and made, when
+    new): an invalid --run, or paths none of which exist (a typo in the only path)."""
+    from trajstore.errors import UsageError
+    from trajstore.store.ingest import check_run_name
+
+    check_run_name(args.run)
+    if not any(os.path.lexists(p) for p in args.paths):
+        missing = ", ".join(str(p) for p in args.paths)
+        raise UsageError(f"nothing to ingest: no such file or directory: {missing}")
 
 
 def _new_local_store(path: str | None) -> bool:

@@ -184,7 +184,6 @@ class Store:
             if k not in live:
                 raise NotFoundError(f"no published bundle {k!r}")
         if run is not None:
-            check_run_name(run)
             # training order (a rollout, then its steps), not publication order: batched
             # ingest publishes refs concurrently, and the listing must not depend on that
             mine = [
@@ -194,7 +193,8 @@ class Store:
                     key=lambda e: (e.rollout_id, e.kind != "rollout", e.step_id or 0, e.key),
                 )
             ]
-            if not mine:
+            if not mine:  # a run stored under an older, looser rule stays removable
+                check_run_name(run)
                 raise NotFoundError(f"run {run!r} has no published bundles")
             targets += mine
         from trajstore.store.ingest import _now

@@ -146,10 +146,13 @@ def bundle_key(
     return "/".join(parts)
 
 
+#: a run name's characters, as documented: ASCII only (str.isalnum also took "café",
+#: "٣" and "ﬁ", names that look alike or change under Unicode normalization)
+_RUN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
 def check_run_name(run: str) -> str:
-    ok = (
-        isinstance(run, str) and 0 < len(run) <= 128 and all(c.isalnum() or c in "._-" for c in run)
-    )
+    ok = isinstance(run, str) and 0 < len(run) <= 128 and _RUN_CHARS.issuperset(run)
     if not ok or run.startswith("."):
         raise StoreError(
             f"run name {run!r} must be 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
