@@ -38,6 +38,26 @@ TASK_GATE_ENV = "TRAJSTORE_TASK_GATE"
 TASK_GATE_MAX_WAIT_S = 300.0
 
 
+#: the local fork pool's most processes, unless the machine has more CPUs (as `serve`)
+LOCAL_MAX_WORKERS = 64
+
+
+def check_workers(kind: str, workers: int | None) -> None:
+    """Refuse a --workers no executor can use: below 1, or more processes than the local
+    fork pool starts (a typo such as 10000 forked 10000 processes at once)."""
+    if workers is None:
+        return
+    if workers < 1:
+        raise UsageError("--workers must be >= 1")
+    cap = max(LOCAL_MAX_WORKERS, os.cpu_count() or 1)
+    if kind == "local" and workers > cap:
+        raise UsageError(
+            f"--workers {workers}: the local executor forks at most {cap} processes "
+            f"({LOCAL_MAX_WORKERS}, or this machine's CPUs if more); use --executor ray "
+            "for more"
+        )
+
+
 @dataclass(frozen=True)
 class ExecutorSpec:
     """What the user asked for: `--executor`, `--workers`, `--ray-address`."""
@@ -49,8 +69,7 @@ class ExecutorSpec:
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
             raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, not {self.kind!r}")
-        if self.workers is not None and self.workers < 1:
-            raise UsageError("--workers must be >= 1")
+        check_workers(self.kind, self.workers)
         if self.ray_address is not None and self.kind != "ray":
             raise UsageError("--ray-address needs --executor ray")
 

@@ -118,11 +118,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_store(args: argparse.Namespace) -> int:
     from trajstore.bundle.capture_dir import parse_rollout, parse_step
     from trajstore.errors import UsageError
+    from trajstore.executors import check_workers
     from trajstore.replay.runner import StageRequest
     from trajstore.store import Store
 
-    if args.workers is not None and args.workers < 1:
-        raise UsageError("--workers must be >= 1")
+    check_workers(args.executor, args.workers)
     if args.ray_address is not None and args.executor != "ray":
         raise UsageError("--ray-address needs --executor ray")
     store = Store.open(args.store, create=False, catalog_url=args.catalog)
