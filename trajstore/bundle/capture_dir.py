@@ -47,17 +47,17 @@ def is_target_dir(path: Path) -> bool:
     return is_bundle_dir(path) or is_cohort_dir(path)
 
 
+def _named_bundle(child: Path) -> bool:
+    """A `replay-*` child that is a directory or a link (to one, or dangling): a bundle of
+    the capture, listed so that it is used or its problem reported, never skipped (a
+    capture assembled from links to bundles elsewhere lost them without a word)."""
+    named = STEP_DIR.match(child.name) or ROLLOUT_DIR.match(child.name)
+    return bool(named) and (child.is_dir() or child.is_symlink())
+
+
 def list_capture(path: Path) -> list[Path]:
     """The step and rollout bundle directories directly under a capture directory."""
-    out = []
-    for child in sorted(path.iterdir()) if path.is_dir() else []:
-        if (
-            child.is_dir()
-            and not child.is_symlink()
-            and (STEP_DIR.match(child.name) or ROLLOUT_DIR.match(child.name))
-        ):
-            out.append(child)
-    return out
+    return [c for c in sorted(path.iterdir()) if _named_bundle(c)] if path.is_dir() else []
 
 
 def resolve_target(
@@ -113,7 +113,10 @@ def _check_selected(path: Path, step: tuple[int, int] | None, rollout: int | Non
 
 
 def discover_targets(path: Path | str) -> list[Path]:
-    """Every bundle/cohort directory at or below ``path`` (for ingest and validate)."""
+    """Every bundle/cohort directory at or below ``path`` (for ingest and validate).
+
+    A `replay-*` link is a target, as a linked bundle given directly is; other links are
+    not entered (one to `/` or to a whole dataset would be walked)."""
     path = Path(path)
     if not path.exists():
         raise BundleError(f"{path}: no such file or directory")
@@ -123,8 +126,11 @@ def discover_targets(path: Path | str) -> list[Path]:
         raise BundleError(f"{path}: not a bundle, cohort or capture directory")
     found: list[Path] = []
     for child in sorted(path.iterdir()):
-        if child.is_dir() and not child.is_symlink() and not child.name.startswith("."):
-            # A replay-* child is a target even when broken, so that it is reported, not skipped.
-            named = STEP_DIR.match(child.name) or ROLLOUT_DIR.match(child.name)
-            found.extend([child] if is_target_dir(child) or named else discover_targets(child))
+        if child.name.startswith("."):
+            continue
+        # A replay-* child is a target even when broken, so that it is reported, not skipped.
+        if _named_bundle(child):
+            found.append(child)
+        elif child.is_dir() and not child.is_symlink():
+            found.extend([child] if is_target_dir(child) else discover_targets(child))
     return found
