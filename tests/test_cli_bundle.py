@@ -202,28 +202,32 @@ def test_validate_capture_dir_with_a_broken_bundle_dir_is_not_silently_valid(
     ]
 
 
+def _linked_capture(tmp_path: Path, *children: str) -> Path:
+    """A capture directory whose `children` are links to the example capture's bundles."""
+    source = copy_fixture("example_capture_dir", tmp_path / "source")
+    capture = tmp_path / "linked"
+    capture.mkdir()
+    for child in children:
+        (capture / child).symlink_to(source / child, target_is_directory=True)
+    return capture
+
+
+def _both_valid(capture: Path) -> list[str]:
+    return [f"{capture / 'replay-120-0'}: valid", f"{capture / 'replay-rollout-120'}: valid"]
+
+
 def test_a_capture_dir_of_linked_bundles_uses_them(tmp_path: Path) -> None:
     # a capture assembled from links to bundles elsewhere: each link was skipped without a
     # word (validate said nothing of it, ingest stored nothing), though a linked bundle
     # given directly was used
-    source = copy_fixture("example_capture_dir", tmp_path / "source")
-    capture = tmp_path / "linked"
-    capture.mkdir()
-    for child in ("replay-120-0", "replay-rollout-120"):
-        (capture / child).symlink_to(source / child, target_is_directory=True)
+    capture = _linked_capture(tmp_path, "replay-120-0", "replay-rollout-120")
     proc = run("validate", capture)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
-        f"{capture / 'replay-120-0'}: valid",
-        f"{capture / 'replay-rollout-120'}: valid",
-    ]
+    assert proc.stdout.splitlines() == _both_valid(capture)
 
 
 def test_ingest_of_a_capture_dir_of_linked_bundles_stores_them(tmp_path: Path) -> None:
-    source = copy_fixture("example_capture_dir", tmp_path / "source")
-    capture = tmp_path / "linked"
-    capture.mkdir()
-    (capture / "replay-120-0").symlink_to(source / "replay-120-0", target_is_directory=True)
+    capture = _linked_capture(tmp_path, "replay-120-0")
     proc = run("ingest", capture, "--store", tmp_path / "store")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"published {capture / 'replay-120-0'}: ")
@@ -245,10 +249,7 @@ def test_other_links_in_a_capture_dir_are_not_entered(tmp_path: Path) -> None:
     (capture / "again").symlink_to(capture, target_is_directory=True)
     proc = run("validate", capture)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
-        f"{capture / 'replay-120-0'}: valid",
-        f"{capture / 'replay-rollout-120'}: valid",
-    ]
+    assert proc.stdout.splitlines() == _both_valid(capture)
 
 
 def test_validate_unknown_major_exits_2(tmp_path: Path) -> None:
