@@ -122,13 +122,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         else:
             print(f"{o.status:9} {o.path}: {', '.join(o.keys)}", flush=True)
 
+    _check_before_opening(args)
     try:
         if args.executor == "ray":
             _ingest_on_ray(args, report)
         else:
             if args.ray_address is not None:
                 raise UsageError("--ray-address needs --executor ray")
-            _check_before_creating(args)
             new = _new_local_store(args.store)
             with _open(args, create=True) as store:
                 if new:  # a misspelt --store would otherwise fill a fresh store unnoticed
@@ -155,9 +155,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 2 if refused else 0
 
 
-def _check_before_creating(args: argparse.Namespace) -> None:
+def _check_before_opening(args: argparse.Namespace) -> None:
     """Refuse what no target could get past before the store is opened (and made, when
-    new): an invalid --run, or paths none of which exist (a typo in the only path)."""
+    new) or Ray started: an invalid --run, or paths none of which exist (a typo in the
+    only path)."""
     from trajstore.errors import UsageError
     from trajstore.store.ingest import check_run_name
 
