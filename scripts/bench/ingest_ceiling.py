@@ -222,8 +222,11 @@ def worker(config: str, cap: Path, store_dir: Path, ext_dir: Path) -> None:
 
 def run_worker(config: str, cap: Path, store_dir: Path, ext_dir: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", config, str(cap), str(store_dir), str(ext_dir)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+        _fail(f"the {config} ingest failed (exit {res.returncode}): {last}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def measure(cap: Path, tmp: Path, ext_dir: Path, reps: int) -> dict[str, dict]:
