@@ -131,6 +131,13 @@ def test_other_variables_of_either_family_are_not_checked():
     assert not cfg.enabled
 
 
+def test_a_capture_dir_with_a_tilde_is_under_home(tmp_path, monkeypatch):
+    # an env file does not expand "~": capture wrote into a literal ./~/caps of the job's cwd
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = CaptureConfig.from_env({"TRAJSTORE_CAPTURE": "1", "TRAJSTORE_CAPTURE_DIR": "~/caps"})
+    assert cfg.output_dir == tmp_path / "caps"
+
+
 def test_public_producer_spellings_are_accepted(tmp_path):
     cfg = CaptureConfig.from_env(
         {

@@ -5,6 +5,9 @@ directory the demo did not make is never deleted by it: `export` under a file,
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,30 @@ def test_ingest_with_one_missing_path_stores_the_rest(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert f"trajstore: refused: {tmp_path / 'typo'}: no such file or directory" in res.stderr
     assert res.stdout.startswith("published ")
+
+
+def test_a_store_given_with_a_tilde_is_under_home(tmp_path: Path) -> None:
+    # `--store=~/runs` and an env file reach trajstore unexpanded: a literal ./~/runs was
+    # made in the current directory, reported as "~/runs"
+    write_bundle(tmp_path / "cap" / "replay-3-0", make_contents(step_id=0, rollout_id=3))
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    res = subprocess.run(
+        [sys.executable, "-m", "trajstore", "ingest", "--store=~/runs", str(tmp_path / "cap")],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "HOME": str(home)},
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == f"trajstore: created a new store at {home / 'runs'}\n"
+    with Store.open(home / "runs", create=False) as store:
+        assert [b["key"] for b in store.bundles()] == ["default/step-3-0/a1"]
+    assert list(cwd.iterdir()) == []
+
+
+def test_store_open_expands_a_tilde(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with Store.open("~/runs") as store:
+        assert store.root == tmp_path / "runs"

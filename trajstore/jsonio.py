@@ -85,6 +85,13 @@ def read_regular(path: Path | str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+def user_path(path: str | os.PathLike[str]) -> Path:
+    """A local path as a user wrote it, a leading `~` being their home directory. pathlib
+    does not expand it, the shell does not in `--store=~/runs` or in an env file, and a
+    literal `./~/runs` was created instead (reported as "~/runs")."""
+    return Path(os.path.expanduser(os.fspath(path)))
+
+
 def temp_sibling(path: Path) -> Path:
     """A hidden, unique temp name beside `path`: written there, then linked or renamed
     into place, so the final name never holds a partial file (readers skip dot names)."""

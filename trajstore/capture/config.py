@@ -35,6 +35,7 @@ from typing import Any
 
 from trajstore.capture.redaction import RedactionPolicy
 from trajstore.errors import UsageError
+from trajstore.jsonio import user_path
 
 DEFAULT_QUEUE_SIZE = 64
 DEFAULT_RUN = "default"
@@ -161,9 +162,9 @@ class CaptureConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         if self.output_dir is not None:
-            set_(self, "output_dir", Path(self.output_dir))
+            set_(self, "output_dir", user_path(self.output_dir))
         if self.store_dir is not None and not str(self.store_dir).startswith("s3://"):
-            set_(self, "store_dir", Path(self.store_dir))
+            set_(self, "store_dir", user_path(self.store_dir))
         if self.steps is not None:
             set_(self, "steps", frozenset((int(r), int(s)) for r, s in self.steps))
         if self.rollouts is not None:

@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
+        _expand_store(args)
         return int(args.func(args) or 0)
     except TrajstoreError as exc:
         print(f"trajstore: error: {exc}", file=sys.stderr)
@@ -99,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trajstore: error: {full}", file=sys.stderr)
             return full.exit_code
         return _internal(exc)
+
+
+def _expand_store(args: argparse.Namespace) -> None:
+    """--store (or $TRAJSTORE_STORE) with a leading `~` expanded once, so every command
+    and its messages name the directory used (`jsonio.user_path`)."""
+    store = getattr(args, "store", None)
+    if isinstance(store, str) and store.startswith("~"):
+        from trajstore.jsonio import user_path
+
+        args.store = str(user_path(store))
 
 
 def _internal(exc: Exception) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 from trajstore.cas import LocalObjectStore, ObjectStore
 from trajstore.errors import NotFoundError, StoreError, UsageError, check_known_run
+from trajstore.jsonio import user_path
 from trajstore.refspace import LocalRefSpace, RefSpace
 from trajstore.store.ingest import Ingestor, IngestOutcome, check_run_name, ingest_paths
 from trajstore.store.layout import (
@@ -58,7 +59,7 @@ def store_cache_dir(url: str, marker: bytes = b"") -> Path:
     `~/.cache/trajstore`, then 16 hex digits of the sha256 of the URL and the store's
     marker (which holds a random id), so a store created anew at a URL gets a new cache."""
     base = os.environ.get("TRAJSTORE_CACHE_DIR") or Path.home() / ".cache" / "trajstore"
-    return Path(base) / hashlib.sha256(url.encode() + b"\n" + marker).hexdigest()[:16]
+    return user_path(base) / hashlib.sha256(url.encode() + b"\n" + marker).hexdigest()[:16]
 
 
 class Store:
@@ -107,7 +108,7 @@ class Store:
         """Open (or with `create`, initialise) the store at `path` (a directory or s3:// URL)."""
         if is_remote(path):
             return cls._open_s3(str(path), create=create, catalog_url=catalog_url)
-        root = Path(path)
+        root = user_path(path)
         layout = StoreLayout(root)
         if not layout.is_store():
             if not create:
