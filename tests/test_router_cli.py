@@ -129,6 +129,17 @@ def test_compare_plot_writes_png(two_run_store, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_plot_with_a_tilde_is_written_under_home(
+    two_run_store, tmp_path, capsys, monkeypatch
+):
+    # --plot=~/cmp.png reaches trajstore unexpanded: it was written to ./~/cmp.png (the
+    # directory made for it) and reported as "plot written to ~/cmp.png"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = ["router", "compare", "--store", str(two_run_store), "--run", "base", "--run", "fix"]
+    assert main([*args, "--plot=~/cmp.png"]) == 0
+    assert (tmp_path / "cmp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize(
     ("plot", "message"),
     [

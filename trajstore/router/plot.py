@@ -17,9 +17,9 @@ def plot_path(path: Path | str) -> Path:
     """`path` checked as where a plot can be written (a new or existing .png file, its
     parent creatable), before the comparison it draws is computed."""
     from trajstore.errors import UsageError
-    from trajstore.jsonio import check_creatable
+    from trajstore.jsonio import check_creatable, user_path
 
-    path = Path(path)
+    path = user_path(path)  # --plot=~/x.png reaches us unexpanded
     if path.suffix.lower() != ".png":
         raise UsageError(f"plot file {str(path)!r} must end in .png (it is written as PNG)")
     if path.is_dir():
