@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -273,3 +274,32 @@ def test_serve_warns_before_serving_other_hosts_without_a_token(
     assert out.returncode == 2 and lines[-1].endswith("not a trajstore store (no TRAJSTORE_STORE)")
     warning = f"trajstore: warning: serving on {host} without TRAJSTORE_API_TOKEN: anyone who "
     assert (lines[0].startswith(warning) and len(lines) == 2) if warned else len(lines) == 1
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_on_a_port_in_use_is_one_line(long_store: tuple[Path, dict], workers: str) -> None:
+    # one worker: uvicorn logged "[Errno 98] ... address already in use" among its INFO
+    # lines and exited 3, a code trajstore does not document
+    store, _ = long_store
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "trajstore", "serve", "--store", str(store), "--port",
+             str(port), "--workers", workers],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"trajstore: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    )
+
+
+def test_serve_refuses_an_unknown_log_level(tmp_path: Path) -> None:
+    # it was an internal error (KeyError: 'bogus') from uvicorn's level table
+    out = _serve_without_a_store(tmp_path, dict(os.environ), "--log-level", "bogus")
+    assert out.returncode == 2
+    assert "argument --log-level: invalid choice: 'bogus'" in out.stderr

@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from trajstore.cli._common import add_catalog_arg, default_store
+
+if TYPE_CHECKING:
+    import socket
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_catalog_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--log-level", default="info", help="uvicorn log level")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="uvicorn log level (default info)",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -88,6 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from trajstore.api.limits import GuardedH11Protocol
 
+    # uvicorn reports a bind it cannot make in its log and exits 3; say it here, exit 2
+    _listening_socket(args.host, args.port).close()
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, http=GuardedH11Protocol
     )
@@ -116,8 +127,6 @@ def run_workers(
     response waits for the client's delayed ACK (about 40 ms per request, measured
     by scripts/bench/bench_rest.py). A socket opened with IPPROTO_TCP gets it.
     """
-    import socket
-
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
@@ -133,14 +142,24 @@ def run_workers(
         factory=factory,
         http=GuardedH11Protocol,
     )
+    sock = _listening_socket(host, port)
+    sock.set_inheritable(True)
+    Multiprocess(config, sockets=[sock]).run()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port); a bind that fails (a port in use, a host name
+    that does not resolve) is one line and exit 2."""
+    import socket
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
+        sock.close()
         from trajstore.errors import UsageError
 
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.set_inheritable(True)
-    Multiprocess(config, sockets=[sock]).run()
+    return sock
