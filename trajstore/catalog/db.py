@@ -54,7 +54,7 @@ def parse_url(url: str) -> sa.engine.URL:
     except sa.exc.ArgumentError:
         raise StoreError(
             f"catalog URL {url!r} is not a database URL (e.g. "
-            "postgresql+psycopg://user@host:5432/db or duckdb:///path/catalog.duckdb)"
+            "postgresql+psycopg://user@host:5432/db or duckdb:////abs/path/catalog.duckdb)"
         ) from None
     backend = parsed.get_backend_name()
     if backend not in CATALOG_BACKENDS:
@@ -62,7 +62,7 @@ def parse_url(url: str) -> sa.engine.URL:
         # half-way through a migration, not with a message
         raise StoreError(
             f"catalog backend {backend!r} is not supported (use postgresql+psycopg://"
-            "user@host:5432/db or duckdb:///path/catalog.duckdb)"
+            "user@host:5432/db or duckdb:////abs/path/catalog.duckdb)"
         )
     return parsed
 
