@@ -148,7 +148,8 @@ def _kill_one_held_worker(proc: subprocess.Popen, gate: Path) -> int:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no Ray task reached the gate in 180 s"
         time.sleep(0.05)
-    pid = int(held[0].read_text())
+    # the name, not the content: the file exists before its pid is written into it
+    pid = int(held[0].name.removeprefix("pid-"))
     os.kill(pid, signal.SIGKILL)
     (gate / "hold").unlink()
     return pid
