@@ -314,3 +314,16 @@ def test_replay_all_records_a_refused_bundle_as_refused(tmp_path: Path) -> None:
         ).stdout
     )
     assert [(r["rollout_id"], r["step_id"], r["status"]) for r in rows] == [(120, 0, "refused")]
+
+
+def test_diff_summary_of_a_payload_on_one_side_says_so(tmp_path: Path) -> None:
+    # it printed "first differing payload: entropy at None@None: a=None b=None"
+    contents = make_contents(lengths=[3, 4, 5, 2], seed=3)
+    a = write_bundle(tmp_path / "a" / "replay-7-0", contents)
+    without = {k: v for k, v in contents.payloads.items() if k != "entropy"}
+    b = write_bundle(tmp_path / "b" / "replay-7-0", dataclasses.replace(contents, payloads=without))
+    out = run_cli("diff", str(a), str(b))
+    assert out.returncode == 1, out.stderr
+    assert out.stdout.splitlines()[-1] == (
+        "first differing payload: entropy: present on one side only (a)"
+    )

@@ -312,6 +312,24 @@ def test_the_diff_page_shows_the_first_differing_payload_sample_and_token(
     shoot(browser, shots, "diff")
 
 
+def test_the_diff_page_says_why_when_a_payload_is_on_one_side_only(
+    browser: WebDriver, base: str, store: Path
+) -> None:
+    # a step against its rollout: entropy and log_probs are the step's own; the box read
+    # "entropy, sample -, token -: a = ..., b = ..." without saying what differs
+    step = next(s for s in _steps(store, "synthetic") if s["attempt"] == 1)
+    a, b = (
+        f"synthetic/{step['rollout_id']}:{step['step_id']}",
+        f"synthetic/rollout-{step['rollout_id']}",
+    )
+    browser.get(f"{base}/diff?a={a}&b={b}")
+    box = wait_for(browser, lambda d: elements(d, "#first-payload-difference"))[0]
+    code, diff = cli_json("diff", "--store", str(store), a, b, "--json")
+    first = diff["first_payload_difference"]
+    assert code == 1 and first["sample_id"] is None
+    assert box.text == f"first differing payload: {first['what']}: {first['detail']}"
+
+
 def _requests(driver: WebDriver) -> list[dict]:
     """Requests the page sent since the last call (Chrome's performance log)."""
     sent = []

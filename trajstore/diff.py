@@ -75,11 +75,14 @@ class DiffReport:
                 line += f" (a={d.a!r} b={d.b!r})"
             lines.append(line)
         fp = self.first_payload_difference()
-        if fp is not None:
+        if fp is not None and fp.sample_id is not None:
             lines.append(
                 f"first differing payload: {fp.what} at {fp.sample_id}@{fp.token_offset}: "
                 f"a={fp.a!r} b={fp.b!r}"
             )
+        elif fp is not None:  # a payload on one side only, or of another dtype or shape
+            both = f" (a={fp.a!r} b={fp.b!r})" if fp.a is not None or fp.b is not None else ""
+            lines.append(f"first differing payload: {fp.what}: {fp.detail}{both}")
         return "\n".join(lines)
 
 

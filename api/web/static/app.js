@@ -741,7 +741,9 @@ async function diffPage() {
       h("h2", {}, `${report.a} vs ${report.b}: `, report.same ? "identical" : `${report.differences.length} difference(s)`),
       first
         ? h("div", { class: "first-diff", id: "first-payload-difference", "data-payload": first.what, "data-sample": first.sample_id || "", "data-token": first.token_offset === null ? "" : first.token_offset },
-          h("strong", {}, "first differing payload: "), `${first.what}, sample ${first.sample_id || "-"}, token ${first.token_offset === null ? "-" : first.token_offset}: a = ${value(first.a)}, b = ${value(first.b)}`)
+          h("strong", {}, "first differing payload: "), first.sample_id
+            ? `${first.what}, sample ${first.sample_id}, token ${first.token_offset === null ? "-" : first.token_offset}: a = ${value(first.a)}, b = ${value(first.b)}`
+            : `${first.what}: ${first.detail}`)
         : h("p", { class: "muted" }, "no payload differs"),
       report.differences.length
         ? table(["kind", "what", "sample", "token", `a: ${report.a}`, `b: ${report.b}`, "detail"], report.differences.map((d) =>
