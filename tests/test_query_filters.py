@@ -17,7 +17,7 @@ from test_store import cli
 from trajstore.bundle.writer import write_bundle
 from trajstore.catalog import queries
 from trajstore.catalog.direct import DirectCatalog
-from trajstore.errors import UsageError
+from trajstore.errors import NotFoundError, UsageError
 from trajstore.store import Store
 from trajstore.vocab import STAGE_ORDER
 
@@ -187,3 +187,45 @@ def test_cli_a_limit_past_bigint_lists_every_row(store_dir: Path) -> None:
         return json.loads(res.stdout)
 
     assert rows("--limit", str(10**20)) == rows()
+
+
+def test_cli_unknown_sample_is_refused(store_dir: Path) -> None:
+    # a misspelt sample id listed no divergences, which reads as "it never diverged"
+    res = cli("query", "divergences", "--store", store_dir, "--sample", "s-O")
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == "trajstore: error: sample 's-O' is in no bundle of the store"
+
+
+def test_cli_known_sample_still_filters(store_dir: Path) -> None:
+    res = cli(
+        "query", "divergences", "--store", store_dir, "--sample", "s-0", "--format", "json"
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert {r["sample_id"] for r in json.loads(res.stdout)} <= {"s-0"}
+
+
+def test_a_sample_outside_the_given_run_is_refused_naming_it(store_dir: Path) -> None:
+    with DirectCatalog.open(store_dir) as direct:
+        assert direct.has_sample("s-0", "gone")  # a removed run's samples are still known
+        with pytest.raises(NotFoundError, match="no bundle of run 'nope'"):
+            direct.divergences(sample_id="s-0", run="nope")
+
+
+def test_both_catalog_readers_refuse_an_unknown_sample(store_dir: Path) -> None:
+    with DirectCatalog.open(store_dir) as direct, pytest.raises(NotFoundError, match="'s-O'"):
+        direct.divergences(sample_id="s-O")
+    with (
+        Store.open(store_dir) as store,
+        store.catalog() as cat,
+        pytest.raises(NotFoundError, match="'s-O'"),
+    ):
+        queries.query_divergences(cat, sample_id="s-O")
+
+
+def test_rest_unknown_sample_is_404(store_dir: Path) -> None:
+    with serve(store_dir) as client:
+        resp = client.get("/v1/divergences", params={"sample_id": "s-O"})
+        good = client.get("/v1/divergences", params={"sample_id": "s-0"})
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["detail"] == "sample 's-O' is in no bundle of the store"
+    assert good.status_code == 200

@@ -43,6 +43,14 @@ def check_known_run(run: str | None, known: Iterable[str]) -> None:
         raise NotFoundError(f"run {run!r} is not in the store (runs: {', '.join(names) or 'none'})")
 
 
+def check_known_sample(sample_id: str | None, found: bool, run: str | None) -> None:
+    """Refuse a sample filter naming no sample of any bundle (of `run`, when given): like a
+    misspelt run, it would list nothing, which reads as "that sample never diverged"."""
+    if sample_id is not None and not found:
+        where = f"run {run!r}" if run is not None else "the store"
+        raise NotFoundError(f"sample {sample_id!r} is in no bundle of {where}")
+
+
 class IntegrityError(TrajstoreError):
     """Stored content does not match its address or a declared size/hash."""
 

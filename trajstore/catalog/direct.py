@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trajstore.catalog.revisions import HEAD_REVISION, KNOWN_REVISIONS
-from trajstore.errors import StoreError, UsageError
+from trajstore.errors import StoreError, UsageError, check_known_sample
 
 CATALOG_FILE = "catalog.duckdb"
 JSON_COLUMNS = frozenset(
@@ -382,6 +382,13 @@ class DirectCatalog:
 
     # -- the queries (trajstore.catalog.queries, unpaged) --------------------------------
 
+    def has_sample(self, sample_id: str, run: str | None = None) -> bool:
+        """Whether any bundle (of `run`, when given; removed ones too) holds `sample_id`."""
+        sql = "SELECT 1 FROM samples AS s JOIN bundles AS b ON b.key = s.bundle_key "
+        sql += "WHERE s.sample_id = ?" + (" AND b.run = ?" if run is not None else "")
+        params = [sample_id] + ([run] if run is not None else [])
+        return self.con.execute(sql + " LIMIT 1", params).fetchone() is not None
+
     def run_names(self) -> list[str]:
         """Every run the catalog knows (published once, even if removed since), sorted."""
         return [row["run"] for row in self._rows("SELECT run FROM runs ORDER BY run", [])]
@@ -490,6 +497,8 @@ class DirectCatalog:
     ) -> list[dict]:
         """As query_divergences, every page."""
         check_filter_words(stage=stage)
+        if sample_id is not None:
+            check_known_sample(sample_id, self.has_sample(sample_id, run), run)
         params: list = []
         latest_sql = _latest_results_sql(params, run, None)
         where: list[str] = []

@@ -27,7 +27,7 @@ from trajstore.catalog.direct import (  # noqa: F401  (JSON_COLUMNS: re-exported
     readonly_sql_duckdb,
 )
 from trajstore.catalog.direct import check_readonly as _check_readonly
-from trajstore.errors import UsageError
+from trajstore.errors import UsageError, check_known_sample
 from trajstore.vocab import UNREPLAYED
 
 DEFAULT_PAGE_SIZE = 100
@@ -565,6 +565,17 @@ def query_steps(
     return {"items": items, "next_cursor": next_cursor}
 
 
+def has_sample(catalog: Catalog, sample_id: str, run: str | None = None) -> bool:
+    """Whether any bundle (of `run`, when given; removed ones too) holds `sample_id`."""
+    s = tables.samples
+    q = sa.select(sa.literal(1)).select_from(s.join(_B, _B.c.key == s.c.bundle_key))
+    q = q.where(s.c.sample_id == sample_id)
+    if run is not None:
+        q = q.where(_B.c.run == run)
+    with catalog.connect() as conn:
+        return conn.execute(q.limit(1)).first() is not None
+
+
 def query_divergences(
     catalog: Catalog,
     run: str | None = None,
@@ -581,6 +592,8 @@ def query_divergences(
     Ordered by (run, rollout_id, step_id, result_id, position).
     """
     check_filter_words(stage=stage)
+    if sample_id is not None:
+        check_known_sample(sample_id, has_sample(catalog, sample_id, run), run)
     limit = _limit(limit)
     after = _decode_cursor("divergences", cursor, "siiii")
     d = tables.divergences
