@@ -37,10 +37,12 @@ def test_replay_all_with_too_many_workers_exits_2_before_any_work(tmp_path: Path
     write_bundle(tmp_path / "cap" / "replay-3-0", make_contents(step_id=0, rollout_id=3))
     with Store.open(tmp_path / "store") as store:
         assert all(o.status == "published" for o in store.ingest([tmp_path / "cap"]))
-    res = cli("replay", "--store", tmp_path / "store", "--all", "--record", "--workers", "100000")
+    # one past the cap: were the check gone, this forks CAP + 1 processes, not 100,000
+    over = str(CAP + 1)
+    res = cli("replay", "--store", tmp_path / "store", "--all", "--record", "--workers", over)
     lines = assert_clean_failure(res)
     assert lines == [
-        f"trajstore: error: --workers 100000: the local executor forks at most {CAP} processes "
+        f"trajstore: error: --workers {over}: the local executor forks at most {CAP} processes "
         f"({LOCAL_MAX_WORKERS}, or this machine's CPUs if more); use --executor ray for more"
     ]
     assert not list((tmp_path / "store" / "results").rglob("*.json"))
