@@ -10,11 +10,13 @@ from starlette.datastructures import QueryParams
 from starlette.routing import Match
 
 from trajstore.catalog import MAX_PAGE_SIZE
+from trajstore.catalog.direct import BIGINT_MAX
 from trajstore.catalog.queries import STEP_SORTS
 
 from .errors import error_response
 
-MAX_ID = 2**63 - 1
+#: ids are BIGINT columns in the catalog: the CLI and both catalog readers bound them alike
+MAX_ID = BIGINT_MAX
 
 Id = Annotated[int, Path(ge=0, le=MAX_ID, description="non-negative integer")]
 RunName = Annotated[str, Path(min_length=1, max_length=200)]
