@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
-from trajstore.catalog import list_runs, query_divergences, query_router_metrics, stats
-from trajstore.catalog.queries import DEFAULT_PAGE_SIZE
+from trajstore.catalog import query_divergences, query_router_metrics, stats
+from trajstore.catalog.queries import DEFAULT_PAGE_SIZE, run_names
 from trajstore.jsonio import json_safe
 
 from .. import models
@@ -80,7 +80,7 @@ def store_stats(state: StateDep, run: Text = None) -> models.Open:
     """Counts and sizes over the catalog (or one run: any run ever published, so a removed
     one still shows its removed bundles)."""
     if run is not None:
-        check_run(state.view, run, sorted(row["run"] for row in list_runs(state.snap.catalog)))
+        check_run(state.view, run, run_names(state.snap.catalog))
     return models.Open(**json_safe(stats(state.snap.catalog, run=run)))
 
 

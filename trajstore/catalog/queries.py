@@ -168,6 +168,15 @@ def list_runs(catalog: Catalog) -> list[dict]:
         return [_row(r) for r in conn.execute(q)]
 
 
+def run_names(catalog: Catalog) -> list[str]:
+    """Every run the catalog knows (published once, even if removed since), sorted; as
+    DirectCatalog.run_names."""
+    with catalog.connect() as conn:
+        return list(
+            conn.execute(sa.select(tables.runs.c.run).order_by(tables.runs.c.run)).scalars()
+        )
+
+
 def list_bundles(
     catalog: Catalog,
     run: str | None = None,

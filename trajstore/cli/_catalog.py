@@ -113,9 +113,9 @@ class PagedReader:
         return _all_pages(partial(getattr(queries, name), self.catalog), limit, **kw)
 
     def run_names(self) -> list[str]:
-        from trajstore.catalog.queries import list_runs
+        from trajstore.catalog.queries import run_names
 
-        return sorted(row["run"] for row in list_runs(self.catalog))
+        return run_names(self.catalog)
 
     def bundles(self, limit: int | None = None, columns: Any = None, **kw: Any) -> list[dict]:
         """`columns` is a hint: whole rows are returned."""
