@@ -28,9 +28,8 @@ BUNDLE_REFS = Path("refs") / "bundles"
 def store_root(path: str | Path) -> Path:
     """The store directory, refused (as Store.open(create=False) does) if it is not a store."""
     from trajstore.errors import StoreError
-    from trajstore.jsonio import user_path
 
-    root = user_path(path)
+    root = Path(path)  # a leading ~ was expanded with the command line (cli._expand_store)
     if not ((root / MARKER).is_file() and (root / BUNDLE_REFS).is_dir()):
         raise StoreError(f"{root}: not a trajstore store (no {MARKER})")
     return root
