@@ -42,22 +42,6 @@ TASK_GATE_MAX_WAIT_S = 300.0
 LOCAL_MAX_WORKERS = 64
 
 
-def check_workers(kind: str, workers: int | None) -> None:
-    """Refuse a --workers no executor can use: below 1, or more processes than the local
-    fork pool starts (a typo such as 10000 forked 10000 processes at once)."""
-    if workers is None:
-        return
-    if workers < 1:
-        raise UsageError("--workers must be >= 1")
-    cap = max(LOCAL_MAX_WORKERS, os.cpu_count() or 1)
-    if kind == "local" and workers > cap:
-        raise UsageError(
-            f"--workers {workers}: the local executor forks at most {cap} processes "
-            f"({LOCAL_MAX_WORKERS}, or this machine's CPUs if more); use --executor ray "
-            "for more"
-        )
-
-
 @dataclass(frozen=True)
 class ExecutorSpec:
     """What the user asked for: `--executor`, `--workers`, `--ray-address`."""
@@ -69,9 +53,23 @@ class ExecutorSpec:
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
             raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, not {self.kind!r}")
-        check_workers(self.kind, self.workers)
+        if self.workers is not None:
+            self._check_workers(self.workers)
         if self.ray_address is not None and self.kind != "ray":
             raise UsageError("--ray-address needs --executor ray")
+
+    def _check_workers(self, workers: int) -> None:
+        """Below 1 is refused, and so is more than the local fork pool starts (a typo such
+        as 100000 forked 100000 processes at once); Ray forks nothing: any count."""
+        if workers < 1:
+            raise UsageError("--workers must be >= 1")
+        cap = max(LOCAL_MAX_WORKERS, os.cpu_count() or 1)
+        if self.kind == "local" and workers > cap:
+            raise UsageError(
+                f"--workers {workers}: the local executor forks at most {cap} processes "
+                f"({LOCAL_MAX_WORKERS}, or this machine's CPUs if more); use --executor ray "
+                "for more"
+            )
 
 
 class LocalExecutor:

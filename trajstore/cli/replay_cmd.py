@@ -118,13 +118,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def _replay_store(args: argparse.Namespace) -> int:
     from trajstore.bundle.capture_dir import parse_rollout, parse_step
     from trajstore.errors import UsageError
-    from trajstore.executors import check_workers
+    from trajstore.executors import ExecutorSpec
     from trajstore.replay.runner import StageRequest
     from trajstore.store import Store
 
-    check_workers(args.executor, args.workers)
-    if args.ray_address is not None and args.executor != "ray":
-        raise UsageError("--ray-address needs --executor ray")
+    ExecutorSpec(args.executor, args.workers, args.ray_address)  # its checks, before the store
     store = Store.open(args.store, create=False, catalog_url=args.catalog)
     if args.all or args.rollout_from is not None or args.rollout_to is not None:
         if args.sample or args.group or args.batch or args.stage != "all":
