@@ -43,6 +43,8 @@ def catalog_url(store_dir: Path | str | None, url: str | None = None) -> str:
 MIGRATION_LOCK_ID = 0x7472616B  # "trak"
 #: the databases a catalog may live in (their dialects are the ones migrations are written for)
 CATALOG_BACKENDS = ("duckdb", "postgresql")
+#: how the messages show a catalog URL of each backend (DuckDB's absolute form: four slashes)
+_URL_EXAMPLES = "postgresql+psycopg://user@host:5432/db or duckdb:////abs/path/catalog.duckdb"
 #: how long a connection to a server catalog may take before the command fails
 CONNECT_TIMEOUT_S = 10
 
@@ -53,17 +55,13 @@ def parse_url(url: str) -> sa.engine.URL:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError:
         raise StoreError(
-            f"catalog URL {url!r} is not a database URL (e.g. "
-            "postgresql+psycopg://user@host:5432/db or duckdb:////abs/path/catalog.duckdb)"
+            f"catalog URL {url!r} is not a database URL (e.g. {_URL_EXAMPLES})"
         ) from None
     backend = parsed.get_backend_name()
     if backend not in CATALOG_BACKENDS:
         # the migrations and queries are written for these two; another dialect fails
         # half-way through a migration, not with a message
-        raise StoreError(
-            f"catalog backend {backend!r} is not supported (use postgresql+psycopg://"
-            "user@host:5432/db or duckdb:////abs/path/catalog.duckdb)"
-        )
+        raise StoreError(f"catalog backend {backend!r} is not supported (use {_URL_EXAMPLES})")
     return parsed
 
 
