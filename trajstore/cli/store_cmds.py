@@ -107,7 +107,6 @@ def _human(n: int | None) -> str:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from trajstore.errors import UsageError
     from trajstore.store.ingest import IngestOutcome
 
     done: list[IngestOutcome] = []
@@ -127,8 +126,6 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         if args.executor == "ray":
             _ingest_on_ray(args, report)
         else:
-            if args.ray_address is not None:
-                raise UsageError("--ray-address needs --executor ray")
             new = _new_local_store(args.store)
             with _open(args, create=True) as store:
                 if new:  # a misspelt --store would otherwise fill a fresh store unnoticed
@@ -157,15 +154,17 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 def _check_before_opening(args: argparse.Namespace) -> None:
     """Refuse what no target could get past before the store is opened (and made, when
-    new) or Ray started: an invalid --run, or paths none of which exist (a typo in the
-    only path)."""
+    new) or Ray started: an invalid --run, paths none of which exist (a typo in the only
+    path), executor options that do not go together (ExecutorSpec's checks)."""
     from trajstore.errors import UsageError
+    from trajstore.executors import ExecutorSpec
     from trajstore.store.ingest import check_run_name
 
     check_run_name(args.run)
     if not any(os.path.lexists(p) for p in args.paths):
         missing = ", ".join(str(p) for p in args.paths)
         raise UsageError(f"nothing to ingest: no such file or directory: {missing}")
+    ExecutorSpec(args.executor, None, args.ray_address)
 
 
 def _new_local_store(path: str | None) -> bool:
