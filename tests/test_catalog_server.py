@@ -399,7 +399,7 @@ def test_s3_store_with_postgres_catalog_lists_refs_from_the_mark(s3_env, pg_url,
     ("url", "message"),
     [
         (
-            "sqlite:///side.db",
+            "sqlite:///{tmp}/side.db",  # {tmp} absolute: four slashes in all
             "catalog backend 'sqlite' is not supported (use postgresql+psycopg://",
         ),
         ("mysql://host/db", "catalog backend 'mysql' is not supported (use postgresql+psycopg://"),
