@@ -199,15 +199,24 @@ def test_a_corrupt_chunk_cuts_the_stream_before_its_bytes(tmp_path: Path) -> Non
 
 def test_serve_rejects_a_bad_worker_count(long_store: tuple[Path, dict]) -> None:
     store, _ = long_store
-    done = subprocess.run(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(store), "--workers", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _serve(store, "--workers", "0")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "--workers must be 1..64" in done.stderr
+
+
+def _serve(
+    store: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`trajstore serve --store STORE ARGS...` run to its end: every test here expects it
+    to stop before it serves."""
+    return subprocess.run(
+        [sys.executable, "-m", "trajstore", "serve", "--store", str(store), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def _serve_without_a_store(
@@ -215,13 +224,7 @@ def _serve_without_a_store(
 ) -> subprocess.CompletedProcess:
     """`trajstore serve` on a store that does not exist: what it checks before opening the
     store is all it does (nothing binds)."""
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", "serve", "--store", str(tmp_path / "none"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    return _serve(tmp_path / "none", *args, env=env)
 
 
 @pytest.mark.parametrize(
@@ -285,13 +288,7 @@ def test_serve_on_a_port_in_use_is_one_line(long_store: tuple[Path, dict], worke
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run(
-            [sys.executable, "-m", "trajstore", "serve", "--store", str(store), "--port",
-             str(port), "--workers", workers],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )  # fmt: skip
+        done = _serve(store, "--port", str(port), "--workers", workers)
     assert done.returncode == 2
     assert done.stderr == (
         f"trajstore: error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
