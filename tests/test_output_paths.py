@@ -5,9 +5,6 @@ directory the demo did not make is never deleted by it: `export` under a file,
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -145,13 +142,7 @@ def test_a_store_given_with_a_tilde_is_under_home(tmp_path: Path) -> None:
     home, cwd = tmp_path / "home", tmp_path / "cwd"
     home.mkdir()
     cwd.mkdir()
-    res = subprocess.run(
-        [sys.executable, "-m", "trajstore", "ingest", "--store=~/runs", str(tmp_path / "cap")],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, "HOME": str(home)},
-    )
+    res = cli("ingest", "--store=~/runs", tmp_path / "cap", env={"HOME": str(home)}, cwd=cwd)
     assert res.returncode == 0, res.stderr
     assert res.stderr == f"trajstore: created a new store at {home / 'runs'}\n"
     with Store.open(home / "runs", create=False) as store:

@@ -29,12 +29,15 @@ FIXTURE_TARGETS = [
 ]
 
 
-def cli(*args: str | Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def cli(
+    *args: str | Path, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "trajstore", *map(str, args)],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
 
 
