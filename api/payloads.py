@@ -30,9 +30,15 @@ STREAM_CHUNK = 1 << 20
 _RANGE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$")
 
 
-def etag_for(content_hash: str, fmt: str, sample: str | None) -> str:
-    """Strong ETag: the content hash of the payload plus what was selected from it."""
-    sel = hashlib.blake2b(f"{fmt}\0{sample or ''}".encode(), digest_size=6).hexdigest()
+def etag_for(content_hash: str, fmt: str, position: int | None) -> str:
+    """Strong ETag: the content hash of the payload plus what was selected from it.
+
+    A sample is selected by its row (`position`), not its id: two bundles may share a
+    payload record and give one id different rows, and an id-keyed tag (the body cache's
+    key too) served one bundle's rows for the other's.
+    """
+    row = "" if position is None else f"row{position}"
+    sel = hashlib.blake2b(f"{fmt}\0{row}".encode(), digest_size=6).hexdigest()
     return f'"{content_hash[:40]}-{fmt}-{sel}"'
 
 

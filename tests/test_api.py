@@ -25,7 +25,14 @@ import numpy as np
 import pytest
 import torch
 import uvicorn
-from conftest import CAPTURE_DIR, FIXTURES, make_contents
+from conftest import (
+    CAPTURE_DIR,
+    FIXTURES,
+    copy_fixture,
+    edit_json,
+    make_contents,
+    resign_bundle,
+)
 from trajstore.api.app import create_app
 
 from trajstore.bundle.writer import write_bundle
@@ -236,6 +243,46 @@ def test_one_sample_slice(client: httpx.Client) -> None:
         ),
         400,
     )
+
+
+def test_one_sample_of_two_bundles_sharing_a_payload_is_each_bundles_own_row(
+    tmp_path: Path,
+) -> None:
+    """Two bundles with the same log_probs record, s-0 and s-1 swapped in the second: each
+    answers its own row, under its own ETag (the body cache once served the first one's
+    row for both, and If-None-Match answered 304 across them)."""
+    swapped = copy_fixture("example_bundle", tmp_path)
+
+    def swap(doc: dict) -> None:
+        first, second = doc["samples"][0], doc["samples"][1]
+        first["sample_id"], second["sample_id"] = second["sample_id"], first["sample_id"]
+
+    edit_json(swapped / "index.json", swap)
+    resign_bundle(swapped)
+    root = tmp_path / "store"
+    with Store.open(root, durable=False) as st:
+        assert all(o.status == "published" for o in st.ingest([EXAMPLE], run="ex"))
+        assert all(o.status == "published" for o in st.ingest([swapped], run="sw"))
+    lp = torch.load(EXAMPLE / "payloads" / "log_probs.pt", weights_only=True).numpy()
+    rows = {"ex": {"s-0": lp[0:3], "s-1": lp[3:5]}, "sw": {"s-1": lp[0:3], "s-0": lp[3:5]}}
+    os.environ.pop("TRAJSTORE_API_TOKEN", None)
+    with serve(root) as client:
+        etags = {}
+        for run in ("ex", "sw"):  # ex first: its bodies are cached when sw is asked
+            url = f"/v1/bundles/{run}/step-120-0/a1/payloads/log_probs"
+            for sample, want in rows[run].items():
+                resp = client.get(url, params={"sample": sample})
+                assert resp.status_code == 200, resp.text
+                np.testing.assert_array_equal(np.load(io.BytesIO(resp.content)), want)
+                etags[run, sample] = resp.headers["etag"]
+        assert etags["ex", "s-0"] != etags["sw", "s-0"]
+        assert etags["ex", "s-0"] == etags["sw", "s-1"]  # the same row of the same record
+        url = "/v1/bundles/sw/step-120-0/a1/payloads/log_probs"
+        again = client.get(
+            url, params={"sample": "s-0"}, headers={"If-None-Match": etags["ex", "s-0"]}
+        )
+        assert again.status_code == 200
+        np.testing.assert_array_equal(np.load(io.BytesIO(again.content)), lp[3:5])
 
 
 # -- ETag / Range --------------------------------------------------------------

@@ -231,7 +231,7 @@ def payload(
     stored_bundle = state.stored(row)
     entry = stored_bundle.ref["payloads"][name]
     content = entry["file"]["sha256"] if format == "pt" else payload_row["record"]
-    etag = etag_for(content, format, sample)
+    etag = etag_for(content, format, position)
     headers = {"ETag": etag, "Accept-Ranges": "bytes", "X-Dtype": str(payload_row["dtype"])}
     if etag_matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
