@@ -340,6 +340,7 @@ def test_errors_are_json_with_the_right_status(client: httpx.Client) -> None:
     _error(client.post("/v1/replay", json={"run": "cap", "step": "120:x"}), 400)
     _error(client.post("/v1/replay", json={"run": "cap", "step": "120:0", "rollout": 120}), 400)
     _error(client.post("/v1/replay", json={"run": "cap", "step": "120:0", "stage": "nope"}), 400)
+    _error(client.post("/v1/replay", json={"run": "cap", "step": "120:0", "stage": ","}), 400)
     _error(client.post("/v1/replay", json={"run": "cap", "step": "120:0", "samples": ["zz"]}), 400)
     _error(client.post("/v1/replay", json={"bundle": "../x"}), 404)
     _error(client.post("/v1/replay", json={"step": "120:0"}), 400)  # two runs: name one

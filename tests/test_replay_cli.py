@@ -229,6 +229,15 @@ def test_unknown_stage_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert_one_line_error(err, "unknown stage(s) advantage.bogus")
 
 
+def test_a_stage_list_naming_no_stage_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = write_consistent(tmp_path / "b")
+    code, _, err = run(capsys, path, "--stage", " , ")
+    assert code == 2
+    assert_one_line_error(err, "no stage named in ' , '; stages: all, ")
+
+
 def test_unknown_sample_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = write_consistent(tmp_path / "b")
     code, _, err = run(capsys, path, "--sample", "s-404")

@@ -45,6 +45,8 @@ class StageRequest:
             return cls()
         names = tuple(name.strip() for name in text.split(",") if name.strip())
         known = stage_names()
+        if not names:
+            raise UsageError(f"no stage named in {text!r}; stages: all, {', '.join(known)}")
         unknown = [name for name in names if name not in known]
         if unknown:
             raise UsageError(
