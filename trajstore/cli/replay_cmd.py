@@ -127,6 +127,11 @@ def _replay_store(args: argparse.Namespace) -> int:
     if args.all or args.rollout_from is not None or args.rollout_to is not None:
         if args.sample or args.group or args.batch or args.stage != "all":
             raise UsageError("--all replays whole bundles: no --sample/--group/--batch/--stage")
+        if args.step or args.rollout or args.bundle or args.attempt is not None:
+            raise UsageError(
+                "--all/--rollout-from/--rollout-to replay the latest attempt of every step in "
+                "the range: no --step/--rollout/--bundle/--attempt"
+            )
         if args.record:
             store.index_new()  # results of an interrupted run count as recorded
         code = _replay_all(args)

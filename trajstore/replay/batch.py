@@ -73,8 +73,9 @@ def list_targets(
     store: Any, *, run: str | None, rollout_from: int | None, rollout_to: int | None
 ) -> list[BatchTarget]:
     """Latest attempt of every (run, kind, anchor), all ranks, ordered by (run, rollout, step).
-    A run the store does not hold, or a reversed rollout range, is refused (it would
-    select nothing and report "0 of 0 replayed" as a success)."""
+    A run the store does not hold, a reversed rollout range or a range holding none of
+    the run's bundles is refused (it would select nothing and report "0 of 0 replayed"
+    as a success)."""
     from trajstore.errors import UsageError, check_known_run
 
     live = list(store.refs.live().values())
@@ -90,6 +91,13 @@ def list_targets(
         if rollout_to is not None and e.rollout_id > rollout_to:
             continue
         groups.setdefault((e.run, e.kind, e.rollout_id, e.step_id), []).append(e)
+    if not groups and (rollout_from is not None or rollout_to is not None):
+        held = sorted({e.rollout_id for e in live if run is None or e.run == run})
+        what = f"run {run!r}" if run is not None else "the store"
+        span = f"rollouts {held[0]}..{held[-1]}" if held else "no bundles"
+        lo = "" if rollout_from is None else rollout_from
+        hi = "" if rollout_to is None else rollout_to
+        raise UsageError(f"no bundle of {what} in rollouts {lo}..{hi} (it holds {span})")
     out = []
     for (run_name, kind, rollout_id, step_id), entries in groups.items():
         latest = max(entry.attempt for entry in entries)
