@@ -115,6 +115,44 @@ def test_replay_of_a_reversed_rollout_range_exits_2(fixture_store: str) -> None:
     assert out.stderr.strip() == "trajstore: error: --rollout-from 121 is after --rollout-to 120"
 
 
+def test_replay_of_a_rollout_range_holding_no_bundle_exits_2(fixture_store: str) -> None:
+    """A range past the run's rollouts selects nothing: "replayed 0 of 0" was exit 0."""
+    out = run_cli("replay", "--store", str(fixture_store), "--run", "r1", "--rollout-from", "500")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        "trajstore: error: no bundle of run 'r1' in rollouts 500.. (it holds rollouts 120..120)"
+    )
+
+
+def test_replay_of_a_step_with_a_rollout_range_exits_2(fixture_store: str) -> None:
+    """--step beside --rollout-to was dropped: the range was replayed and its exit code
+    answered for steps the user did not ask about."""
+    out = run_cli(
+        "replay", "--store", str(fixture_store), "--run", "r1", "--step", "120:0", "--rollout-to",
+        "119",
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stdout == ""
+    assert "no --step/--rollout/--bundle/--attempt" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        (["--run", "r2"], "bundle 'r1/step-120-0/rank-0/a1' is of run 'r1', not of --run 'r2'"),
+        (["--attempt", "2"], "bundle 'r1/step-120-0/rank-0/a1' is attempt 1, not --attempt 2"),
+    ],
+)
+def test_replay_of_a_bundle_key_refuses_a_run_or_attempt_it_contradicts(
+    fixture_store: str, given: list[str], error: str
+) -> None:
+    key = "r1/step-120-0/rank-0/a1"
+    out = run_cli("replay", "--store", str(fixture_store), "--bundle", key, *given)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == f"trajstore: error: {error}"
+    agreed = run_cli("replay", "--store", str(fixture_store), "--bundle", key, "--run", "r1")
+    assert agreed.returncode == 0, agreed.stderr
+
+
 def test_divergences_query_names_sample_and_token(fixture_store: str) -> None:
     run_cli("replay", "--store", str(fixture_store), "--all", "--record")
     out = run_cli(

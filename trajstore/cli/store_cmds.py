@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sel.add_argument("--step", metavar="R:S", help="actor step id")
     sel.add_argument("--rollout", metavar="R", help="rollout id")
     sel.add_argument("--bundle", metavar="KEY", help="bundle key (see trajstore ls)")
-    p.add_argument("--run", default="default", help="run name (default: default)")
+    p.add_argument("--run", help="run name (default: default; with --bundle, the key's)")
     p.add_argument("--attempt", type=int, help="attempt number (default: the latest)")
     p.add_argument("--format", type=int, choices=(1, 2), help="format major of the export")
     p.add_argument("out", metavar="OUT", help="directory to create")
@@ -198,18 +198,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     from trajstore.bundle.capture_dir import parse_rollout, parse_step
     from trajstore.store.export import export_bundles
 
+    run = args.run or "default"  # None: not given, which --bundle must know
     with _open(args) as store:
         if args.bundle:
-            b = store.bundle(args.bundle)
+            b = store.bundle(args.bundle, args.run, args.attempt)
             if b.ref.get("cohort_ranks") is None:
                 bundles = [b]
             else:
                 kind, r, s = b.ref["kind"], b.ref["rollout_id"], b.ref["step_id"]
                 bundles = store._group(b.ref["run"], kind, r, s, b.attempt)
         elif args.step:
-            bundles = store.step(args.run, *parse_step(args.step), attempt=args.attempt)
+            bundles = store.step(run, *parse_step(args.step), attempt=args.attempt)
         else:
-            bundles = store.rollout(args.run, parse_rollout(args.rollout), attempt=args.attempt)
+            bundles = store.rollout(run, parse_rollout(args.rollout), attempt=args.attempt)
         out = export_bundles(bundles, args.out, format_major=args.format)
     print(f"exported {', '.join(b.bundle_key for b in bundles)} -> {out}")
     return 0

@@ -79,7 +79,7 @@ def stored_sources(store: Any, target: Target) -> list[Any]:
     if sum(x is not None for x in (target.step, target.rollout, target.bundle_key)) != 1:
         raise UsageError("name exactly one of --step R:S, --rollout R, --bundle KEY")
     if target.bundle_key:
-        return [store.bundle(target.bundle_key)]
+        return [store.bundle(target.bundle_key, target.run, target.attempt)]
     run = resolve_run(store, target.run)
     if target.step is not None:
         return store.step(run, *target.step, attempt=target.attempt)

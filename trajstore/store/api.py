@@ -222,14 +222,23 @@ class Store:
     def _stored(self, e: RefEntry) -> StoredBundle:
         return StoredBundle(self.objs, self.refs.read(e.name), e.name)
 
-    def bundle(self, key: str) -> StoredBundle:
-        """One published bundle by key (e.g. `default/step-120-0/rank-0/a1`)."""
+    def bundle(self, key: str, run: str | None = None, attempt: int | None = None) -> StoredBundle:
+        """One published bundle by key (e.g. `default/step-120-0/rank-0/a1`).
+
+        A key names its run and attempt; `run` / `attempt` (a caller's --run / --attempt
+        beside --bundle) must agree with it, or the call is refused rather than either
+        being ignored.
+        """
         e = self.refs.live().get(key)
         if e is None:
             self.refs.refresh(force=True)  # published since the last listing?
             e = self.refs.live().get(key)
         if e is None:
             raise NotFoundError(f"no published bundle {key!r}")
+        if run is not None and e.run != run:
+            raise UsageError(f"bundle {key!r} is of run {e.run!r}, not of --run {run!r}")
+        if attempt is not None and e.attempt != attempt:
+            raise UsageError(f"bundle {key!r} is attempt {e.attempt}, not --attempt {attempt}")
         return self._stored(e)
 
     def _group(
