@@ -80,11 +80,15 @@ def samples_summary(view: View, rows: list[dict[str, Any]]) -> models.SamplesSum
 
 
 def latest_verdict(view: View, keys: list[str]) -> models.Verdict | None:
-    """The most recently recorded replay result over ``keys``' bundles."""
+    """The latest replay result over ``keys``' bundles: the newest whole replay's, else
+    the newest partial one's (catalog.queries.whole_first)."""
     results = [view.latest_result[key] for key in keys if key in view.latest_result]
     if not results:
         return None
-    latest = max(results, key=lambda result: (result["recorded_at"] or "", result["id"]))
+    latest = max(
+        results,
+        key=lambda result: (result["selection"] is None, result["recorded_at"] or "", result["id"]),
+    )
     return models.Verdict(**json_safe(latest))
 
 

@@ -70,7 +70,8 @@ class PayloadInfo(BaseModel):
 
 
 class Verdict(Open):
-    """The most recently recorded replay result (null fields when none)."""
+    """The latest recorded replay result: the newest whole replay's, else the newest partial
+    one's (its `selection` names the part). Null fields when none."""
 
     bundle_key: str
     status: str | None = None

@@ -35,7 +35,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 
 from trajstore.catalog import open_catalog, sync_catalog, tables
 from trajstore.catalog.db import Catalog
-from trajstore.catalog.queries import jsonable, samples_of
+from trajstore.catalog.queries import jsonable, samples_of, whole_first
 from trajstore.catalog.sync import changes
 from trajstore.store import Store
 
@@ -300,8 +300,11 @@ def _build_view(catalog: Catalog, previous: View, generation: int) -> View:
         latest: dict[str, dict[str, Any]] = {}
         for row in _rows(
             conn,
+            # the last row of a bundle is its latest result (queries.whole_first)
             sa.select(results).order_by(
-                results.c.recorded_at.asc().nulls_first(), results.c.id.asc()
+                whole_first(results).desc(),
+                results.c.recorded_at.asc().nulls_first(),
+                results.c.id.asc(),
             ),
         ):
             latest[row["bundle_key"]] = row

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_contents
+from conftest import FIXTURES, make_contents
 from test_api import serve
 from test_store import cli
 
@@ -20,6 +20,7 @@ from trajstore.store import Store
 
 STEPS = (0, 1, 2)
 REPLAYED = 1
+DIVERGENT = FIXTURES / "example_bundle_divergent"
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,39 @@ def test_rest_unknown_status_is_a_400(store_dir: Path) -> None:
         resp = client.get("/v1/runs/default/steps", params={"status": "unreplyed"})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"] == "bad_request"
+
+
+@pytest.fixture(scope="module")
+def partly_replayed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The divergent fixture step 120:0, recorded whole (it diverges), then recorded again
+    for its passing group g-1 and for the stage reward.raw alone (both pass)."""
+    st = tmp_path_factory.mktemp("partial") / "store"
+    with Store.open(st) as store:
+        assert all(o.status == "published" for o in store.ingest([DIVERGENT], run="r"))
+    base = ("replay", "--store", st, "--step", "120:0", "--no-link", "--record")
+    assert cli(*base).returncode == 1
+    assert cli(*base, "--group", "g-1").returncode == 0
+    assert cli(*base, "--stage", "reward.raw").returncode == 0
+    return st
+
+
+def test_a_partial_replay_recorded_later_does_not_hide_the_steps_divergence(
+    partly_replayed: Path,
+) -> None:
+    """The step's status is its latest whole replay's; the passing parts stay in its history."""
+    with Store.open(partly_replayed) as store, store.catalog() as cat:
+        (row,) = queries.query_steps(cat)["items"]
+        history = queries.results_of(cat, "r/step-120-0/a1")
+    assert (row["status"], row["first_divergent_stage"]) == ("diverged", "advantage.estimate")
+    assert [(r["status"], r["selection"]) for r in history] == [
+        ("pass", {"stages": ["reward.raw"]}),
+        ("pass", {"samples": [], "groups": ["g-1"], "batches": []}),
+        ("diverged", None),
+    ]
+    res = cli("query", "steps", "--store", partly_replayed, "--format", "json")
+    assert [r["status"] for r in json.loads(res.stdout)] == ["diverged"]
+    with serve(partly_replayed) as client:
+        listed = client.get("/v1/runs/r/steps").json()["items"]
+        detail = client.get("/v1/runs/r/steps/120:0").json()
+    assert [r["status"] for r in listed] == ["diverged"]
+    assert detail["latest_verdict"]["status"] == "diverged"

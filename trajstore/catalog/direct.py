@@ -602,7 +602,8 @@ def _limit(params: list, limit: int | None) -> str:
 
 
 def _latest_results_sql(params: list, run: str | None, kind: str | None) -> str:
-    """queries._latest_results: per cohort of latest bundles, its newest result."""
+    """queries._latest_results: per cohort of latest bundles, its newest result (a whole
+    replay's before a partial one's: queries.whole_first)."""
     where = ["rb.is_latest"]
     _eq(where, params, "rb.kind", kind)
     _eq(where, params, "rb.run", run)
@@ -611,7 +612,8 @@ def _latest_results_sql(params: list, run: str | None, kind: str | None) -> str:
         "r.id AS result_id, r.bundle_key, r.status, r.first_divergent_stage, "
         "r.first_divergent_rank, r.root_bundle_key, r.recorded_at, r.trajstore_version, "
         "row_number() OVER (PARTITION BY rb.run, rb.kind, rb.rollout_id, rb.step_id, "
-        "rb.attempt ORDER BY r.recorded_at DESC NULLS LAST, r.id DESC) AS rn "
+        "rb.attempt ORDER BY (r.selection IS NOT NULL), r.recorded_at DESC NULLS LAST, "
+        "r.id DESC) AS rn "
         "FROM replay_results AS r JOIN bundles AS rb ON rb.key = r.bundle_key "
         f"WHERE {' AND '.join(where)}) AS ranked WHERE ranked.rn = 1"
     )

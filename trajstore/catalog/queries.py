@@ -313,9 +313,18 @@ def _has_result_at(stage: str, bundles: sa.Table) -> sa.ColumnElement[bool]:
     )
 
 
+def whole_first(results: sa.Table) -> sa.ColumnElement:
+    """Sorts a whole replay's result (no `selection`) before a partial one's: the latest
+    result of a bundle is its newest whole result, else its newest partial one. A
+    partial replay (some samples, groups, micro-batches or stages) passing must not
+    hide the divergence the whole step was recorded with."""
+    return sa.case((results.c.selection.is_(None), 0), else_=1)
+
+
 def _latest_results(run: str | None, kind: str | None = "step", stage: str | None = None):
-    """Per cohort (run, kind, rollout, step, attempt) of visible bundles, its result
-    with the latest recorded_at: a subquery with the bundle's identity columns.
+    """Per cohort (run, kind, rollout, step, attempt) of visible bundles, its latest
+    result (`whole_first`, then the latest recorded_at): a subquery with the bundle's
+    identity columns.
 
     With `stage`, only cohorts that have some result diverging first at `stage` are
     ranked (the index on first_divergent_stage finds them): a cohort whose latest
@@ -350,7 +359,11 @@ def _latest_results(run: str | None, kind: str | None = "step", stage: str | Non
                     result_bundles.c.step_id,
                     result_bundles.c.attempt,
                 ],
-                order_by=[results.c.recorded_at.desc().nulls_last(), results.c.id.desc()],
+                order_by=[
+                    whole_first(results),
+                    results.c.recorded_at.desc().nulls_last(),
+                    results.c.id.desc(),
+                ],
             )
             .label("rn"),
         )

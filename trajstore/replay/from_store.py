@@ -482,7 +482,7 @@ def result_document(
         "first_divergent_rank": report.first_divergent_rank,
         "root_bundle_key": report.root_bundle_key,
         "linkage": None if report.linkage is None else report.linkage.to_dict(),
-        "selection": None if selection is None or selection.empty else selection.describe(),
+        "selection": _part_replayed(report, selection),
         "first_divergence": fd,
         "stages": [
             {
@@ -500,6 +500,16 @@ def result_document(
         "divergences": divergences,
         "router_metrics": _router_metrics(bundle),
     }
+
+
+def _part_replayed(report: ReplayReport, selection: SelectionRequest | None) -> dict | None:
+    """What part of the bundle a partial replay covered (None: all of it): the samples,
+    groups and micro-batches selected, and the stages when a list was asked for. The
+    catalog ranks a whole replay's result above any partial one (queries.whole_first)."""
+    part = None if selection is None or selection.empty else selection.describe()
+    if report.request.explicit:
+        part = {**(part or {}), "stages": [str(name) for name in report.request.stages]}
+    return part
 
 
 def refusal_document(
