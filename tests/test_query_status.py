@@ -127,3 +127,18 @@ def test_a_partial_replay_recorded_later_does_not_hide_the_steps_divergence(
         detail = client.get("/v1/runs/r/steps/120:0").json()
     assert [r["status"] for r in listed] == ["diverged"]
     assert detail["latest_verdict"]["status"] == "diverged"
+
+
+def test_replay_all_record_replays_a_step_only_partly_recorded(tmp_path: Path) -> None:
+    """--all --record skips bundles already recorded; a recorded group is not the step."""
+    st = tmp_path / "store"
+    with Store.open(st) as store:
+        assert all(o.status == "published" for o in store.ingest([DIVERGENT], run="r"))
+    part = cli("replay", "--store", st, "--step", "120:0", "--group", "g-1", "--record")
+    assert part.returncode == 0, part.stderr
+    res = cli("replay", "--store", st, "--all", "--record", "--json")
+    assert res.returncode == 1, res.stderr
+    summary = json.loads(res.stdout)
+    assert (summary["total"], summary["skipped_already_recorded"]) == (1, 0)
+    with Store.open(st) as store, store.catalog() as cat:
+        assert [r["status"] for r in queries.query_steps(cat)["items"]] == ["diverged"]

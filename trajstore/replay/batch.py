@@ -115,6 +115,8 @@ def list_targets(
 
 
 def _recorded_keys(store: Any) -> set[str]:
+    """Bundles with a whole replay recorded by this version (a partial one, some samples
+    or stages, leaves the bundle to replay)."""
     import sqlalchemy as sa
 
     from trajstore.catalog import tables
@@ -123,7 +125,7 @@ def _recorded_keys(store: Any) -> set[str]:
     with store.catalog() as cat, cat.connect() as conn:
         rows = conn.execute(
             sa.select(results.c.bundle_key)
-            .where(results.c.trajstore_version == __version__)
+            .where(results.c.trajstore_version == __version__, results.c.selection.is_(None))
             .distinct()
         )
         return {row[0] for row in rows}
