@@ -238,6 +238,26 @@ def test_a_stage_list_naming_no_stage_exits_2(
     assert_one_line_error(err, "no stage named in ' , '; stages: all, ")
 
 
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--run", "r"],
+        ["--attempt", "2"],
+        ["--rollout-from", "3"],
+        ["--no-link"],
+        ["--workers", "4"],
+    ],
+)
+def test_a_store_option_beside_a_directory_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: list[str]
+) -> None:
+    """A directory replay ignored them: --attempt 2 replayed the directory's own attempt."""
+    path, _ = write_consistent(tmp_path / "b")
+    code, out, err = run(capsys, path, *given)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, f"{given[0]}: only with --store DIR")
+
+
 def test_unknown_sample_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = write_consistent(tmp_path / "b")
     code, _, err = run(capsys, path, "--sample", "s-404")

@@ -153,6 +153,23 @@ def test_replay_of_a_bundle_key_refuses_a_run_or_attempt_it_contradicts(
     assert agreed.returncode == 0, agreed.stderr
 
 
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        (["--step", "120:0", "--workers", "4"], "--workers: only with --all"),
+        (["--step", "120:0", "--force"], "--force: only with --all"),
+        (["--all", "--no-link"], "no --no-link"),
+        (["--all", "--force"], "--force redoes recorded bundles: only with --all --record"),
+    ],
+)
+def test_a_replay_option_this_replay_would_ignore_exits_2(
+    fixture_store: str, given: list[str], error: str
+) -> None:
+    out = run_cli("replay", "--store", str(fixture_store), "--run", "r1", *given)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("trajstore: error: ") and error in out.stderr
+
+
 def test_divergences_query_names_sample_and_token(fixture_store: str) -> None:
     run_cli("replay", "--store", str(fixture_store), "--all", "--record")
     out = run_cli(

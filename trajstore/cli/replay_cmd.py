@@ -73,6 +73,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_replay)
 
 
+#: options of a replay from a store (dest, flag); a directory replay has no use for them
+STORE_ONLY = (
+    ("run", "--run"),
+    ("attempt", "--attempt"),
+    ("rollout_from", "--rollout-from"),
+    ("rollout_to", "--rollout-to"),
+    ("no_link", "--no-link"),
+)
+#: options of `--all` alone; a one-step replay has no use for them
+ALL_ONLY = (("workers", "--workers"), ("force", "--force"), ("ray_address", "--ray-address"))
+
+
+def refuse_unused(args: argparse.Namespace, options: tuple[tuple[str, str], ...], why: str) -> None:
+    """Refuse options this kind of replay would ignore (a silently ignored --run or
+    --attempt replays something else than the user asked for)."""
+    from trajstore.errors import UsageError
+
+    given = [flag for dest, flag in options if getattr(args, dest) not in (None, False)]
+    if given:
+        raise UsageError(f"{', '.join(given)}: {why}")
+
+
 def selection_request(args: argparse.Namespace):  # noqa: ANN201
     from trajstore.replay.selection import SelectionRequest
 
@@ -103,6 +125,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise UsageError(
             "--bundle, --all and --record need --store DIR (and no directory argument)"
         )
+    refuse_unused(args, STORE_ONLY + ALL_ONLY, "only with --store DIR (and no directory argument)")
     request = StageRequest.parse(args.stage)
     path = resolve_target(Path(args.target), **target_selector(args))
     bset = open_target(path)
@@ -132,6 +155,10 @@ def _replay_store(args: argparse.Namespace) -> int:
                 "--all/--rollout-from/--rollout-to replay the latest attempt of every step in "
                 "the range: no --step/--rollout/--bundle/--attempt"
             )
+        if args.no_link:
+            raise UsageError("--all links each step to its stored rollout bundle: no --no-link")
+        if args.force and not args.record:
+            raise UsageError("--force redoes recorded bundles: only with --all --record")
         if args.record:
             store.index_new()  # results of an interrupted run count as recorded
         code = _replay_all(args)
@@ -140,6 +167,7 @@ def _replay_store(args: argparse.Namespace) -> int:
         return code
     if args.executor != "local":
         raise UsageError("--executor ray spreads --all over a cluster; one step replays here")
+    refuse_unused(args, ALL_ONLY, "only with --all (one step replays here)")
     from trajstore.replay.from_store import Target, record_report, replay_stored, stored_sources
 
     target = Target(
