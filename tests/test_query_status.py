@@ -96,14 +96,14 @@ def test_rest_unknown_status_is_a_400(store_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def partly_replayed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The divergent fixture step 120:0, recorded whole (it diverges), then recorded again
-    for its passing group g-1 and for the stage reward.raw alone (both pass)."""
+    for its passing group g-1 and for the stage advantage.kl alone (both pass)."""
     st = tmp_path_factory.mktemp("partial") / "store"
     with Store.open(st) as store:
         assert all(o.status == "published" for o in store.ingest([DIVERGENT], run="r"))
     base = ("replay", "--store", st, "--step", "120:0", "--no-link", "--record")
     assert cli(*base).returncode == 1
     assert cli(*base, "--group", "g-1").returncode == 0
-    assert cli(*base, "--stage", "reward.raw").returncode == 0
+    assert cli(*base, "--stage", "advantage.kl").returncode == 0
     return st
 
 
@@ -116,7 +116,7 @@ def test_a_partial_replay_recorded_later_does_not_hide_the_steps_divergence(
         history = queries.results_of(cat, "r/step-120-0/a1")
     assert (row["status"], row["first_divergent_stage"]) == ("diverged", "advantage.estimate")
     assert [(r["status"], r["selection"]) for r in history] == [
-        ("pass", {"stages": ["reward.raw"]}),
+        ("pass", {"stages": ["advantage.kl"]}),
         ("pass", {"samples": [], "groups": ["g-1"], "batches": []}),
         ("diverged", None),
     ]

@@ -258,6 +258,18 @@ def test_a_store_option_beside_a_directory_exits_2(
     assert_one_line_error(err, f"{given[0]}: only with --store DIR")
 
 
+@pytest.mark.parametrize("stage", ["reward.raw", "router.consistency"])
+def test_a_named_stage_the_bundle_cannot_run_is_unsupported_not_a_pass(
+    capsys: pytest.CaptureFixture[str], stage: str
+) -> None:
+    """A major-2 bundle has no reward stages and this one no producer route metrics: asked
+    for by name, each was skipped and the replay said "all requested stages pass"."""
+    code, out, _ = run(capsys, FIXTURES / "example_bundle", "--stage", stage)
+    assert code == 1
+    assert f"requested stage {stage} is unsupported" in out
+    assert f"[unsupported] {stage} — not replayable on this bundle: " in out
+
+
 def test_unknown_sample_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = write_consistent(tmp_path / "b")
     code, _, err = run(capsys, path, "--sample", "s-404")

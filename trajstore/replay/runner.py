@@ -280,7 +280,13 @@ def _run_stage(
             requested=explicit,
         )
     if capability == Capability.SKIPPED:
-        return StageOutcome(stage=name, status=StageStatus.SKIPPED, reason=why, requested=False)
+        # Named in --stage, a stage that does not run here is not a pass: say why (exit 1).
+        return StageOutcome(
+            stage=name,
+            status=StageStatus.UNSUPPORTED if explicit else StageStatus.SKIPPED,
+            reason=f"not replayable on this bundle: {why}" if explicit else why,
+            requested=explicit,
+        )
     if stage.cohort_level and ctx.partial:
         # Asked for by name, it cannot be honoured: say so (exit 1), never a silent pass.
         return StageOutcome(
