@@ -119,6 +119,21 @@ def test_stored_bundle_reads_tensors_bit_identical(store: Store, tmp_path: Path)
     assert np.array_equal(rows, np.concatenate([flat[14:20], flat[4:13]]))
 
 
+def test_payload_rows_refuses_a_boolean_mask_or_float_positions(
+    store: Store, tmp_path: Path
+) -> None:
+    """int() of each read a mask as positions 0 and 1, over and over, and 1.7 as 1."""
+    store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=[4, 9, 1, 6]))], run="r")
+    (sb,) = store.step("r", 7, 0)
+    with pytest.raises(UsageError, match=r"not bool .*np\.flatnonzero\(mask\)"):
+        sb.payload_rows("log_probs", np.array([True, False, True, False]))
+    with pytest.raises(UsageError, match="integers, not float64"):
+        sb.payload_rows("log_probs", [1.7])
+    masked = sb.payload_rows("log_probs", np.flatnonzero([True, False, True, False]))
+    assert np.array_equal(masked, sb.payload_rows("log_probs", [0, 2]))
+    assert len(masked) == 4 + 1
+
+
 def test_stock_zarr_open_array_equals_ingested_tensor(store: Store, tmp_path: Path) -> None:
     import zarr
 

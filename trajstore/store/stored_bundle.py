@@ -28,7 +28,7 @@ import zstandard
 
 from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
 from trajstore.cas import ArrayRecord, ObjectStore, load_record, read_array, read_rows
-from trajstore.errors import IntegrityError, NotFoundError
+from trajstore.errors import IntegrityError, NotFoundError, UsageError
 from trajstore.jsonio import NOT_PARSED, parse_json_fast, sha256_bytes
 from trajstore.pools import SharedPool
 from trajstore.schema import Index, Manifest
@@ -127,6 +127,22 @@ def payload_file_bytes(objs: ObjectStore, entry: dict[str, Any], record: ArrayRe
             f"{f['sha256'][:12]}…"
         )
     return data
+
+
+def sample_positions(positions: Any) -> np.ndarray:
+    """`positions` as a 1-D int64 array; anything but integers is refused. `int()` of
+    each read a boolean mask as positions 0 and 1 (the first two samples, over and
+    over) and a float 1.7 as sample 1."""
+    arr = np.asarray(positions)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        hint = " (for a boolean mask pass np.flatnonzero(mask))" if arr.dtype == bool else ""
+        raise UsageError(
+            f"sample positions must be a 1-D sequence of integers, not {arr.dtype} of shape "
+            f"{arr.shape}{hint}"
+        )
+    return arr.astype(np.int64, copy=False)
 
 
 @dataclass
@@ -257,15 +273,17 @@ class StoredBundle:
         return values.reshape(entry["shape"])
 
     def payload_rows(self, name: str, positions: np.ndarray) -> np.ndarray:
-        """The tokens of the samples at `positions`, reading only their chunks."""
+        """The tokens of the samples at `positions` (integer positions in bundle order),
+        reading only their chunks."""
         self._checked()
+        rows = sample_positions(positions)
         entry = self._entry(name)
         if entry.get("rows") in ("response", "total"):
-            return read_rows(self.objs, self.record(name), [int(p) for p in positions])
+            return read_rows(self.objs, self.record(name), rows.tolist())
         from trajstore.replay.source import slice_rows
 
         lengths = np.array([s.response_length for s in self.index.samples], dtype=np.int64)
-        return slice_rows(self.payload(name), lengths, np.asarray(positions))
+        return slice_rows(self.payload(name), lengths, rows)
 
     def payload_tensor(self, name: str):  # noqa: ANN201 - torch is imported lazily
         """The payload as a torch tensor (imports torch), dtype included (bf16 too)."""
