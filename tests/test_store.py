@@ -134,6 +134,35 @@ def test_payload_rows_refuses_a_boolean_mask_or_float_positions(
     assert len(masked) == 4 + 1
 
 
+def test_ingest_of_a_directory_holding_no_bundle_is_refused(store: Store, tmp_path: Path) -> None:
+    """It returned no outcome at all, and the CLI exited 0, as if all were stored."""
+    (tmp_path / "empty" / "junk").mkdir(parents=True)
+    (out,) = store.ingest(tmp_path / "empty")
+    assert (out.status, out.reason) == ("refused", "no bundle, cohort or capture directory in it")
+    proc = cli("ingest", "--store", tmp_path / "cli-store", tmp_path / "empty")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        f"refused: {tmp_path / 'empty'}: no bundle, cohort or capture directory in it"
+    )
+
+
+def test_ingest_of_an_empty_path_is_refused_not_the_current_directory(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_bundle(tmp_path / "replay-7-0", make_contents(lengths=3))
+    monkeypatch.chdir(tmp_path)  # Path("") is ".": it ingested every bundle under it
+    (out,) = store.ingest("")
+    assert out.status == "refused" and "an empty path" in (out.reason or "")
+    assert store.bundles() == []
+
+
+def test_remove_of_one_key_given_as_a_string(store: Store, tmp_path: Path) -> None:
+    """A str was iterated: 'no published bundle 'r'', its first letter."""
+    store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=3))], run="r")
+    assert store.remove("r/step-7-0/a1") == ["r/step-7-0/a1"]
+    assert store.bundles() == []
+
+
 def test_stock_zarr_open_array_equals_ingested_tensor(store: Store, tmp_path: Path) -> None:
     import zarr
 

@@ -116,7 +116,11 @@ def discover_targets(path: Path | str) -> list[Path]:
     """Every bundle/cohort directory at or below ``path`` (for ingest and validate).
 
     A `replay-*` link is a target, as a linked bundle given directly is; other links are
-    not entered (one to `/` or to a whole dataset would be walked)."""
+    not entered (one to `/` or to a whole dataset would be walked). A directory holding
+    none is refused (an ingest of it stored nothing and exited 0), and so is an empty
+    path, which `Path` would read as the current directory."""
+    if isinstance(path, str) and not path:
+        raise BundleError("'': an empty path (it would be the current directory)")
     path = Path(path)
     if not path.exists():
         raise BundleError(f"{path}: no such file or directory")
@@ -124,6 +128,13 @@ def discover_targets(path: Path | str) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise BundleError(f"{path}: not a bundle, cohort or capture directory")
+    found = _targets_below(path)
+    if not found:
+        raise BundleError(f"{path}: no bundle, cohort or capture directory in it")
+    return found
+
+
+def _targets_below(path: Path) -> list[Path]:
     found: list[Path] = []
     for child in sorted(path.iterdir()):
         if child.name.startswith("."):
@@ -132,5 +143,5 @@ def discover_targets(path: Path | str) -> list[Path]:
         if _named_bundle(child):
             found.append(child)
         elif child.is_dir() and not child.is_symlink():
-            found.extend([child] if is_target_dir(child) else discover_targets(child))
+            found.extend([child] if is_target_dir(child) else _targets_below(child))
     return found

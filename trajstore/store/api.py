@@ -170,9 +170,8 @@ class Store:
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         ing = Ingestor(self.space, self.objs, self.refs)
-        outcomes = ingest_paths(
-            ing, [Path(p) for p in paths], run, progress=progress, on_outcome=on_outcome
-        )
+        # as given: Path("") would be the current directory, which discovery refuses
+        outcomes = ingest_paths(ing, list(paths), run, progress=progress, on_outcome=on_outcome)
         if any(o.status == "published" for o in outcomes):
             self.index_new()
         return outcomes
@@ -180,7 +179,7 @@ class Store:
     def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
         """Tombstone bundles (by key) or a whole run; nothing is deleted until gc."""
         live = self.refs.live()
-        targets = list(keys)
+        targets = [keys] if isinstance(keys, str) else list(keys)  # one key, not its letters
         for k in targets:
             if k not in live:
                 raise NotFoundError(f"no published bundle {k!r}")
