@@ -163,6 +163,33 @@ def test_remove_of_one_key_given_as_a_string(store: Store, tmp_path: Path) -> No
     assert store.bundles() == []
 
 
+def test_store_lookups_refuse_ids_that_are_not_integers(store: Store, tmp_path: Path) -> None:
+    """int() read 7.9 as step 7, True as 1 and a step "70" unpacked as 7:0."""
+    store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=3))], run="r")
+    assert len(store.step("r", np.int64(7), 0)) == 1
+    for call, error in (
+        (lambda: store.step("r", 7.9, 0), "rollout_id must be an integer, not float 7.9"),
+        (lambda: store.step("r", 7, False), "step_id must be an integer, not bool False"),
+        (lambda: store.step("r", *"70"), "rollout_id must be an integer, not str '7'"),
+        (lambda: store.step("r", 7, 0, attempt="1"), "attempt must be an integer, not str"),
+        (lambda: store.rollout("r", 7.0), "rollout_id must be an integer, not float"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(error)):
+            call()
+
+
+def test_store_bundles_refuses_an_unknown_run_and_a_negative_limit(
+    store: Store, tmp_path: Path
+) -> None:
+    """Both answered a list: [] for the misspelt run, all rows but the last for -1."""
+    store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=3))], run="r")
+    with pytest.raises(NotFoundError, match=r"run 'rr' is not in the store \(runs: r\)"):
+        store.bundles(run="rr")
+    with pytest.raises(UsageError, match="limit must be 0 or more, not -1"):
+        store.bundles(limit=-1)
+    assert [row["key"] for row in store.bundles(run="r", limit=1)] == ["r/step-7-0/a1"]
+
+
 def test_stock_zarr_open_array_equals_ingested_tensor(store: Store, tmp_path: Path) -> None:
     import zarr
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import numbers
 import os
 import secrets
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +48,14 @@ from trajstore.store.stored_bundle import StoredBundle, get_json_blob
 DEFAULT_RUN = "default"
 #: the RefIndex cache file inside an S3 store's local cache directory
 REF_CACHE = "ref-index.json"
+
+
+def anchor_id(value: object, what: str) -> int:
+    """`value` as an id: integers only (numpy's too). `int()` made 3.9 step 3, True step 1
+    and a step given as "12" the pair 1:2."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UsageError(f"{what} must be an integer, not {type(value).__name__} {value!r}")
+    return int(value)
 
 
 def is_remote(location: str | os.PathLike[str]) -> bool:
@@ -243,6 +252,8 @@ class Store:
     def _group(
         self, run: str, kind: str, rollout_id: int, step_id: int | None, attempt: int | None
     ) -> list[StoredBundle]:
+        if attempt is not None:
+            attempt = anchor_id(attempt, "attempt")
         what = f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
         cands = self.refs.at_anchor(run, kind, rollout_id, step_id)
         if not cands:
@@ -274,11 +285,12 @@ class Store:
     ) -> list[StoredBundle]:
         """Every rank of actor step (rollout_id, step_id):
         the latest attempt unless one is named."""
-        return self._group(run, "step", int(rollout_id), int(step_id), attempt)
+        rollout_id, step_id = anchor_id(rollout_id, "rollout_id"), anchor_id(step_id, "step_id")
+        return self._group(run, "step", rollout_id, step_id, attempt)
 
     def rollout(self, run: str, rollout_id: int, attempt: int | None = None) -> list[StoredBundle]:
         """Every rank of the rollout-level bundle of `rollout_id`."""
-        return self._group(run, "rollout", int(rollout_id), None, attempt)
+        return self._group(run, "rollout", anchor_id(rollout_id, "rollout_id"), None, attempt)
 
     def attempts(
         self, run: str, kind: str, rollout_id: int, step_id: int | None = None
@@ -322,12 +334,16 @@ class Store:
     ) -> list[dict]:
         """Catalog rows of published bundles (latest attempts unless `all_attempts`)."""
         from trajstore.catalog import MAX_PAGE_SIZE, list_bundles
+        from trajstore.catalog.queries import run_names
 
         if kind not in (None, "step", "rollout"):
             raise UsageError(f"kind must be 'step' or 'rollout', not {kind!r}")
+        if limit is not None and (anchor_id(limit, "limit") < 0):
+            raise UsageError(f"limit must be 0 or more, not {limit}")
         out: list[dict] = []
         cursor = None
         with self.catalog() as cat:
+            check_known_run(run, run_names(cat))  # a misspelt run is not "no bundles"
             while True:
                 page = list_bundles(
                     cat,
