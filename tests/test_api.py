@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import uvicorn
+import web_demo
 from conftest import (
     CAPTURE_DIR,
     FIXTURES,
@@ -469,6 +470,101 @@ def test_pagination_walks_500_steps_exactly_once(big_store: Path) -> None:
         assert [i["rollout_id"] for i in ranged["items"]] == [10] * 4 + [11] * 4 + [12] * 4
         one = c.get("/v1/steps/124:3")  # the only run
         assert one.status_code == 200 and one.json()["run"] == "big"
+
+
+@pytest.fixture(scope="module")
+def demo_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """The demo's runs (tests/web_demo.py): synthetic's 20 steps and recorded divergences,
+    the MoE runs' (baseline, r3) router metrics."""
+    os.environ.pop("TRAJSTORE_API_TOKEN", None)
+    with serve(web_demo.demo_store(tmp_path_factory)) as c:
+        yield c
+
+
+def _rows(page: dict) -> list:
+    return page["steps"] if "steps" in page else page["items"]  # router/compare: steps
+
+
+def _walk(client: httpx.Client, path: str, params: dict) -> tuple[list, int]:
+    """Every row of a listing and the number of pages, page sizes 2, 3, 2, 3, ..."""
+    rows: list = []
+    cursor, pages = None, 0
+    while pages == 0 or cursor is not None:
+        pages += 1
+        limit = 3 if pages % 2 == 0 else 2
+        query = {**params, "limit": limit, **({"cursor": cursor} if cursor else {})}
+        resp = client.get(path, params=query)
+        assert resp.status_code == 200, resp.text
+        rows += _rows(resp.json())
+        cursor = resp.json()["next_cursor"]
+    return rows, pages
+
+
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("/v1/divergences", {"run": "synthetic"}),
+        ("/v1/divergences", {"run": "synthetic", "stage": "advantage.estimate"}),
+        ("/v1/runs/synthetic/steps", {}),
+        ("/v1/runs/synthetic/steps", {"sort": "-status", "rollout_from": 2}),
+        ("/v1/router/metrics", {"run": "r3"}),
+        ("/v1/router/compare", {"run": ["baseline", "r3"]}),
+    ],
+)
+def test_a_cursor_walks_its_own_query_to_the_rows_of_one_big_page(
+    demo_client: httpx.Client, path: str, params: dict
+) -> None:
+    whole = demo_client.get(path, params={**params, "limit": 1000}).json()
+    assert whole["next_cursor"] is None
+    rows, pages = _walk(demo_client, path, params)
+    assert pages > 1 and rows == _rows(whole)
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "other_path", "other_params", "code"),
+    [
+        ("/v1/divergences", {"run": "synthetic"}, "/v1/divergences", {"run": "baseline"}, None),
+        (
+            "/v1/divergences",
+            {"run": "synthetic"},
+            "/v1/divergences",
+            {"run": "synthetic", "stage": "loss.policy"},
+            None,
+        ),
+        ("/v1/divergences", {"run": "synthetic"}, "/v1/divergences", {}, None),
+        ("/v1/runs/synthetic/steps", {}, "/v1/runs/baseline/steps", {}, None),
+        (
+            "/v1/runs/synthetic/steps",
+            {"status": "diverged"},
+            "/v1/runs/synthetic/steps",
+            {"status": "pass"},
+            None,
+        ),
+        ("/v1/router/metrics", {"run": "r3"}, "/v1/router/metrics", {"run": "baseline"}, None),
+        (
+            "/v1/router/compare",
+            {"run": ["baseline", "r3"]},
+            "/v1/router/compare",
+            {"run": ["baseline", "synthetic"]},
+            "bad_filter",
+        ),
+    ],
+)
+def test_a_cursor_of_another_query_is_400_not_an_empty_or_wrong_page(
+    demo_client: httpx.Client,
+    path: str,
+    params: dict,
+    other_path: str,
+    other_params: dict,
+    code: str | None,
+) -> None:
+    cursor = demo_client.get(path, params={**params, "limit": 1}).json()["next_cursor"]
+    assert cursor is not None
+    mine = demo_client.get(path, params={**params, "cursor": cursor})
+    assert mine.status_code == 200, mine.text
+    other = demo_client.get(other_path, params={**other_params, "cursor": cursor})
+    body = _error(other, 400, code or "bad_request")
+    assert body["detail"].startswith("cursor belongs to another query: ")
 
 
 # -- auth ------------------------------------------------------------------------

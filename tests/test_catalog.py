@@ -33,6 +33,7 @@ from trajstore.catalog import (
     payloads_of,
     provenance_of,
     query_divergences,
+    query_router_metrics,
     query_steps,
     recorded_result_exists,
     reindex,
@@ -376,6 +377,37 @@ def test_pagination_walks_everything_exactly_once(store):
     assert seen == [b["key"] for b in everything] and len(set(seen)) == 20
     assert steps == [(r, s) for r in range(5) for s in range(3)]
     assert len(divs) == len(set(divs)) == 45
+
+
+def test_a_cursor_is_valid_only_for_the_query_that_returned_it(store):
+    """A cursor is bound to its listing's filters, not its page size: a keyset position
+    from run "a" applied to run "b" answered an empty or wrong page as the next one."""
+    router = {"num_experts": 8, "num_layers": 2, "top_k": 2, "mode": "r3"}
+    for run in ("a", "b"):
+        for rollout in range(2):
+            key = store.publish(rollout, 0, run=run, router=router, consistency={"f_tau_2": 0})
+            store.record(key)
+    _sync(store)
+    listings = [
+        (list_bundles, {"run": "a"}, {"run": "b"}),
+        (list_bundles, {"run": "a"}, {"run": "a", "kind": "step"}),
+        (query_steps, {"run": "a"}, {"run": "b"}),
+        (
+            query_steps,
+            {"run": "a", "sort": "-status"},
+            {"run": "a", "sort": "-status", "attempt": 1},
+        ),
+        (query_divergences, {"run": "a"}, {"run": "b"}),
+        (query_divergences, {"run": "a"}, {"run": "a", "min_abs_err": 2.0}),
+        (query_router_metrics, {"run": "a"}, {"run": "b"}),
+        (query_router_metrics, {"run": "a"}, {"run": "a", "rollout_to": 1}),
+    ]
+    with store.catalog() as cat:
+        for listing, mine, other in listings:
+            cursor = listing(cat, limit=1, **mine)["next_cursor"]
+            assert listing(cat, limit=5, cursor=cursor, **mine)["items"], (listing, mine)
+            with pytest.raises(UsageError, match="^cursor belongs to another query: "):
+                listing(cat, cursor=cursor, **other)
 
 
 def test_page_size_is_bounded(store):

@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 
 from trajstore.catalog import query_divergences, query_router_metrics, stats
-from trajstore.catalog.queries import DEFAULT_PAGE_SIZE, run_names
+from trajstore.catalog.queries import DEFAULT_PAGE_SIZE, decode_cursor, encode_cursor, run_names
+from trajstore.errors import UsageError
 from trajstore.jsonio import json_safe
 
 from .. import models
@@ -92,14 +93,16 @@ def _step_window(
     limit: int,
     cursor: str | None,
 ) -> tuple[list[tuple[int, int]], str | None]:
-    """The union of the runs' actor steps in range, after the cursor: one page of ids."""
-    after: tuple[int, int] | None = None
-    if cursor is not None:
-        try:
-            rollout_text, step_text = cursor.split(":")
-            after = (int(rollout_text), int(step_text))
-        except ValueError:
-            raise ApiError(400, "bad_filter", "invalid cursor; pass next_cursor back") from None
+    """The union of the runs' actor steps in range, after the cursor: one page of ids.
+
+    The cursor is bound to the runs and range (as the catalog listings' cursors): a
+    step position from one set of runs would page another set from the wrong place.
+    """
+    query = {"run": runs, "rollout_from": rollout_from, "rollout_to": rollout_to}
+    try:
+        after = decode_cursor("router_compare", query, cursor, "ii")
+    except UsageError as exc:
+        raise ApiError(400, "bad_filter", str(exc)) from None
     wanted = set(runs)
     ids = sorted(
         {
@@ -109,11 +112,11 @@ def _step_window(
             and run in wanted
             and (rollout_from is None or rollout_id >= rollout_from)
             and (rollout_to is None or rollout_id <= rollout_to)
-            and (after is None or (rollout_id, step_id) > after)
+            and (after is None or (rollout_id, step_id) > tuple(after))
         }
     )
     if len(ids) > limit:
-        return ids[:limit], "{}:{}".format(*ids[limit - 1])
+        return ids[:limit], encode_cursor("router_compare", query, list(ids[limit - 1]))
     return ids, None
 
 

@@ -2,7 +2,8 @@
 
 Every function returns plain JSON-able dicts whose keys are the table column
 names (one name per number). Lists are paged by keyset cursors: an opaque
-string encoding the last sort key; pages hold at most MAX_PAGE_SIZE rows.
+string encoding the last sort key, valid only for the query (filters and sort)
+that returned it; pages hold at most MAX_PAGE_SIZE rows.
 Hidden from every query: tombstoned bundles and superseded attempts (unless
 asked for), and the results of either.
 """
@@ -10,6 +11,7 @@ asked for), and the results of either.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from typing import Any
 
@@ -46,8 +48,20 @@ def _limit(limit: int | None) -> int:
     return limit
 
 
-def _encode_cursor(tag: str, values: list) -> str:
-    raw = json.dumps([tag, values], separators=(",", ":")).encode()
+def _query_digest(query: dict[str, Any]) -> str:
+    """12 hex digits naming a listing's filters (every argument but limit and cursor)."""
+    text = json.dumps(query, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def encode_cursor(tag: str, query: dict[str, Any], values: list) -> str:
+    """An opaque cursor: the listing's tag, a digest of its filters, the last sort key.
+
+    The digest binds the cursor to the query that made it: a keyset position from one
+    run or filter set, applied to another, would answer an empty or wrong page as if
+    it were the next one.
+    """
+    raw = json.dumps([tag, _query_digest(query), values], separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
@@ -58,8 +72,9 @@ def _cursor_value_ok(value: object, kind: str) -> bool:
     return type(value) is int and -(2**63) <= value < 2**63
 
 
-def _decode_cursor(tag: str, cursor: str | None, kinds: str) -> list | None:
-    """The keyset values of a cursor, one per letter of `kinds` (see `_cursor_value_ok`).
+def decode_cursor(tag: str, query: dict[str, Any], cursor: str | None, kinds: str) -> list | None:
+    """The keyset values of a cursor, one per letter of `kinds` (see `_cursor_value_ok`);
+    a UsageError unless `encode_cursor(tag, query, ...)` made it.
 
     The types are checked because the values are bound into the page query: a
     hand-made cursor with a list, or a string where an id goes, otherwise made
@@ -69,7 +84,7 @@ def _decode_cursor(tag: str, cursor: str | None, kinds: str) -> list | None:
         return None
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        got_tag, values = json.loads(raw)
+        got_tag, digest, values = json.loads(raw)
     except (ValueError, TypeError):
         raise UsageError("invalid cursor; pass the next_cursor of a previous page") from None
     if (
@@ -79,15 +94,20 @@ def _decode_cursor(tag: str, cursor: str | None, kinds: str) -> list | None:
         or not all(map(_cursor_value_ok, values, kinds))
     ):
         raise UsageError(f"invalid cursor for this query ({tag})")
+    if digest != _query_digest(query):
+        raise UsageError(
+            "cursor belongs to another query: the page that returned it had other filters; "
+            "pass it with those, or start again without cursor"
+        )
     return values
 
 
-def _page(rows: list, limit: int, tag: str, key_of) -> dict:
+def _page(rows: list, limit: int, tag: str, query: dict[str, Any], key_of) -> dict:
     """{"items": [...], "next_cursor": str | None} from limit + 1 fetched rows."""
     more = len(rows) > limit
     rows = rows[:limit]
     items = [_row(r) for r in rows]
-    cursor = _encode_cursor(tag, key_of(rows[-1])) if more else None
+    cursor = encode_cursor(tag, query, key_of(rows[-1])) if more else None
     return {"items": items, "next_cursor": cursor}
 
 
@@ -189,7 +209,14 @@ def list_bundles(
 ) -> dict:
     """Bundles ordered by (run, rollout_id, step_id, rank, attempt); a page."""
     limit = _limit(limit)
-    after = _decode_cursor("bundles", cursor, "siiiis")
+    query = {
+        "run": run,
+        "kind": kind,
+        "rollout_from": rollout_from,
+        "rollout_to": rollout_to,
+        "include_all_attempts": include_all_attempts,
+    }
+    after = decode_cursor("bundles", query, cursor, "siiiis")
     q = sa.select(_B).where(_after(_BUNDLE_SORT, after))
     q = q.where(_B.c.removed_at.is_(None))
     if not include_all_attempts:
@@ -202,7 +229,7 @@ def list_bundles(
     q = q.order_by(*_BUNDLE_SORT).limit(limit + 1)
     with catalog.connect() as conn:
         rows = conn.execute(q).all()
-    return _page(rows, limit, "bundles", _bundle_key)
+    return _page(rows, limit, "bundles", query, _bundle_key)
 
 
 def get_bundle(catalog: Catalog, key: str, *, include_removed: bool = False) -> dict | None:
@@ -547,7 +574,7 @@ def query_steps(
     columns are null when none was recorded). Filters on the verdict apply to
     that latest result only; status UNREPLAYED selects the steps with none.
     ``attempt`` keeps the steps whose latest attempt is that number. ``sort``
-    is one of STEP_SORTS (default: rollout, step); a cursor is valid for its sort only.
+    is one of STEP_SORTS (default: rollout, step); a cursor is valid for its sort and filters only.
     """
     limit = _limit(limit)
     if sort not in STEP_SORTS:
@@ -555,7 +582,16 @@ def query_steps(
     by_step = sort.removeprefix("-") == "step"
     tag = "steps" if sort == "step" else f"steps:{sort}"
     lead_kind = "i" if sort.removeprefix("-") == "tokens" else "s"
-    after = _decode_cursor(tag, cursor, "siii" if by_step else lead_kind + "siii")
+    query = {
+        "run": run,
+        "first_divergent_stage": first_divergent_stage,
+        "rollout_from": rollout_from,
+        "rollout_to": rollout_to,
+        "status": status,
+        "attempt": attempt,
+        "sort": sort,
+    }
+    after = decode_cursor(tag, query, cursor, "siii" if by_step else lead_kind + "siii")
     check_filter_words(status, first_divergent_stage=first_divergent_stage)
     prefilter = None if catalog.is_duckdb else first_divergent_stage
     page_query = _steps_page(
@@ -583,7 +619,7 @@ def query_steps(
     if more:
         last = [items[-1][name] for name in _STEP_IDENTITY]
         lead = [] if by_step else [jsonable("sort_key", sort_keys[tuple(last)])]
-        next_cursor = _encode_cursor(tag, lead + last)
+        next_cursor = encode_cursor(tag, query, lead + last)
     return {"items": items, "next_cursor": next_cursor}
 
 
@@ -617,7 +653,15 @@ def query_divergences(
     if sample_id is not None:
         check_known_sample(sample_id, has_sample(catalog, sample_id, run), run)
     limit = _limit(limit)
-    after = _decode_cursor("divergences", cursor, "siiii")
+    query = {
+        "run": run,
+        "stage": stage,
+        "min_abs_err": min_abs_err,
+        "sample_id": sample_id,
+        "rollout_from": rollout_from,
+        "rollout_to": rollout_to,
+    }
+    after = decode_cursor("divergences", query, cursor, "siiii")
     d = tables.divergences
     latest = _latest_results(run, kind=None)
     sort = [
@@ -657,6 +701,7 @@ def query_divergences(
         rows,
         limit,
         "divergences",
+        query,
         lambda r: [
             r.run,
             r.rollout_id,
@@ -714,7 +759,8 @@ def query_router_metrics(
     """Router consistency metrics of visible bundles (router-metrics.md names), with
     each bundle's router mode; ordered by (run, rollout_id, step_id, id)."""
     limit = _limit(limit)
-    after = _decode_cursor("router_metrics", cursor, "siii")
+    query = {"run": run, "rollout_from": rollout_from, "rollout_to": rollout_to, "source": source}
+    after = decode_cursor("router_metrics", query, cursor, "siii")
     metrics, lineage = tables.router_metrics, tables.router_lineage
     sort = [
         metrics.c.run,
@@ -744,6 +790,7 @@ def query_router_metrics(
         rows,
         limit,
         "router_metrics",
+        query,
         lambda row: [row.run, row.rollout_id, -1 if row.step_id is None else row.step_id, row.id],
     )
 
