@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from fastapi import Path, Query
+from fastapi._compat import field_annotation_is_sequence
 from starlette.datastructures import QueryParams
 from starlette.routing import Match
 
@@ -31,23 +32,28 @@ Sort = Annotated[
 ]
 
 
-def _declared(dependant: Any) -> frozenset[str]:
-    names = {field.alias for field in dependant.query_params}
+def _declared(dependant: Any) -> dict[str, bool]:
+    """Query parameter name -> whether the endpoint takes it as a list (given repeatedly)."""
+    names = {
+        field.alias: field_annotation_is_sequence(field.field_info.annotation)
+        for field in dependant.query_params
+    }
     for sub in dependant.dependencies:
-        names |= _declared(sub)
-    return frozenset(names)
+        names.update(_declared(sub))
+    return names
 
 
 class DeclaredQueryOnly:
-    """Pure ASGI middleware: a query parameter the matched /v1 endpoint does not take is
-    400, naming those it does.
+    """Pure ASGI middleware: a query parameter the matched /v1 endpoint does not take, or
+    one it takes once given more than once, is 400, naming it.
 
     HTTP frameworks ignore unknown parameters; here a misspelt filter
     (`?first_divergent_stag=loss.policy`) would answer with every row, read as the
-    filtered answer. Only a request with a query string is matched against the routes
-    (as FastAPI matches them: first full match, in `routers` order); a lookup without
-    one pays a dict lookup (a FastAPI dependency cost every request ~10% of lookup
-    throughput).
+    filtered answer. They also keep the last of a repeated single-valued one, so
+    `?run=a&run=b` answered for b alone, as if both had been asked. Only a request
+    with a query string is matched against the routes (as FastAPI matches them: first
+    full match, in `routers` order); a lookup without one pays a dict lookup (a
+    FastAPI dependency cost every request ~10% of lookup throughput).
     """
 
     def __init__(self, app: Any, routers: Iterable[Any], prefix: str = "/v1") -> None:
@@ -60,12 +66,25 @@ class DeclaredQueryOnly:
             if getattr(route, "dependant", None) is not None
         ]
 
-    def _declared_for(self, scope: dict) -> frozenset[str] | None:
+    def _declared_for(self, scope: dict) -> dict[str, bool] | None:
         child = {**scope, "path": scope["path"][len(self.prefix) :], "root_path": ""}
         for route, declared in self.routes:
             if route.matches(child)[0] == Match.FULL:
                 return declared
         return None  # no endpoint: the app answers 404/405 as it would
+
+    @staticmethod
+    def _refusal(declared: dict[str, bool], query_string: bytes) -> str | None:
+        """Why the query string does not fit the endpoint (None: it does)."""
+        seen: set[str] = set()
+        for name, _ in QueryParams(query_string).multi_items():
+            if name not in declared:
+                takes = ", ".join(sorted(declared)) or "none"
+                return f"unknown query parameter {name!r} (this endpoint takes: {takes})"
+            if name in seen and not declared[name]:
+                return f"query parameter {name!r} given more than once (it takes one value)"
+            seen.add(name)
+        return None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if (
@@ -75,10 +94,8 @@ class DeclaredQueryOnly:
         ):
             declared = self._declared_for(scope)
             if declared is not None:
-                for name in QueryParams(scope["query_string"]):
-                    if name not in declared:
-                        takes = ", ".join(sorted(declared)) or "none"
-                        detail = f"unknown query parameter {name!r} (this endpoint takes: {takes})"
-                        await error_response(400, "bad_request", detail)(scope, receive, send)
-                        return
+                detail = self._refusal(declared, scope["query_string"])
+                if detail is not None:
+                    await error_response(400, "bad_request", detail)(scope, receive, send)
+                    return
         await self.app(scope, receive, send)

@@ -203,25 +203,80 @@ def test_a_misspelt_query_parameter_is_400_not_ignored(client: httpx.Client) -> 
     assert "first_divergent_stage" in body["detail"]
 
 
-def test_every_endpoint_takes_exactly_its_documented_query_parameters(
-    client: httpx.Client,
-) -> None:
-    spec = client.get("/openapi.json").json()
-    checked = 0
+def _operations(spec: dict) -> Iterator[tuple[str, str, str, list[dict]]]:
+    """(method, path, a URL for it, its query parameters) of every OpenAPI operation."""
     for path, ops in spec["paths"].items():
         for method, op in ops.items():
-            documented = sorted(p["name"] for p in op.get("parameters", []) if p["in"] == "query")
             url = path.replace("{rollout_id}:{step_id}", "1:1")
             for name in ("run", "key", "rollout_id", "name"):
                 url = url.replace("{" + name + "}", "x")
-            resp = client.request(method.upper(), url, params={"zz_not_a_parameter": "1"})
-            assert resp.status_code == 400, (method, path, resp.text)
-            takes = ", ".join(documented) or "none"
-            assert resp.json()["detail"] == (
-                f"unknown query parameter 'zz_not_a_parameter' (this endpoint takes: {takes})"
-            ), (method, path)
-            checked += 1
+            yield method, path, url, [p for p in op.get("parameters", []) if p["in"] == "query"]
+
+
+def _is_list(schema: dict) -> bool:
+    return schema.get("type") == "array" or any(_is_list(s) for s in schema.get("anyOf", []))
+
+
+def test_every_endpoint_takes_exactly_its_documented_query_parameters(
+    client: httpx.Client,
+) -> None:
+    checked = 0
+    for method, path, url, params in _operations(client.get("/openapi.json").json()):
+        resp = client.request(method.upper(), url, params={"zz_not_a_parameter": "1"})
+        assert resp.status_code == 400, (method, path, resp.text)
+        takes = ", ".join(sorted(p["name"] for p in params)) or "none"
+        assert resp.json()["detail"] == (
+            f"unknown query parameter 'zz_not_a_parameter' (this endpoint takes: {takes})"
+        ), (method, path)
+        checked += 1
     assert checked >= 15  # every /v1 operation (18 when written)
+
+
+def test_every_single_valued_query_parameter_given_twice_is_400(client: httpx.Client) -> None:
+    """Frameworks keep the last of a repeated parameter: ?run=a&run=b answered for b
+    alone. Only a parameter documented as a list (router/compare's run) repeats."""
+    singles, lists = 0, 0
+    for method, path, url, params in _operations(client.get("/openapi.json").json()):
+        for param in params:
+            name = param["name"]
+            resp = client.request(method.upper(), url, params=[(name, "1"), (name, "1")])
+            twice = f"query parameter {name!r} given more than once (it takes one value)"
+            if _is_list(param["schema"]):
+                assert twice not in resp.text, (method, path, name)
+                lists += 1
+            else:
+                assert _error(resp, 400, "bad_request")["detail"] == twice, (method, path)
+                singles += 1
+    assert singles >= 30 and lists >= 1  # 44 and 1 when written
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "run=cap&run=ex",
+        "sample=s-0&sample=s-1",
+        "group=g-0&group=g-1",
+        "a=ex/120:0&b=div/120:0&a=cap/120:0",
+        "status=pass&status=diverged",
+        "limit=1&limit=2",
+        "attempt=1&attempt=1",  # even one value twice
+    ],
+)
+def test_a_repeated_filter_is_400_naming_it_not_the_last_one_silently(
+    client: httpx.Client, query: str
+) -> None:
+    name = query.split("=")[0]
+    path = {
+        "run": "/v1/divergences",
+        "sample": "/v1/bundles/ex/step-120-0/a1/payloads/log_probs",
+        "group": "/v1/bundles/ex/step-120-0/a1/samples",
+        "a": "/v1/diff",
+        "status": "/v1/runs/cap/steps",
+        "limit": "/v1/runs/cap/steps",
+        "attempt": "/v1/runs/cap/steps/120:0",
+    }[name]
+    body = _error(client.get(f"{path}?{query}"), 400, "bad_request")
+    assert body["detail"] == f"query parameter {name!r} given more than once (it takes one value)"
 
 
 def test_one_sample_slice(client: httpx.Client) -> None:
