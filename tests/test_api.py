@@ -484,6 +484,28 @@ def test_replay_endpoint_selection_gives_the_cli_verdict(
     assert resp.json()["report"]["selection"]["groups"] == ["g-0"]
 
 
+def test_a_bundle_is_replayed_only_with_its_own_run_and_attempt(client: httpx.Client) -> None:
+    """A bundle key names its run and attempt: a `run` or `attempt` given with it that
+    disagrees was ignored, so a script replayed (and with record, recorded) another run's
+    bundle than it named."""
+    key = "ex/step-120-0/a1"
+    results = client.get("/v1/stats").json()["results"]
+    other_run = client.post("/v1/replay", json={"run": "cap", "bundle": key, "record": True})
+    assert _error(other_run, 400, "bad_request")["detail"] == (
+        "bundle 'ex/step-120-0/a1' is of run 'ex', not of run 'cap': "
+        "name the bundle alone or with its own run"
+    )
+    other_attempt = client.post("/v1/replay", json={"bundle": key, "attempt": 2})
+    assert _error(other_attempt, 400, "bad_request")["detail"] == (
+        "bundle 'ex/step-120-0/a1' is attempt 1, not attempt 2: "
+        "name the bundle alone or with its own attempt"
+    )
+    assert client.get("/v1/stats").json()["results"] == results  # nothing recorded
+    own = client.post("/v1/replay", json={"run": "ex", "bundle": key, "attempt": 1})
+    assert own.status_code == 200, own.text
+    assert [b["bundle_key"] for b in own.json()["report"]["bundles"]] == [key]
+
+
 # -- pagination -----------------------------------------------------------------
 
 

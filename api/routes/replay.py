@@ -50,8 +50,6 @@ def replay(state: StateDep, body: models.ReplayRequest, request: Request) -> mod
     view = state.view
     if body.run is not None:
         check_run(view, body.run)
-    if body.bundle is not None:
-        known_bundle(view, body.bundle)
     target = Target(
         run=body.run,
         step=parse_step(body.step) if body.step is not None else None,
@@ -59,6 +57,10 @@ def replay(state: StateDep, body: models.ReplayRequest, request: Request) -> mod
         bundle_key=body.bundle,
         attempt=body.attempt,
     )
+    if body.bundle is not None:
+        known_bundle(view, body.bundle)
+        # a run or attempt the key contradicts is a 400 before the request waits in the queue
+        state.store.bundle(body.bundle, body.run, body.attempt)
     selection = SelectionRequest(tuple(body.samples), tuple(body.groups), tuple(body.batches))
     request_stages = StageRequest.parse(body.stage)
     with state.replay_lock:

@@ -244,9 +244,15 @@ class Store:
         if e is None:
             raise NotFoundError(f"no published bundle {key!r}")
         if run is not None and e.run != run:
-            raise UsageError(f"bundle {key!r} is of run {e.run!r}, not of --run {run!r}")
+            raise UsageError(
+                f"bundle {key!r} is of run {e.run!r}, not of run {run!r}: "
+                "name the bundle alone or with its own run"
+            )
         if attempt is not None and e.attempt != attempt:
-            raise UsageError(f"bundle {key!r} is attempt {e.attempt}, not --attempt {attempt}")
+            raise UsageError(
+                f"bundle {key!r} is attempt {e.attempt}, not attempt {attempt}: "
+                "name the bundle alone or with its own attempt"
+            )
         return self._stored(e)
 
     def _group(
