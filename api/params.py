@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Path, Query
 from fastapi._compat import field_annotation_is_sequence
+from pydantic import BeforeValidator
 from starlette.datastructures import QueryParams
 from starlette.routing import Match
 
@@ -19,11 +20,21 @@ from .errors import error_response
 #: ids are BIGINT columns in the catalog: the CLI and both catalog readers bound them alike
 MAX_ID = BIGINT_MAX
 
-Id = Annotated[int, Path(ge=0, le=MAX_ID, description="non-negative integer")]
+
+def ascii_digits(value: Any) -> Any:
+    """A path or query id must be written in ASCII digits: pydantic's lax int also reads
+    `1_0` (step 10), `+3`, ` 3`, `3.0` and `１０`, so a mistyped id answered for another."""
+    if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+        raise ValueError(f"{value[:50]!r} is not a non-negative integer in digits 0-9")
+    return value
+
+
+Digits = BeforeValidator(ascii_digits)
+Id = Annotated[int, Digits, Path(ge=0, le=MAX_ID, description="non-negative integer")]
 RunName = Annotated[str, Path(min_length=1, max_length=200)]
-OptId = Annotated[int | None, Query(ge=0, le=MAX_ID)]
-Attempt = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="default: latest")]
-Limit = Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE, description="page size")]
+OptId = Annotated[int | None, Digits, Query(ge=0, le=MAX_ID)]
+Attempt = Annotated[int | None, Digits, Query(ge=1, le=2**31 - 1, description="default: latest")]
+Limit = Annotated[int | None, Digits, Query(ge=1, le=MAX_PAGE_SIZE, description="page size")]
 Cursor = Annotated[str | None, Query(max_length=2000, description="next_cursor of the last page")]
 Text = Annotated[str | None, Query(max_length=200)]
 Sort = Annotated[

@@ -341,6 +341,23 @@ def test_one_sample_of_two_bundles_sharing_a_payload_is_each_bundles_own_row(
         np.testing.assert_array_equal(np.load(io.BytesIO(again.content)), lp[3:5])
 
 
+@pytest.mark.parametrize("written", ["12_0", "+120", "120.0", "１２０", " 120"])
+def test_an_id_not_written_in_ascii_digits_is_422_not_another_step(
+    client: httpx.Client, written: str
+) -> None:
+    """pydantic's lax int read 1_0 as 10 (another step, 200) and fullwidth digits alike."""
+    _error(client.get(f"/v1/runs/cap/steps/{written}:0"), 422, "invalid_request")
+    _error(client.get("/v1/runs/cap/steps", params={"rollout_from": written}), 422)
+    _error(client.get("/v1/runs/cap/steps/120:0", params={"attempt": written}), 422)
+    assert client.get("/v1/runs/cap/steps/0120:0").status_code == 200  # digits, leading 0
+
+
+def test_a_group_index_in_other_digits_is_no_group(client: httpx.Client) -> None:
+    key = "ex/step-120-0/a1"
+    assert client.get(f"/v1/bundles/{key}/samples", params={"group": "0"}).status_code == 200
+    _error(client.get(f"/v1/bundles/{key}/samples", params={"group": "０"}), 404)
+
+
 # -- ETag / Range --------------------------------------------------------------
 
 

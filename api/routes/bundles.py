@@ -171,7 +171,7 @@ def bundle_samples(
             sample
             for sample in items
             if sample["semantic_group"] == group
-            or (group.isdigit() and sample["group_index"] == int(group))
+            or (group.isascii() and group.isdigit() and sample["group_index"] == int(group))
         ]
         if not picked:
             _no_such(key, "group", group, [sample["semantic_group"] for sample in items])
