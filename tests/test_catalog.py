@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from conftest import FIXTURES, make_contents
+from test_store import cli
 
 from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.catalog import (
@@ -507,9 +508,93 @@ def test_reindex_of_a_corrupt_catalog_file_rebuilds_it(duck_store):
     store = duck_store
     store.publish(120, 0)
     (store.root / CATALOG_FILE).write_bytes(b"not a duckdb file" * 100)
-    reindex(store.root / CATALOG_FILE, store.root, store.load)
+    stats_ = reindex(store.root / CATALOG_FILE, store.root, store.load)
     with store.catalog() as cat:
         assert len(lookup_step(cat, "default", 120, 0)) == 1
+    assert "not a valid DuckDB database file" in stats_.reason
+    assert Path(stats_.moved_aside).read_bytes() == b"not a duckdb file" * 100
+
+
+def _filled(store: StoreWriter) -> None:
+    """Rows in every kind of table: attempts, a tombstone, a cohort, results."""
+    first = store.publish(120, 0)
+    store.record(first)
+    store.publish(120, 0)
+    store.tombstone(store.publish(121, 0))
+    rank0, _ = store.publish_cohort(122, 0)
+    store.record(rank0, stage="loss.policy")
+    router = {"num_layers": 2, "top_k": 2, "num_experts": 4}
+    store.publish(123, 0, router=router, consistency={"route_mismatch_rate": 0.01})
+    _sync(store)
+
+
+def _truncate_to_half(file: Path) -> int:
+    """Cut a catalog file in half, as a full disk or a bad copy leaves it; its new size."""
+    size = file.stat().st_size // 2
+    os.truncate(file, size)
+    return size
+
+
+def _tables(file: Path) -> dict[str, list]:
+    """Every row of every table of a DuckDB catalog, sorted (sync_state without the time
+    and stat of its last listing)."""
+    import duckdb
+
+    with duckdb.connect(str(file), read_only=True) as con:
+        names = [n for (n,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
+        out = {n: con.execute(f'SELECT * FROM "{n}" ORDER BY ALL').fetchall() for n in names}
+        out["sync_state"] = con.execute(
+            "SELECT directory, high_water, applied FROM sync_state ORDER BY ALL"
+        ).fetchall()
+    return out
+
+
+def test_a_damaged_catalog_file_is_one_line_naming_it_and_reindex(duck_store):
+    store = duck_store
+    _filled(store)
+    file = store.root / CATALOG_FILE
+    _truncate_to_half(file)
+    for command in (["ls"], ["query", "steps"], ["sql", "SELECT count(*) FROM samples"]):
+        proc = cli(*command, "--store", store.root)
+        assert proc.returncode == 2 and proc.stdout == "", command
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith(f"trajstore: error: catalog {file} cannot be read (IO Error: ")
+        assert line.endswith(f"; run: trajstore reindex --store {store.root}"), command
+
+
+def test_reindex_moves_a_damaged_catalog_aside_and_rebuilds_every_table(duck_store):
+    store = duck_store
+    _filled(store)
+    file = store.root / CATALOG_FILE
+    size = _truncate_to_half(file)
+
+    proc = cli("reindex", "--store", store.root)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("reindexed: 6 refs, 1 tombstones, 2 results")
+    (aside,) = store.root.glob(f"{CATALOG_FILE}.damaged-*")
+    assert aside.stat().st_size == size  # the user's file, kept as it was
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("trajstore: the catalog could not be read (IO Error: ")
+    assert line.endswith(f"moved aside to {aside} and rebuilt from the refs")
+    rebuilt = _tables(file)
+
+    file.unlink()  # the documented fix before: a reindex of a deleted catalog
+    assert cli("reindex", "--store", store.root).returncode == 0
+    assert rebuilt == _tables(file)
+    assert all(rebuilt.values())  # rows in every table
+    assert cli("ls", "--store", store.root).returncode == 0
+
+
+def test_reindex_of_a_server_catalog_moves_nothing_aside(duck_store):
+    """Only a DuckDB file is the store's to move: a server catalog's error is one line."""
+    store = duck_store
+    store.publish(120, 0)
+    url = "postgresql+psycopg://nobody@127.0.0.1:1/nothing"
+    proc = cli("reindex", "--store", store.root, "--catalog", url)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"trajstore: error: cannot connect to catalog {url}")
+    assert not list(store.root.glob("*.damaged-*"))
 
 
 @pytest.mark.parametrize(

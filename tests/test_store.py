@@ -16,7 +16,7 @@ from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_conten
 from store_checks import tree_equal
 
 from trajstore.bundle.writer import write_bundle
-from trajstore.errors import BundleError, IntegrityError, NotFoundError, UsageError
+from trajstore.errors import BundleError, IntegrityError, NotFoundError, StoreError, UsageError
 from trajstore.store import Store, export_bundles
 from trajstore.store.maintenance import fsck, gc, stats
 from trajstore.store.stored_bundle import get_json_blob, put_blob
@@ -392,6 +392,83 @@ def test_rm_hides_and_gc_frees_only_unreachable(store: Store, tmp_path: Path) ->
     assert res["objects_dropped"] > 0 and stored_bytes(store) < before
     assert fsck(store).ok
     assert store.step("r", 7, 1)[0].payload("kl").shape == (400 * 4,)
+
+
+def _stored_files(store: Store) -> dict[str, int]:
+    """Every pack, pack index and loose object of a store, with its size, whatever the backend."""
+    if store.is_remote:
+        import obstore
+
+        objs = store.objs
+        return {
+            m["path"][len(objs.loc.prefix) :]: int(m["size"])
+            for folder in ("packs/", "objects/")
+            for b in obstore.list(objs.client, prefix=objs.loc.prefix + folder)
+            for m in b
+        }
+    return {
+        str(f.relative_to(store.root)): f.stat().st_size
+        for folder in ("packs", "objects")
+        for f in (store.root / folder).rglob("*")
+        if f.is_file()
+    }
+
+
+def _drop_pack_index(store: Store, pack: str) -> None:
+    """Delete the index of `pack` ("packs/<id>.pack"), as a lost file or a failed write would."""
+    idx = pack.removesuffix(".pack") + ".idx"
+    if store.is_remote:
+        import obstore
+
+        obstore.delete(store.objs.client, store.objs.loc.prefix + idx)
+    else:
+        (store.root / idx).unlink()
+
+
+def test_gc_refuses_a_store_that_lost_a_pack_index_and_deletes_nothing(
+    store: Store, tmp_path: Path
+) -> None:
+    """A pack whose index is lost holds live objects that fsck names as missing; it also
+    looks like a pack whose index write failed (gc's to remove). gc must not decide."""
+    store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=50))], run="r")
+    store.close()
+    (pack,) = [f for f in _stored_files(store) if f.endswith(".pack")]
+    _drop_pack_index(store, pack)
+    files = _stored_files(store)
+    damage = fsck(Store.open(store.url)).to_dict()
+    assert not damage["ok"] and "is missing" in damage["problems"][0]
+
+    with pytest.raises(StoreError, match=r"gc refused, nothing deleted: \d+ object\(s\) that live"):
+        gc(Store.open(store.url), grace_s=0)
+    assert _stored_files(store) == files  # the pack and every object are still there
+    assert fsck(Store.open(store.url)).to_dict() == damage
+    if not store.is_remote:  # the CLI takes no grace under 10m on S3 (a fresh pack is kept)
+        proc = cli("gc", "--store", store.url, "--grace", "0", "--json")
+        assert proc.returncode == 2 and proc.stdout == ""
+        (line,) = proc.stderr.splitlines()
+        assert line.startswith("trajstore: error: gc refused, nothing deleted: ")
+        assert f"run `trajstore fsck --store {store.url}`" in line
+        assert _stored_files(store) == files
+
+
+def test_gc_still_removes_a_pack_without_an_index_that_no_live_bundle_needs(
+    store: Store, tmp_path: Path
+) -> None:
+    """What a full disk leaves (a pack whose index write failed) is gc's to delete."""
+    src = write_bundle(tmp_path / "b", make_contents(lengths=50))
+    store.ingest([src], run="r")
+    before = _stored_files(store)
+    store.objs.put(b"an object whose pack index was never written")
+    store.objs.flush()
+    (pack,) = [f for f in set(_stored_files(store)) - set(before) if f.endswith(".pack")]
+    _drop_pack_index(store, pack)
+    store.close()
+
+    assert gc(Store.open(store.url), grace_s=0)["files_removed"] == 1
+    assert _stored_files(store) == before
+    with Store.open(store.url) as st:
+        assert fsck(st).ok
+        assert tree_equal(src, export_bundles(st.step("r", 7, 0), tmp_path / "out" / "b"))
 
 
 def test_rm_of_a_run_lists_its_bundles_in_training_order(store: Store, tmp_path: Path) -> None:

@@ -59,6 +59,25 @@ class StoreError(TrajstoreError):
     """The store or its catalog is unusable (layout, lock, migration)."""
 
 
+class CatalogDamagedError(StoreError):
+    """A DuckDB catalog file that DuckDB cannot read back (cut short, overwritten, a block
+    failing its checksum). Why its own type: the catalog is an index of the refs, so the
+    fix is always `trajstore reindex`, which moves the file aside and rebuilds it.
+
+    `reindex_args` is what to pass reindex (the CLI puts the `--store` it was given);
+    without it the store is taken to be the directory holding the file."""
+
+    def __init__(self, file: str, reason: str, reindex_args: str | None = None) -> None:
+        super().__init__(file, reason)
+        self.file = file
+        self.reason = reason
+        self.reindex_args = reindex_args
+
+    def __str__(self) -> str:
+        args = self.reindex_args or f"--store {os.path.dirname(self.file) or '.'}"
+        return f"catalog {self.file} cannot be read ({self.reason}); run: trajstore reindex {args}"
+
+
 class DiskFullError(StoreError):
     """The file system holding the store (or an output) is full or over quota.
 

@@ -132,6 +132,12 @@ class ObjectStore(ABC):
         No grace period: this is the primitive a GC policy calls, not a policy.
         """
 
+    def missing(self, hashes: Iterable[str]) -> set[str]:
+        """Those of `hashes` that no stored copy holds: what gc checks the live set against
+        before it deletes anything. Backends answer from their object index and one listing,
+        not a read per object; the default asks `has` for each."""
+        return {h for h in set(hashes) if not self.has(h)}
+
     def verify(self, h: str) -> None:
         """Raise IntegrityError (naming `h`) unless the stored copy matches its hash."""
         self.get(h)
@@ -642,6 +648,15 @@ class LocalObjectStore(ObjectStore):
                 return True
             self.rescan()
             return h in self._index
+
+    def missing(self, hashes: Iterable[str]) -> set[str]:
+        """As `ObjectStore.missing`: the pack indexes (rescanned) and a stat of each name
+        none of them holds. A buffered object is not stored yet, so it counts as missing;
+        so does a pack's object whose index is lost or corrupt."""
+        with self._lock:
+            self.rescan()
+            rest = set(hashes) - self._index.keys()
+        return {h for h in rest if not (_HASH_RE.match(h) and self._loose_path(h).is_file())}
 
     def verify(self, h: str) -> None:
         """Re-read the stored copy (never the write buffer) and check it against `h`."""

@@ -675,6 +675,16 @@ class S3ObjectStore(ObjectStore):
         self.rescan()
         return h in self._index
 
+    def missing(self, hashes: Iterable[str]) -> set[str]:
+        """As `ObjectStore.missing`: the pack indexes of a full listing of `packs/`, then,
+        for the names none of them holds, one listing of `objects/` (not a HEAD each)."""
+        with self._lock:
+            self.rescan()
+            rest = set(hashes) - self._index.keys()
+        if rest:
+            rest -= {info.hash for info in self._iter_loose()}
+        return rest
+
     def verify(self, h: str) -> None:
         """Re-read the stored copy (never the write buffer) and check it against `h`."""
         self.get_many([check_hash(h)], pending=False)

@@ -41,7 +41,15 @@ _EXPORTS = {
         "queries",
     ),
     **dict.fromkeys(
-        ("IncrementalStats", "SyncStats", "changes", "reindex", "sync_catalog", "sync_new"),
+        (
+            "IncrementalStats",
+            "ReindexStats",
+            "SyncStats",
+            "changes",
+            "reindex",
+            "sync_catalog",
+            "sync_new",
+        ),
         "sync",
     ),
 }

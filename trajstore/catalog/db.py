@@ -16,7 +16,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from trajstore.catalog.direct import CATALOG_FILE
+from trajstore.catalog.direct import CATALOG_FILE, damage_guard
 from trajstore.catalog.direct import is_lock_error as _is_lock_error  # noqa: F401
 from trajstore.catalog.direct import retry_lock as _retry_lock
 from trajstore.catalog.stillborn import drop_stillborn_duckdb
@@ -175,14 +175,15 @@ class Catalog:
     # -- use --------------------------------------------------------------
     @contextlib.contextmanager
     def connect(self) -> Iterator[sa.Connection]:
-        """A connection; commit explicitly or use begin() for a transaction."""
-        with self.engine.connect() as conn:
+        """A connection; commit explicitly or use begin() for a transaction. A damaged
+        DuckDB file met by anything done with it is one CatalogDamagedError."""
+        with damage_guard(self.file), self.engine.connect() as conn:
             yield conn
 
     @contextlib.contextmanager
     def begin(self) -> Iterator[sa.Connection]:
         """A connection inside one transaction, committed on success."""
-        with self.engine.begin() as conn:
+        with damage_guard(self.file), self.engine.begin() as conn:
             yield conn
 
     def revision(self) -> str | None:
@@ -215,11 +216,12 @@ class Catalog:
         def attach():
             raw.execute(f"ATTACH '{path}' AS trajstore_src (READ_ONLY)")
 
-        _retry_lock(attach, self.file, self.lock_timeout)
-        try:
-            raw.execute("COPY FROM DATABASE trajstore_src TO memory")
-        finally:
-            raw.execute("DETACH trajstore_src")
+        with damage_guard(self.file):
+            _retry_lock(attach, self.file, self.lock_timeout)
+            try:
+                raw.execute("COPY FROM DATABASE trajstore_src TO memory")
+            finally:
+                raw.execute("DETACH trajstore_src")
         return snap
 
 
@@ -284,14 +286,15 @@ def open_catalog(
         if catalog.file is not None:
             Path(catalog.file).parent.mkdir(parents=True, exist_ok=True)
             drop_stillborn_duckdb(Path(catalog.file))
-        current = catalog.revision()
-        if current is not None and current not in KNOWN_REVISIONS:
-            raise StoreError(
-                f"catalog is at revision {current}, newer than this trajstore "
-                f"({HEAD_REVISION}); upgrade trajstore"
-            )
-        if current != HEAD_REVISION:
-            migrate(catalog.engine, "head")
+        with damage_guard(catalog.file):  # the file's first read is here, or in a migration
+            current = catalog.revision()
+            if current is not None and current not in KNOWN_REVISIONS:
+                raise StoreError(
+                    f"catalog is at revision {current}, newer than this trajstore "
+                    f"({HEAD_REVISION}); upgrade trajstore"
+                )
+            if current != HEAD_REVISION:
+                migrate(catalog.engine, "head")
     except BaseException:
         catalog.close()
         raise

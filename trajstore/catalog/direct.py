@@ -15,17 +15,24 @@ reader skip a no-op sync (`listing_record`, `listing_unchanged`; docs/catalog.md
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from trajstore.catalog.revisions import HEAD_REVISION, KNOWN_REVISIONS
-from trajstore.errors import StoreError, UsageError, check_known_sample
+from trajstore.errors import (
+    CatalogDamagedError,
+    StoreError,
+    TrajstoreError,
+    UsageError,
+    check_known_sample,
+)
 
 CATALOG_FILE = "catalog.duckdb"
 JSON_COLUMNS = frozenset(
@@ -77,6 +84,47 @@ def driver() -> Any:
 
 def is_lock_error(exc: BaseException) -> bool:
     return _LOCK_MARKER in str(exc)
+
+
+#: what DuckDB says of a database file it cannot read back: cut short, overwritten, a
+#: block or a WAL entry failing its checksum
+_DAMAGE_MARKERS = (
+    "Could not read enough bytes",
+    "not a valid DuckDB database file",
+    "Corrupt database file",
+    "Corrupt WAL file",
+    "Failure while replaying WAL",
+)
+
+
+def damage_of(exc: BaseException) -> str | None:
+    """DuckDB's one-line complaint if `exc`, or what it wraps (SQLAlchemy's `.orig`, a
+    cause), says a database file is damaged; else None. By message, because DuckDB raises
+    these as the same IOException (or its plain Error) as a held lock or a full disk."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for line in str(getattr(e, "orig", None) or e).splitlines():
+            if any(m in line for m in _DAMAGE_MARKERS):
+                return line.strip()[:300]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def damage_guard(file: str | None) -> Iterator[None]:
+    """Turn DuckDB's complaint about a damaged catalog `file` (None: not a file, nothing
+    to turn) into one CatalogDamagedError naming it, wherever the read or write met it."""
+    try:
+        yield
+    except TrajstoreError:
+        raise
+    except Exception as exc:
+        reason = damage_of(exc) if file else None
+        if reason is None:
+            raise
+        raise CatalogDamagedError(str(file), reason) from None
 
 
 def retry_lock(action: Callable[[], Any], what: str, timeout: float) -> Any:
@@ -190,6 +238,8 @@ def readonly_sql_duckdb(raw: Any, sql: str, max_rows: int) -> tuple[list[str], l
     except UsageError:
         raise
     except Exception as exc:
+        if damage_of(exc) is not None:
+            raise  # the file, not the statement: the caller names the file and the fix
         raise UsageError(f"SQL failed: {str(exc).splitlines()[0]}") from None
     finally:
         cur.close()
@@ -315,6 +365,11 @@ class DirectCatalog:
         file = store_dir.resolve() / CATALOG_FILE
         if not file.is_file() or file.stat().st_size == 0:  # an empty one: see stillborn.py
             raise NeedsFullOpen("no catalog file")
+        with damage_guard(str(file)):
+            return cls._open(store_dir, file, lock_timeout)
+
+    @classmethod
+    def _open(cls, store_dir: Path, file: Path, lock_timeout: float) -> DirectCatalog:
         duckdb = driver()
 
         con = retry_lock(lambda: duckdb.connect(str(file)), str(file), lock_timeout)

@@ -25,6 +25,7 @@ from trajstore.catalog.direct import (  # noqa: F401  (JSON_COLUMNS: re-exported
     check_filter_words,
     check_rollout_range,
     check_row_count,
+    damage_guard,
     jsonable,
     readonly_sql_duckdb,
 )
@@ -853,11 +854,12 @@ def run_readonly_sql(
     """
     _check_readonly(sql)
     if catalog.is_duckdb:
-        raw = catalog.engine.raw_connection()
-        try:
-            columns, rows = readonly_sql_duckdb(raw.driver_connection, sql, max_rows)
-        finally:
-            raw.close()
+        with damage_guard(catalog.file):
+            raw = catalog.engine.raw_connection()
+            try:
+                columns, rows = readonly_sql_duckdb(raw.driver_connection, sql, max_rows)
+            finally:
+                raw.close()
         return columns, rows
     with catalog.connect() as conn:
         try:

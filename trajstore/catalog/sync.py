@@ -10,11 +10,12 @@ scratch (`reindex`) answers every query exactly as the incremental catalog.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,21 @@ from typing import Any
 import sqlalchemy as sa
 
 from trajstore.catalog import tables
-from trajstore.catalog.db import Catalog, _duckdb_file, _is_lock_error, open_catalog
+from trajstore.catalog.db import (
+    Catalog,
+    _duckdb_file,
+    _is_lock_error,
+    open_catalog,
+    shown_url,
+)
 from trajstore.catalog.direct import dir_stat, listing_record
-from trajstore.errors import NotFoundError, StoreError
+from trajstore.errors import (
+    CatalogDamagedError,
+    NotFoundError,
+    StoreError,
+    TrajstoreError,
+    disk_full_error,
+)
 from trajstore.refspace import DEFAULT_MARGIN_S, DocRef, LocalRefSpace, RefSpace
 from trajstore.vocab import Stage
 
@@ -1014,34 +1027,58 @@ def changes(catalog: Catalog) -> int:
         )
 
 
+@dataclass(frozen=True)
+class ReindexStats(SyncStats):
+    #: where a DuckDB file that could not be read or written was moved (None: it was fine)
+    moved_aside: str | None = None
+    #: DuckDB's complaint about that file
+    reason: str | None = None
+
+
 def reindex(
     catalog_path_or_url: Path | str,
     store_dir: StoreSource,
     load_document: LoadDocument,
     *,
     lock_timeout: float | None = None,
-) -> SyncStats:
+) -> ReindexStats:
     """Rebuild the catalog from refs and results alone.
 
-    A DuckDB file that cannot be opened (corrupt) is deleted and recreated; a
-    readable catalog is emptied and refilled under its lock. A catalog newer
-    than this trajstore is refused, never rebuilt.
+    A readable catalog is emptied and refilled under its lock. A DuckDB file that cannot
+    be opened, or that fails a read or write while it is emptied and refilled (cut short,
+    overwritten), is moved aside as `<file>.damaged-<UTC time>` (never deleted: it is the
+    user's file) and the catalog is rebuilt in a new file, exactly as after deleting it.
+    A held lock, a full disk, a catalog newer than this trajstore and a server catalog's
+    errors are raised, never rebuilt.
     """
     target = str(catalog_path_or_url)
     url = target if "://" in target else f"duckdb:///{Path(target).resolve()}"
     kwargs = {} if lock_timeout is None else {"lock_timeout": lock_timeout}
     home = None if isinstance(store_dir, RefSpace) else store_dir
+    file = _duckdb_file(sa.engine.make_url(url))
     try:
         catalog = open_catalog(home, url, **kwargs)
-    except StoreError:
-        raise
     except Exception as exc:
-        path = _duckdb_file(sa.engine.make_url(url))
-        if path is None or _is_lock_error(exc):
-            raise StoreError(f"cannot open catalog {url} for reindex: {exc}") from None
-        for stale in (Path(path), Path(path + ".wal")):
-            stale.unlink(missing_ok=True)
-        catalog = open_catalog(home, url, **kwargs)
+        reason = _unusable_file(exc) if file is not None else None
+        if reason is None:
+            if isinstance(exc, TrajstoreError) or disk_full_error(exc):
+                raise
+            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise StoreError(f"cannot open catalog {shown_url(url)} for reindex: {line}") from None
+    else:
+        try:
+            return _refill(catalog, store_dir, load_document)
+        except CatalogDamagedError as exc:  # a block the open did not read
+            if file is None:
+                raise
+            reason = exc.reason
+    aside = _move_aside(Path(file))
+    stats = _refill(open_catalog(home, url, **kwargs), store_dir, load_document)
+    return replace(stats, moved_aside=None if aside is None else str(aside), reason=reason)
+
+
+def _refill(catalog: Catalog, store_dir: StoreSource, load_document: LoadDocument) -> ReindexStats:
+    """Empty every index table of an open catalog (closed on return), then sync it."""
     with catalog:
         with catalog.begin() as conn:
             _writer_lock(conn)  # a server catalog's writers wait, then see the empty tables
@@ -1051,7 +1088,48 @@ def reindex(
             if conn.dialect.name == "postgresql":
                 # ids restart as in a new catalog, so the rebuilt one answers identically
                 # (DuckDB cannot restart a sequence; its reindex of a readable file keeps
-                # counting, and a rebuild from a deleted file starts at 1)
+                # counting, and a rebuild from a moved-aside file starts at 1)
                 for seq in (tables.REPLAY_RESULTS_ID_SEQ, tables.ROUTER_METRICS_ID_SEQ):
                     conn.exec_driver_sql(f"ALTER SEQUENCE {seq.name} RESTART WITH 1")
-        return sync_catalog(catalog, store_dir, load_document)
+        s = sync_catalog(catalog, store_dir, load_document)
+    return ReindexStats(s.new_refs, s.new_tombstones, s.new_results)
+
+
+def _unusable_file(exc: Exception) -> str | None:
+    """Why a DuckDB catalog file that failed to open is to be rebuilt (one line), or None
+    when `exc` is no reason to: a damaged file or any database error opening it, but not
+    a lock held by another process, a full disk or a refusal of ours (a newer catalog)."""
+    if isinstance(exc, CatalogDamagedError):
+        return exc.reason
+    if isinstance(exc, TrajstoreError) or _is_lock_error(exc) or disk_full_error(exc):
+        return None
+    from trajstore.catalog.direct import driver
+
+    db_errors = (sa.exc.DBAPIError, driver().Error)
+    if not isinstance(exc, db_errors) and not isinstance(getattr(exc, "orig", None), db_errors):
+        return None  # a bug of ours: rebuilding would only hide it
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _move_aside(file: Path) -> Path | None:
+    """Rename a catalog file (and its WAL) to `<name>.damaged-<UTC time>[-N]`; the new
+    name, or None when there was no file to keep."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside = file.with_name(f"{file.name}.damaged-{stamp}")
+    n = 1
+    while aside.exists() or aside.with_name(aside.name + ".wal").exists():
+        n += 1
+        aside = file.with_name(f"{file.name}.damaged-{stamp}-{n}")
+    try:
+        try:
+            os.rename(file, aside)
+        except FileNotFoundError:
+            return None  # nothing to keep: the catalog is created anew
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(file.with_name(file.name + ".wal"), aside.with_name(aside.name + ".wal"))
+    except OSError as e:
+        raise StoreError(
+            f"catalog {file} cannot be read and cannot be moved aside to rebuild it: {e}"
+        ) from None
+    return aside

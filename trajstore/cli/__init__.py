@@ -14,7 +14,7 @@ import os
 import sys
 
 from trajstore import __version__
-from trajstore.errors import TrajstoreError, disk_full_error
+from trajstore.errors import CatalogDamagedError, TrajstoreError, disk_full_error
 
 #: command modules, in the order their commands appear in --help
 COMMAND_MODULES = [
@@ -76,6 +76,7 @@ def _command_of(argv: list[str] | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         parser = build_parser(_command_of(argv))
         args = parser.parse_args(argv)
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         _expand_store(args)
         return int(args.func(args) or 0)
     except TrajstoreError as exc:
+        if isinstance(exc, CatalogDamagedError):
+            exc.reindex_args = _reindex_args(args) or exc.reindex_args
         print(f"trajstore: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -110,6 +113,20 @@ def _expand_store(args: argparse.Namespace) -> None:
         from trajstore.jsonio import user_path
 
         args.store = str(user_path(store))
+
+
+def _reindex_args(args: argparse.Namespace | None) -> str | None:
+    """The `--store` (and `--catalog`) of this command line, for `trajstore reindex`: the
+    store as the user named it (an S3 store's catalog file lives in a cache directory)."""
+    import shlex
+
+    store = getattr(args, "store", None)
+    if not store:
+        return None
+    catalog = getattr(args, "catalog", None)
+    return f"--store {shlex.quote(str(store))}" + (
+        f" --catalog {shlex.quote(catalog)}" if catalog else ""
+    )
 
 
 def _internal(exc: Exception) -> int:

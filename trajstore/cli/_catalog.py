@@ -142,7 +142,7 @@ def catalog_reader(path: str | Path, url: str | None = None) -> Iterator[Any]:
     DirectCatalog when the store's own DuckDB file can be read as it is, else a
     PagedReader over the full open + sync (synced_catalog)."""
     if url is None and not str(path).startswith("s3://"):
-        from trajstore.catalog.direct import DirectCatalog, NeedsFullOpen
+        from trajstore.catalog.direct import DirectCatalog, NeedsFullOpen, damage_guard
 
         root = store_root(path)
         try:
@@ -150,7 +150,7 @@ def catalog_reader(path: str | Path, url: str | None = None) -> Iterator[Any]:
         except NeedsFullOpen:
             pass
         else:
-            with direct:
+            with direct, damage_guard(direct.file):  # a block the open did not read
                 yield direct
             return
     with synced_catalog(path, url) as cat:

@@ -329,6 +329,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_reindex(args: argparse.Namespace) -> int:
     with _open(args) as store:
         s = store.reindex()
+    if s["moved_aside"]:
+        print(
+            f"trajstore: the catalog could not be read ({s['reason']}): moved aside to "
+            f"{s['moved_aside']} and rebuilt from the refs",
+            file=sys.stderr,
+        )
     print(
         f"reindexed: {s['new_refs']} refs, {s['new_tombstones']} tombstones, "
         f"{s['new_results']} results"

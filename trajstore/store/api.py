@@ -375,4 +375,6 @@ class Store:
             "new_refs": s.new_refs,
             "new_tombstones": s.new_tombstones,
             "new_results": s.new_results,
+            "moved_aside": s.moved_aside,
+            "reason": s.reason,
         }

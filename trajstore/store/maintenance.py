@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trajstore.cas import RepackResult, load_record, record_objects
-from trajstore.errors import TrajstoreError, UsageError
+from trajstore.errors import StoreError, TrajstoreError, UsageError
 from trajstore.store import gclock
 from trajstore.store.api import Store
 from trajstore.store.stored_bundle import get_json_blob, payload_file_bytes
@@ -62,8 +62,13 @@ class FsckReport:
         }
 
 
-def ref_closure(store: Store, ref: dict[str, Any]) -> dict[str, str]:
-    """hash -> what it is (for naming problems), for every object a ref needs."""
+def ref_closure(
+    store: Store, ref: dict[str, Any], unread: set[str] | None = None
+) -> dict[str, str]:
+    """hash -> what it is (for naming problems), for every object a ref needs.
+
+    A payload record that cannot be read hides the chunks it names: it is added to
+    `unread` (when given), since a closure without them is not the whole closure."""
     need: dict[str, str] = {}
     for k, h in ref["documents"].items():
         need[h] = f"{k} document"
@@ -81,8 +86,9 @@ def ref_closure(store: Store, ref: dict[str, Any]) -> dict[str, str]:
         try:
             for h in record_objects(store.objs, load_record(store.objs, p["record"])):
                 need.setdefault(h, f"payload {name!r} chunk/metadata")
-        except TrajstoreError:
-            pass  # the record itself is reported as missing/corrupt
+        except TrajstoreError:  # the record itself is reported as missing/corrupt
+            if unread is not None:
+                unread.add(p["record"])
     return need
 
 
@@ -146,17 +152,37 @@ def _fsck(store: Store, *, deep: bool) -> FsckReport:
     return rep
 
 
-def live_objects(store: Store) -> set[str]:
-    """Objects reachable from a live ref, or from a cohort shard not yet published."""
+def live_objects(store: Store, unread: set[str] | None = None) -> set[str]:
+    """Objects reachable from a live ref, or from a cohort shard not yet published.
+    Payload records that could not be read (so their chunks are not in it) go to `unread`."""
     from trajstore.store.shards import pending_shards
 
     out: set[str] = set()
     store.refs.refresh(force=True)  # gc's safety needs every ref: a full listing
     for e in store.refs.live().values():
-        out |= set(ref_closure(store, store.refs.read(e.name)))
+        out |= set(ref_closure(store, store.refs.read(e.name), unread))
     for ref in pending_shards(store):
-        out |= set(ref_closure(store, ref))
+        out |= set(ref_closure(store, ref, unread))
     return out
+
+
+def check_live_objects_stored(store: Store, live: set[str], unread: set[str]) -> None:
+    """Refuse to sweep a store that lacks objects its live refs need.
+
+    Why: gc deletes what the live set does not name, so an incomplete live set (a record
+    that cannot be read hides its chunks) or a store already missing live objects (a pack
+    whose index was lost reads as a pack without an index, which gc removes) would turn
+    damage that can still be repaired into lost data. One set difference against the
+    object index: the live set is already computed."""
+    lost = store.objs.missing(live) | unread
+    if lost:
+        raise StoreError(
+            f"gc refused, nothing deleted: {len(lost)} object(s) that live bundles need are "
+            f"missing or unreadable in {store.url} (e.g. a pack whose index was lost, kept "
+            f"as it is); run `trajstore fsck --store {store.url}` to name them and their "
+            "bundles, restore the files (or re-ingest or `trajstore rm` those bundles), "
+            "then gc again"
+        )
 
 
 #: the shortest grace `trajstore gc` accepts on a store without the gc lock (S3)
@@ -182,7 +208,9 @@ def gc(store: Store, grace_s: float = 3600.0) -> dict[str, Any]:
     started = time.time()
     # Exclusive against writers (gclock): no ref can appear for an object swept here.
     with gclock.collecting(store.objs):
-        keep = live_objects(store)
+        unread: set[str] = set()
+        keep = live_objects(store, unread)
+        check_live_objects_stored(store, keep, unread)
         res: RepackResult = store.objs.repack(lambda h: h in keep, older_than=grace_s)
     return {
         "live_objects": len(keep),
