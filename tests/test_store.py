@@ -233,6 +233,28 @@ def test_a_step_recaptured_by_one_producer_after_a_cohort_is_a_new_attempt(store
     assert [b.rank for b in store.step("r", 120, 0, attempt=1)] == [0, 1]
 
 
+def test_ls_and_query_show_a_step_resumed_on_fewer_ranks_once(tmp_path: Path, make_cohort) -> None:
+    """Attempt 1 on ranks 0-2, then a resumed attempt 2 on ranks 0-1: attempt 1's rank 2
+    is superseded too, as `Store.step` (replay, export) has it."""
+    st = tmp_path / "st"
+    for cohort in (make_cohort(ranks=3, seed=1), make_cohort(ranks=2, seed=2)):
+        done = cli("ingest", "--store", st, "--run", "R", cohort)
+        assert done.returncode == 0, done.stderr
+    assert [b.ref["key"] for b in Store.open(st).step("R", 7, 0)] == [
+        "R/step-7-0/rank-0/a2",
+        "R/step-7-0/rank-1/a2",
+    ]
+    ls = cli("ls", "--store", st, "--json")
+    assert [b["key"] for b in json.loads(ls.stdout)] == [
+        "R/step-7-0/rank-0/a2",
+        "R/step-7-0/rank-1/a2",
+    ]
+    steps = cli("query", "steps", "--store", st, "--format", "json")
+    assert [(s["attempt"], s["ranks"]) for s in json.loads(steps.stdout)] == [(2, [0, 1])]
+    unreplayed = cli("query", "steps", "--store", st, "--status", "unreplayed", "--format", "json")
+    assert len(json.loads(unreplayed.stdout)) == 1
+
+
 def test_flipped_byte_is_reported_by_fsck_and_by_reads(store: Store, tmp_path: Path) -> None:
     store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=300))], run="r")
     store.close()
