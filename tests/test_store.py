@@ -404,3 +404,42 @@ def test_gc_keeps_every_file_of_a_stored_cohort(store: Store, tmp_path: Path, ma
     assert fsck(store).ok
     out = export_bundles(store.step("r", 7, 0), tmp_path / "out" / "replay-7-0")
     assert tree_equal(cohort, out)
+
+
+def test_rm_of_one_rank_of_a_cohort_is_refused_naming_every_rank(
+    tmp_path: Path, make_cohort
+) -> None:
+    st = tmp_path / "st"
+    cli("ingest", "--store", st, "--run", "A", make_cohort(ranks=3))
+    ranks = [f"A/step-7-0/rank-{r}/a1" for r in range(3)]
+    for some in ([ranks[0]], ranks[1:]):
+        proc = cli("rm", "--store", st, *some)
+        assert (proc.returncode, proc.stdout) == (2, "")
+        assert proc.stderr == (
+            f"trajstore: error: {some[0]} is one rank of run 'A' step 7:0 attempt 1; a cohort "
+            "is removed whole (its other ranks would list but not replay), so name every "
+            f"rank: trajstore rm {' '.join(ranks)}\n"
+        )
+    assert not list((st / "refs" / "tombstones").glob("*.json"))  # nothing removed
+    ls = cli("ls", "--store", st, "--json")
+    assert [b["key"] for b in json.loads(ls.stdout)] == ranks
+    assert cli("rm", "--store", st, *ranks).returncode == 0
+    assert json.loads(cli("ls", "--store", st, "--json").stdout) == []
+
+
+def test_rm_takes_a_whole_cohort_a_single_producer_bundle_or_a_run(
+    store: Store, tmp_path: Path, make_cohort
+) -> None:
+    store.ingest([make_cohort(tmp_path / "replay-7-0", ranks=2)], run="r")
+    store.ingest([write_bundle(tmp_path / "one", make_contents(step_id=1))], run="r")
+    store.ingest([write_bundle(tmp_path / "other", make_contents(step_id=1))], run="s")
+    with pytest.raises(UsageError, match="rank-0/a1 r/step-7-0/rank-1/a1$"):
+        store.remove(["r/step-7-0/rank-1/a1"])
+    assert [b.rank for b in store.step("r", 7, 0)] == [0, 1]
+    assert store.remove(["r/step-7-1/a1"]) == ["r/step-7-1/a1"]
+    cohort = ["r/step-7-0/rank-0/a1", "r/step-7-0/rank-1/a1"]
+    assert store.remove(cohort) == cohort
+    with pytest.raises(NotFoundError):
+        store.step("r", 7, 0)
+    assert store.remove(run="s") == ["s/step-7-1/a1"]
+    assert fsck(store).warnings == []
