@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -443,3 +444,25 @@ def test_rm_takes_a_whole_cohort_a_single_producer_bundle_or_a_run(
         store.step("r", 7, 0)
     assert store.remove(run="s") == ["s/step-7-1/a1"]
     assert fsck(store).warnings == []
+
+
+def test_fsck_says_how_to_clear_a_cohort_an_older_rm_left_half_removed(
+    tmp_path: Path, make_cohort
+) -> None:
+    st = tmp_path / "st"
+    with Store.open(st) as store:
+        store.ingest([make_cohort(ranks=2)], run="A")
+    # what `trajstore rm A/step-7-0/rank-0/a1` wrote before it refused part of a cohort
+    tombstones = st / "refs" / "tombstones"
+    tombstones.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "tombstone_version": 1,
+        "key": "A/step-7-0/rank-0/a1",
+        "removed_at": "2026-12-01T00:00:00Z",
+    }
+    (tombstones / f"{time.time_ns():020d}-1-00.json").write_text(json.dumps(doc))
+    (warning,) = fsck(Store.open(st)).warnings
+    assert "replay and export refuse it" in warning
+    assert warning.endswith("trajstore rm A/step-7-0/rank-1/a1")
+    assert cli("rm", "--store", st, "A/step-7-0/rank-1/a1").returncode == 0
+    assert fsck(Store.open(st)).warnings == []
