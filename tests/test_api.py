@@ -800,3 +800,28 @@ def test_body_cache_stays_within_its_byte_bound() -> None:
     assert all(cache.get(f"e{i}") is not None for i in (1, 2, 3, 4))
     cache.put("huge", Body.of(bytes(200)))  # over a quarter of the bound: never cached
     assert cache.get("huge") is None and cache.get("e4") is not None
+
+
+def test_a_step_recaptured_on_another_rank_layout_is_one_step_of_its_latest_attempt(
+    tmp_path: Path,
+) -> None:
+    """120:0 captured on ranks 0 and 1, then re-captured by one producer: attempt 2, as
+    `Store.step` (and so replay, export, diff) has it, on every endpoint."""
+    store = tmp_path / "store"
+    with Store.open(store, durable=False) as st:
+        assert all(o.status == "published" for o in st.ingest([CAPTURE_DIR], run="r"))
+        assert all(o.status == "published" for o in st.ingest([DIVERGENT], run="r"))
+        assert [b.rank for b in st.step("r", 120, 0)] == [None]
+    with serve(store) as c:
+        steps = c.get("/v1/runs/r/steps").json()["items"]
+        assert [(s["attempt"], s["num_bundles"], s["bundle_keys"]) for s in steps] == [
+            (2, 1, ["r/step-120-0/a2"])
+        ]
+        assert c.get("/v1/runs/r/steps", params={"attempt": 1}).json()["items"] == []
+        summary = c.get("/v1/runs/r/summary").json()
+        assert (summary["steps"], summary["by_status"]["unreplayed"]) == (1, 1)
+        step = c.get("/v1/runs/r/steps/120:0").json()
+        assert (step["attempt"], step["attempts"], step["ranks"]) == (2, [1, 2], [])
+        assert [b["key"] for b in step["bundles"]] == ["r/step-120-0/a2"]
+        old = c.get("/v1/runs/r/steps/120:0", params={"attempt": 1}).json()
+        assert (old["attempt"], old["ranks"]) == (1, [0, 1])

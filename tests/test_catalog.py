@@ -280,6 +280,44 @@ def test_tombstone_hides_bundle_and_uncovers_previous_attempt(store):
         assert get_bundle(cat, second, include_removed=True)["removed_at"] is not None
 
 
+def _latest_view(store: StoreWriter) -> dict:
+    """What the readers show of step 120:0: its lookup, the latest bundles, the steps."""
+    with store.catalog() as cat:
+        return {
+            "lookup": [(r["rank"], r["attempt"]) for r in lookup_step(cat, "default", 120, 0)],
+            "bundles": [r["key"] for r in list_bundles(cat)["items"]],
+            "steps": [
+                (s["attempt"], s["ranks"], s["num_bundles"]) for s in query_steps(cat)["items"]
+            ],
+            "step_bundles": list_runs(cat)[0]["num_step_bundles"],
+            "stats": stats(cat)["bundles"],
+        }
+
+
+def test_a_recapture_on_fewer_ranks_supersedes_every_rank_of_the_previous_attempt(store):
+    first = store.publish_cohort(120, 0, ranks=3)
+    _sync(store)
+    second = store.publish_cohort(120, 0, ranks=2)  # resumed on 2 ranks: attempt 2
+    _sync(store)  # incremental: attempt 1's rank 2, which attempt 2 lacks, is flipped too
+    shown = {
+        "lookup": [(0, 2), (1, 2)],
+        "bundles": second,
+        "steps": [(2, [0, 1], 2)],
+        "step_bundles": 2,
+        "stats": 2,
+    }
+    assert _latest_view(store) == shown
+    with store.catalog() as cat:
+        old = lookup_step(cat, "default", 120, 0, attempt=1)
+        assert query_steps(cat, attempt=1)["items"] == []
+    assert [r["key"] for r in old] == first and not any(r["is_latest"] for r in old)
+    reindex(store.url or store.root / CATALOG_FILE, store.root, store.load)
+    assert _latest_view(store) == shown
+    assert store.store.remove(second) == second  # attempt 1 is back, all three ranks
+    _sync(store)
+    assert _latest_view(store)["lookup"] == [(0, 1), (1, 1), (2, 1)]
+
+
 def test_tombstone_synced_before_its_ref_still_hides_it(store):
     key = store.publish(120, 0)
     store.tombstone(key)

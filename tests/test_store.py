@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -304,6 +305,28 @@ def test_a_step_recaptured_by_one_producer_after_a_cohort_is_a_new_attempt(store
     assert [b.rank for b in store.step("r", 120, 0, attempt=1)] == [0, 1]
 
 
+def test_ls_and_query_show_a_step_resumed_on_fewer_ranks_once(tmp_path: Path, make_cohort) -> None:
+    """Attempt 1 on ranks 0-2, then a resumed attempt 2 on ranks 0-1: attempt 1's rank 2
+    is superseded too, as `Store.step` (replay, export) has it."""
+    st = tmp_path / "st"
+    for cohort in (make_cohort(ranks=3, seed=1), make_cohort(ranks=2, seed=2)):
+        done = cli("ingest", "--store", st, "--run", "R", cohort)
+        assert done.returncode == 0, done.stderr
+    assert [b.ref["key"] for b in Store.open(st).step("R", 7, 0)] == [
+        "R/step-7-0/rank-0/a2",
+        "R/step-7-0/rank-1/a2",
+    ]
+    ls = cli("ls", "--store", st, "--json")
+    assert [b["key"] for b in json.loads(ls.stdout)] == [
+        "R/step-7-0/rank-0/a2",
+        "R/step-7-0/rank-1/a2",
+    ]
+    steps = cli("query", "steps", "--store", st, "--format", "json")
+    assert [(s["attempt"], s["ranks"]) for s in json.loads(steps.stdout)] == [(2, [0, 1])]
+    unreplayed = cli("query", "steps", "--store", st, "--status", "unreplayed", "--format", "json")
+    assert len(json.loads(unreplayed.stdout)) == 1
+
+
 def test_flipped_byte_is_reported_by_fsck_and_by_reads(store: Store, tmp_path: Path) -> None:
     store.ingest([write_bundle(tmp_path / "b", make_contents(lengths=300))], run="r")
     store.close()
@@ -547,3 +570,64 @@ def test_gc_keeps_every_file_of_a_stored_cohort(store: Store, tmp_path: Path, ma
     assert fsck(store).ok
     out = export_bundles(store.step("r", 7, 0), tmp_path / "out" / "replay-7-0")
     assert tree_equal(cohort, out)
+
+
+def test_rm_of_one_rank_of_a_cohort_is_refused_naming_every_rank(
+    tmp_path: Path, make_cohort
+) -> None:
+    st = tmp_path / "st"
+    cli("ingest", "--store", st, "--run", "A", make_cohort(ranks=3))
+    ranks = [f"A/step-7-0/rank-{r}/a1" for r in range(3)]
+    for some in ([ranks[0]], ranks[1:]):
+        proc = cli("rm", "--store", st, *some)
+        assert (proc.returncode, proc.stdout) == (2, "")
+        assert proc.stderr == (
+            f"trajstore: error: {some[0]} is one rank of run 'A' step 7:0 attempt 1; a cohort "
+            "is removed whole (its other ranks would list but not replay), so name every "
+            f"rank: trajstore rm {' '.join(ranks)}\n"
+        )
+    assert not list((st / "refs" / "tombstones").glob("*.json"))  # nothing removed
+    ls = cli("ls", "--store", st, "--json")
+    assert [b["key"] for b in json.loads(ls.stdout)] == ranks
+    assert cli("rm", "--store", st, *ranks).returncode == 0
+    assert json.loads(cli("ls", "--store", st, "--json").stdout) == []
+
+
+def test_rm_takes_a_whole_cohort_a_single_producer_bundle_or_a_run(
+    store: Store, tmp_path: Path, make_cohort
+) -> None:
+    store.ingest([make_cohort(tmp_path / "replay-7-0", ranks=2)], run="r")
+    store.ingest([write_bundle(tmp_path / "one", make_contents(step_id=1))], run="r")
+    store.ingest([write_bundle(tmp_path / "other", make_contents(step_id=1))], run="s")
+    with pytest.raises(UsageError, match="rank-0/a1 r/step-7-0/rank-1/a1$"):
+        store.remove(["r/step-7-0/rank-1/a1"])
+    assert [b.rank for b in store.step("r", 7, 0)] == [0, 1]
+    assert store.remove(["r/step-7-1/a1"]) == ["r/step-7-1/a1"]
+    cohort = ["r/step-7-0/rank-0/a1", "r/step-7-0/rank-1/a1"]
+    assert store.remove(cohort) == cohort
+    with pytest.raises(NotFoundError):
+        store.step("r", 7, 0)
+    assert store.remove(run="s") == ["s/step-7-1/a1"]
+    assert fsck(store).warnings == []
+
+
+def test_fsck_says_how_to_clear_a_cohort_an_older_rm_left_half_removed(
+    tmp_path: Path, make_cohort
+) -> None:
+    st = tmp_path / "st"
+    with Store.open(st) as store:
+        store.ingest([make_cohort(ranks=2)], run="A")
+    # what `trajstore rm A/step-7-0/rank-0/a1` wrote before it refused part of a cohort
+    tombstones = st / "refs" / "tombstones"
+    tombstones.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "tombstone_version": 1,
+        "key": "A/step-7-0/rank-0/a1",
+        "removed_at": "2026-12-01T00:00:00Z",
+    }
+    (tombstones / f"{time.time_ns():020d}-1-00.json").write_text(json.dumps(doc))
+    (warning,) = fsck(Store.open(st)).warnings
+    assert "replay and export refuse it" in warning
+    assert warning.endswith("trajstore rm A/step-7-0/rank-1/a1")
+    assert cli("rm", "--store", st, "A/step-7-0/rank-1/a1").returncode == 0
+    assert fsck(Store.open(st)).warnings == []

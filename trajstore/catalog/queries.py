@@ -262,7 +262,7 @@ def lookup_step(
 ) -> list[dict]:
     """Bundle rows of every rank of actor step (rollout_id, step_id); [] if none.
 
-    The latest attempt per rank, or exactly `attempt` when given.
+    The latest attempt (each of its ranks), or exactly `attempt` when given.
     """
     return _lookup(catalog, "step", run, rollout_id, step_id, attempt)
 

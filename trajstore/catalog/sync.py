@@ -42,7 +42,7 @@ from trajstore.refspace import DEFAULT_MARGIN_S, DocRef, LocalRefSpace, RefSpace
 from trajstore.vocab import Stage
 
 LoadDocument = Callable[[str], dict]
-Group = tuple  # (run, kind, rollout_id, step_id, rank)
+Anchor = tuple  # (run, kind, rollout_id, step_id): a step or rollout, every rank
 
 REF_VERSION = 1
 TOMBSTONE_VERSION = 1
@@ -145,14 +145,13 @@ def _list_names(space: RefSpace, directory: str) -> list[str]:
     return [d.name for d in space.list(DIRECTORIES[directory]) if d.name.endswith(".json")]
 
 
-def _group_clause(table: sa.Table, group: Group):
-    run, kind, rollout_id, step_id, rank = group
+def _anchor_clause(table: sa.Table, anchor: Anchor):
+    run, kind, rollout_id, step_id = anchor
     return sa.and_(
         table.c.run == run,
         table.c.kind == kind,
         table.c.rollout_id == rollout_id,
         table.c.step_id.is_not_distinct_from(step_id),
-        table.c.rank.is_not_distinct_from(rank),
     )
 
 
@@ -393,32 +392,37 @@ def _field_getter(row: Any) -> Callable[[str], Any]:
     return row.get if isinstance(row, dict) else row._mapping.get
 
 
-def _group(row: Any) -> Group:
+def _anchor(row: Any) -> Anchor:
     get = _field_getter(row)
-    return (get("run"), get("kind"), get("rollout_id"), get("step_id"), get("rank"))
+    return (get("run"), get("kind"), get("rollout_id"), get("step_id"))
 
 
-def _latest_keys(rows: Iterable[Any]) -> dict[Group, str]:
-    """The one rule: per (run, kind, rollout_id, step_id, rank), the key of the
-    highest attempt not removed (ties by key) is the latest."""
-    best: dict[Group, tuple] = {}
+def _latest_attempts(rows: Iterable[Any]) -> dict[Anchor, int]:
+    """The one rule, the store's (`Store.step`): per (run, kind, rollout_id, step_id),
+    the highest attempt with a bundle not removed is the latest, on every rank. A
+    re-capture on another rank layout thus supersedes each rank of the old attempt,
+    not only the ranks it shares with it."""
+    best: dict[Anchor, int] = {}
     for row in rows:
         get = _field_getter(row)
         if get("removed_at") is None:
-            candidate = (get("attempt"), get("key"))
-            group = _group(row)
-            if group not in best or candidate > best[group]:
-                best[group] = candidate
-    return {group: key for group, (_, key) in best.items()}
+            anchor = _anchor(row)
+            best[anchor] = max(best.get(anchor, get("attempt")), get("attempt"))
+    return best
 
 
-def _update_latest_flags(conn: sa.Connection, stored: list[Any], latest: dict[Group, str]) -> None:
+def _is_latest(row: Any, latest: dict[Anchor, int]) -> bool:
+    get = _field_getter(row)
+    return get("removed_at") is None and latest.get(_anchor(row)) == get("attempt")
+
+
+def _update_latest_flags(conn: sa.Connection, stored: list[Any], latest: dict[Anchor, int]) -> None:
     """Flip ``is_latest`` on the stored rows whose flag disagrees with ``latest``."""
     bundles = tables.bundles
     flips = [
         {"k": row.key, "v": not row.is_latest}
         for row in stored
-        if bool(row.is_latest) != (latest.get(_group(row)) == row.key)
+        if bool(row.is_latest) != _is_latest(row, latest)
     ]
     if flips:
         conn.execute(
@@ -435,7 +439,6 @@ _LATEST_COLUMNS = (
     "kind",
     "rollout_id",
     "step_id",
-    "rank",
     "attempt",
     "removed_at",
     "is_latest",
@@ -445,20 +448,20 @@ _LATEST_COLUMNS = (
 def _set_latest(conn: sa.Connection, new: list[dict]) -> None:
     """Mark is_latest on new bundle rows (before insert) and flip existing rows."""
     bundles = tables.bundles
-    groups = {_group(row) for row in new}
+    anchors = {_anchor(row) for row in new}
     stored = [
         row
         for row in conn.execute(
             sa.select(*(bundles.c[name] for name in _LATEST_COLUMNS)).where(
-                bundles.c.run.in_({group[0] for group in groups}),
-                bundles.c.rollout_id.in_({group[2] for group in groups}),
+                bundles.c.run.in_({anchor[0] for anchor in anchors}),
+                bundles.c.rollout_id.in_({anchor[2] for anchor in anchors}),
             )
         )
-        if _group(row) in groups
+        if _anchor(row) in anchors
     ]
-    latest = _latest_keys([*stored, *new])
+    latest = _latest_attempts([*stored, *new])
     for row in new:
-        row["is_latest"] = latest.get(_group(row)) == row["key"]
+        row["is_latest"] = _is_latest(row, latest)
     _update_latest_flags(conn, stored, latest)
 
 
@@ -563,7 +566,6 @@ def apply_tombstone(conn: sa.Connection, name: str, path: Doc):
             bundles.c.kind,
             bundles.c.rollout_id,
             bundles.c.step_id,
-            bundles.c.rank,
             bundles.c.removed_at,
         ).where(bundles.c.key == key, bundles.c.ref_name < tname)
     ).first()
@@ -571,7 +573,7 @@ def apply_tombstone(conn: sa.Connection, name: str, path: Doc):
         return None
     if row.removed_at is None or removed_at < row.removed_at:
         conn.execute(bundles.update().where(bundles.c.key == key).values(removed_at=removed_at))
-    return tuple(row[:5])
+    return tuple(row[:4])
 
 
 def apply_results(conn: sa.Connection, items: list[tuple[str, Doc]]) -> None:
@@ -671,16 +673,16 @@ def apply_results(conn: sa.Connection, items: list[tuple[str, Doc]]) -> None:
     _insert(conn, tables.router_metrics, metrics)
 
 
-def recompute_latest(conn: sa.Connection, groups: Iterable[Group]) -> None:
-    """Re-apply `_latest_keys` to stored groups (after a tombstone removed a bundle)."""
+def recompute_latest(conn: sa.Connection, anchors: Iterable[Anchor]) -> None:
+    """Re-apply `_latest_attempts` to stored anchors (after a tombstone removed a bundle)."""
     bundles = tables.bundles
-    for group in set(groups):
+    for anchor in set(anchors):
         stored = conn.execute(
             sa.select(*(bundles.c[name] for name in _LATEST_COLUMNS)).where(
-                _group_clause(bundles, group)
+                _anchor_clause(bundles, anchor)
             )
         ).all()
-        _update_latest_flags(conn, stored, _latest_keys(stored))
+        _update_latest_flags(conn, stored, _latest_attempts(stored))
 
 
 # -- sync / reindex ----------------------------------------------------------
@@ -802,8 +804,8 @@ def _apply_batch(
         if directory == "bundles":
             apply_refs(conn, items, load_document)
         elif directory == "tombstones":
-            groups = [apply_tombstone(conn, name, doc) for name, doc in items]
-            recompute_latest(conn, (g for g in groups if g is not None))
+            anchors = [apply_tombstone(conn, name, doc) for name, doc in items]
+            recompute_latest(conn, (a for a in anchors if a is not None))
         else:
             apply_results(conn, items)
         _insert(

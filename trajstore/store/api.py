@@ -186,7 +186,11 @@ class Store:
         return outcomes
 
     def remove(self, keys: Iterable[str] = (), *, run: str | None = None) -> list[str]:
-        """Tombstone bundles (by key) or a whole run; nothing is deleted until gc."""
+        """Tombstone bundles (by key) or a whole run; nothing is deleted until gc.
+
+        A rank of a cohort goes only with every other rank of its attempt: one alone
+        would leave a step that lists but that replay and export refuse as incomplete.
+        """
         live = self.refs.live()
         targets = [keys] if isinstance(keys, str) else list(keys)  # one key, not its letters
         for k in targets:
@@ -206,6 +210,7 @@ class Store:
                 check_run_name(run)
                 raise NotFoundError(f"run {run!r} has no published bundles")
             targets += mine
+        self._refuse_part_of_a_cohort(live, targets)
         from trajstore.store.ingest import _now
 
         for k in dict.fromkeys(targets):
@@ -216,6 +221,31 @@ class Store:
         self.refs.invalidate()
         self.index_new()
         return list(dict.fromkeys(targets))
+
+    def _refuse_part_of_a_cohort(self, live: dict[str, RefEntry], targets: list[str]) -> None:
+        """Refuse (nothing removed) targets holding some but not every live rank of one
+        cohort attempt: the rest would list as a step that replay and export refuse."""
+        chosen = set(targets)
+        seen: set[tuple] = set()
+        for key in targets:
+            e = live[key]
+            attempt = (e.run, e.kind, e.rollout_id, e.step_id, e.attempt)
+            if e.cohort_ranks is None or attempt in seen:
+                continue
+            seen.add(attempt)
+            cohort = sorted(
+                (m for m in self.refs.at_anchor(*attempt[:4]) if m.attempt == e.attempt),
+                key=lambda m: -1 if m.rank is None else m.rank,
+            )
+            if any(m.key not in chosen for m in cohort):
+                what = f"rollout {e.rollout_id}"
+                if e.kind == "step":
+                    what = f"step {e.rollout_id}:{e.step_id}"
+                raise UsageError(
+                    f"{key} is one rank of run {e.run!r} {what} attempt {e.attempt}; a cohort "
+                    "is removed whole (its other ranks would list but not replay), so name "
+                    f"every rank: trajstore rm {' '.join(m.key for m in cohort)}"
+                )
 
     # -- reading --
 

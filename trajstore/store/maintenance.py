@@ -145,9 +145,12 @@ def _fsck(store: Store, *, deep: bool) -> FsckReport:
         have = sorted(m.rank for m in members)
         if have != want:
             what = f"step {r}:{s}" if kind == "step" else f"rollout {r}"
+            keys = " ".join(m.key for m in sorted(members, key=lambda m: m.rank))
             rep.warnings.append(
                 f"run {run!r} {what} attempt {a}: cohort ranks {have} of {want} published "
-                "(an interrupted ingest; it stays invisible until re-run)"
+                "(an interrupted ingest, or a rank removed by an older trajstore); it lists, "
+                "but replay and export refuse it until the ingest is re-run or the ranks "
+                f"left are removed: trajstore rm {keys}"
             )
     return rep
 
