@@ -11,12 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from trajstore.bundle.capture_dir import list_capture
 from trajstore.bundle.reader import is_cohort_dir
-from trajstore.capture import CaptureConfig, CaptureManager
+from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 5  # one_step's two samples: 3 + 2 response tokens
@@ -46,6 +47,78 @@ def add(step, mb_id=0, samples=SAMPLES, **kw) -> None:
 
 def written(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
+
+
+# --------------------------------------------------------------------------- CaptureConfig
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"steps": ["12"]}, r"steps: item '12' is not a \(rollout_id, step_id\) pair"),
+        ({"steps": "0:1"}, "steps must be a collection"),
+        ({"steps": [(0, 1, 2)]}, "steps: item"),
+        ({"steps": [(-1, 0)]}, "steps: -1 is negative"),
+        ({"steps": [(True, 0)]}, "steps: True is a bool"),
+        ({"steps": [(0.5, 0)]}, "steps: 0.5 is not a non-negative int"),
+        ({"rollouts": "12"}, "rollouts must be a collection"),
+        ({"rollouts": [-1]}, "rollouts: -1 is negative"),
+        ({"rollouts": ["3"]}, "rollouts: '3' is not a non-negative int"),
+        ({"producer_ranks": "01"}, "producer_ranks must be a collection"),
+        ({"producer_ranks": [-1]}, "producer_ranks: -1 is negative"),
+        ({"rollout_ranks": [-1]}, "rollout_ranks: -1 is negative"),
+        ({"rollout_ranks": []}, "rollout_ranks is empty"),
+        ({"rank": True}, "rank: True is a bool"),
+        ({"enabled": "false"}, "enabled must be True or False"),
+        ({"block": "false"}, "block must be True or False"),
+        ({"producer_commit": 123}, "producer_commit 123 is not a commit id"),
+        ({"producer_commit": "/home/alice/secret repo"}, "producer_commit .* is not a commit id"),
+        ({"producer_commit": "abc\n"}, "producer_commit .* is not a commit id"),
+        ({"parallel": "dp"}, "parallel must be a mapping"),
+        ({"redaction": {"prompt": "drop\n"}}, "redaction: redaction rule for 'prompt'"),
+        ({"run": "x\n"}, "run name 'x\\\\n' must be"),
+        ({"session": "job-7\n"}, "session 'job-7\\\\n' must be"),
+    ],
+)
+def test_a_malformed_setting_is_refused_at_construction(kw, message):
+    with pytest.raises(CaptureConfigError, match=message):
+        CaptureConfig(**kw)
+
+
+def test_steps_accept_pairs_numpy_ints_and_the_env_var_form():
+    cfg = CaptureConfig(steps=[(1, np.int64(2)), [3, 4], "120:0"], rollouts=(np.int32(5),))
+    assert cfg.steps == {(1, 2), (3, 4), (120, 0)} and cfg.rollouts == {5}
+
+
+def test_an_empty_collection_captures_none_of_that_kind(tmp_path):
+    # rollouts=frozenset(): step bundles only (the multi-rank tests rely on it)
+    cap = CaptureManager(enabled(tmp_path, rollouts=frozenset()))
+    assert cap.rollout(0, SAMPLES, advantages=torch.zeros(TOKENS)) is False
+    with cap.step(0, 0) as st:
+        add(st)
+    assert (cap.close().written, written(tmp_path)) == (1, ["replay-0-0"])
+
+
+def test_capture_on_with_both_filters_empty_is_refused(tmp_path):
+    with pytest.raises(CaptureConfigError, match="steps and rollouts are both empty"):
+        enabled(tmp_path, steps=[], rollouts=[])
+
+
+def test_an_empty_steps_variable_means_every_step():
+    assert CaptureConfig.from_env({"TRAJSTORE_CAPTURE_STEPS": " "}).steps is None
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("TRAJSTORE_CAPTURE_ROLLOUTS", "\u00b2"),  # str.isdigit, but int() refuses it
+        ("TRAJSTORE_CAPTURE_QUEUE_SIZE", "\u00b2"),
+        ("TRAJSTORE_CAPTURE_STEPS", "\u0661:0"),  # an Arabic-Indic digit: "\d" matches it
+    ],
+)
+def test_a_non_ascii_digit_is_a_config_error_not_a_crash(var, value):
+    with pytest.raises(CaptureConfigError, match=var):
+        CaptureConfig.from_env({var: value})
 
 
 # --------------------------------------------------------------------------- name checks: "$"
