@@ -7,6 +7,8 @@ logged, never silently captured as nothing or as something else.
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 from trajstore.bundle.capture_dir import list_capture
 from trajstore.bundle.reader import is_cohort_dir
 from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
+from trajstore.capture.manager import NULL_STEP
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 5  # one_step's two samples: 3 + 2 response tokens
@@ -47,6 +50,50 @@ def add(step, mb_id=0, samples=SAMPLES, **kw) -> None:
 
 def written(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
+
+
+# --------------------------------------------------------------------------- step filter ids
+
+
+@pytest.mark.parametrize(
+    ("rollout_id", "step_id"),
+    [
+        ("0", "1"),
+        (torch.tensor(0), torch.tensor(1)),
+        (np.int64(0), np.int32(1)),
+        (0.0, torch.tensor(1.0)),
+    ],
+    ids=["str", "tensor", "numpy", "integral-float"],
+)
+def test_step_filter_matches_ids_however_the_trainer_spells_them(tmp_path, rollout_id, step_id):
+    # before: the filter compared raw values, so ("0", "1") never matched {(0, 1)}
+    cap = CaptureManager(enabled(tmp_path, steps={(0, 1)}))
+    with cap.step(rollout_id, step_id) as st:
+        add(st)
+    stats = cap.close()
+    assert st is not NULL_STEP
+    assert (stats.written, stats.skipped, stats.errors) == (1, 0, 0)
+    assert written(tmp_path) == ["replay-0-1"]
+
+
+def test_rollout_filter_matches_ids_however_the_trainer_spells_them(tmp_path):
+    cap = CaptureManager(enabled(tmp_path, rollouts={3}))
+    assert cap.wants_rollout("3") and cap.wants_rollout(torch.tensor(3))
+    assert cap.rollout(np.int64(3), SAMPLES, advantages=torch.zeros(TOKENS))
+    stats = cap.close()
+    assert (stats.written, stats.skipped, stats.errors) == (1, 0, 0)
+    assert written(tmp_path) == ["replay-rollout-3"]
+
+
+@pytest.mark.parametrize("bad", ["x", -1, 1.5, True, None])
+def test_an_unreadable_step_id_is_counted_not_raised(tmp_path, bad):
+    cap = CaptureManager(enabled(tmp_path))
+    st = cap.step(0, bad)  # int("x") used to raise into the training loop
+    assert st is NULL_STEP
+    assert cap.rollout(bad, SAMPLES) is False
+    stats = cap.close()
+    assert (stats.errors, stats.written) == (2, 0)
+    assert written(tmp_path) == []
 
 
 # --------------------------------------------------------------------------- CaptureConfig
@@ -119,6 +166,81 @@ def test_an_empty_steps_variable_means_every_step():
 def test_a_non_ascii_digit_is_a_config_error_not_a_crash(var, value):
     with pytest.raises(CaptureConfigError, match=var):
         CaptureConfig.from_env({var: value})
+
+
+# --------------------------------------------------------------------------- values and steps
+
+
+def test_numpy_scalar_metrics_are_captured_as_numbers(tmp_path):
+    # np.float32 is no float subclass: the whole step bundle used to be dropped
+    cap = CaptureManager(enabled(tmp_path))
+    metrics = {name: np.float32(0.5) for name in LOSS_METRICS} | {"loss": np.float64(0.25)}
+    with cap.step(0, 0) as st:
+        add(st, metrics=metrics)
+    stats = cap.close()
+    assert (stats.written, stats.errors) == (1, 0)
+    expected = json.loads((tmp_path / "replay-0-0" / "expected.json").read_text())
+    assert expected["loss.policy"]["loss"] == pytest.approx(0.25)
+    assert expected["loss.policy"]["pg_loss"] == pytest.approx(0.5)
+
+
+def test_a_step_never_ended_is_counted_and_named_at_close(tmp_path, caplog):
+    cap = CaptureManager(enabled(tmp_path))
+    forgotten = cap.step(3, 7)
+    add(forgotten)  # the trainer never calls end() nor leaves a `with` block
+    unused = cap.step(3, 8)  # opened, given nothing: nothing was lost
+    with cap.step(3, 9) as st:
+        add(st)
+    with caplog.at_level(logging.WARNING, logger="trajstore.capture"):
+        stats = cap.close()
+    assert (stats.abandoned, stats.written, stats.errors) == (1, 1, 0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "3:7" in warnings[0] and "3:8" not in warnings[0]
+    assert unused is not NULL_STEP and written(tmp_path) == ["replay-3-9"]
+
+
+def test_a_discarded_step_is_not_abandoned(tmp_path):
+    cap = CaptureManager(enabled(tmp_path))
+    with pytest.raises(RuntimeError), cap.step(0, 0) as st:
+        add(st)
+        raise RuntimeError("the trainer's own failure")
+    assert (cap.close().abandoned, written(tmp_path)) == (0, [])
+
+
+# --------------------------------------------------------------------------- micro-batch ids
+
+
+def test_a_repeated_micro_batch_id_refuses_the_step(tmp_path):
+    # before: both micro-batches were written as one mb-0000
+    cap = CaptureManager(enabled(tmp_path))
+    with cap.step(0, 0) as st:
+        add(st, 0, SAMPLES[:1])
+        add(st, 0, SAMPLES[1:])
+    stats = cap.close()
+    assert (stats.written, stats.errors) == (0, 1)
+
+
+def test_micro_batch_ids_are_the_form_replay_selects(tmp_path):
+    cap = CaptureManager(enabled(tmp_path))
+    with cap.step(0, 0) as st:
+        add(st, "0", SAMPLES[:1])
+        add(st, np.int64(1), SAMPLES[1:])
+    with cap.step(0, 1) as st:
+        add(st, "mb-7", SAMPLES)
+    with cap.step(0, 2) as st:
+        add(st, "first", SAMPLES)  # replay --batch could never select it
+    stats = cap.close()
+    assert (stats.written, stats.errors) == (2, 1)
+    index = json.loads((tmp_path / "replay-0-0" / "index.json").read_text())
+    assert index["identity"]["micro_batch_ids"] == ["mb-0000", "mb-0001"]
+    r = subprocess.run(
+        [sys.executable, "-m", "trajstore", "replay", str(tmp_path / "replay-0-0")]
+        + ["--batch", "mb-0000", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert "not of the form" not in r.stderr and "not found" not in r.stderr, r.stderr
 
 
 # --------------------------------------------------------------------------- name checks: "$"
