@@ -28,7 +28,7 @@ from .limits import QueueLimitedLock, body_cache_bytes, max_buffered_bytes, seri
 from .payloads import Body, BodyCache
 from .snapshot import CatalogSnapshot, View
 
-_REF_NAME = re.compile(r"^[0-9]{20}-[0-9]+-[0-9a-f]+$")
+_REF_NAME = re.compile(r"^[0-9]{20}-[0-9]+-[0-9a-f]+\Z")  # \Z: "$" passes a final "\n"
 #: stored bundles kept open (refs are immutable, so a cached one never goes stale)
 _MAX_OPEN_BUNDLES = 256
 _MAX_CAPABILITY_ENTRIES = 10000

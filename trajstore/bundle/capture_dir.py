@@ -13,8 +13,9 @@ from pathlib import Path
 from trajstore.bundle.reader import is_bundle_dir, is_cohort_dir
 from trajstore.errors import BundleError, UsageError
 
-STEP_DIR = re.compile(r"^replay-(\d+)-(\d+)$")
-ROLLOUT_DIR = re.compile(r"^replay-rollout-(\d+)$")
+# \Z, not "$": "$" also matches before a final newline, so "replay-0-0\n" was a bundle
+STEP_DIR = re.compile(r"^replay-(\d+)-(\d+)\Z", re.ASCII)
+ROLLOUT_DIR = re.compile(r"^replay-rollout-(\d+)\Z", re.ASCII)
 _STEP_ARG = re.compile(r"^(\d+):(\d+)$")
 
 

@@ -47,8 +47,8 @@ MAX_SAMPLES_ENV = "TRAJSTORE_MAX_SAMPLES"
 KEEP_CHECKED_BYTES = 256 << 20
 #: A bundle keeps the document bytes its gate checked (`Bundle.files`) up to this size in all.
 KEEP_DOCUMENT_BYTES = 64 << 20
-_RANK_DIR = re.compile(r"^rank-(\d+)$")
-_SHARD_FILE = re.compile(r"^COMPLETE\.(\d+)$")
+# \Z, not "$": "$" also matches before a final newline ("rank-0\n" was rank 0)
+_RANK_DIR = re.compile(r"^rank-(\d+)\Z", re.ASCII)
 
 
 def _env_limit(name: str, default: int, most: int, what: str) -> int:

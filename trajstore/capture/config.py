@@ -14,8 +14,8 @@ accepted too; both spellings set to different values is an error):
 | TRAJSTORE_CAPTURE / RELAX_REPLAY_CAPTURE | 1/true/yes/on switches capture on (default off) |
 | TRAJSTORE_CAPTURE_DIR / RELAX_REPLAY_CAPTURE_DIR | write bundle directories here |
 | TRAJSTORE_CAPTURE_STORE | write straight into this store instead |
-| TRAJSTORE_CAPTURE_STEPS / RELAX_REPLAY_CAPTURE_STEPS | ``R:S,R:S`` actor steps (unset: all) |
-| TRAJSTORE_CAPTURE_ROLLOUTS / RELAX_REPLAY_CAPTURE_ROLLOUTS | ``R,R`` rollouts (unset: all) |
+| TRAJSTORE_CAPTURE_STEPS / RELAX_REPLAY_CAPTURE_STEPS | ``R:S,R:S`` steps (unset/empty: all) |
+| TRAJSTORE_CAPTURE_ROLLOUTS / RELAX_REPLAY_CAPTURE_ROLLOUTS | ``R,R`` rollouts (unset/empty: all) |
 | TRAJSTORE_RUN | run name (``[A-Za-z0-9._-]``, default ``default``) |
 | TRAJSTORE_CAPTURE_QUEUE_SIZE | bounded queue length in bundles (default 64) |
 | TRAJSTORE_CAPTURE_BLOCK | 1: wait for queue space instead of dropping |
@@ -26,6 +26,7 @@ accepted too; both spellings set to different values is an error):
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -39,8 +40,10 @@ from trajstore.jsonio import user_path
 
 DEFAULT_QUEUE_SIZE = 64
 DEFAULT_RUN = "default"
-_RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_STEP = re.compile(r"^(\d+):(\d+)$")
+# fullmatch everywhere: with .match, "$" also matches before a final "\n" ("run\n" passed)
+_RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_STEP = re.compile(r"(\d+):(\d+)")
+_COMMIT = re.compile(r"[0-9A-Za-z._-]{0,64}")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -84,8 +87,8 @@ def parse_steps(
         return None
     out = set()
     for item in items:
-        m = _STEP.match(item)
-        if not m:
+        m = _STEP.fullmatch(item)
+        if not m or not item.isascii():
             raise CaptureConfigError(
                 f"{var}: item {item!r} is not ROLLOUT_ID:STEP_ID "
                 "with non-negative integers (e.g. 120:0)"
@@ -99,10 +102,96 @@ def parse_rollouts(text: str, var: str = "TRAJSTORE_CAPTURE_ROLLOUTS") -> frozen
     items = [p.strip() for p in text.split(",") if p.strip()]
     if not items:
         return None
-    bad = [i for i in items if not i.isdigit()]
+    bad = [i for i in items if not (i.isascii() and i.isdigit())]
     if bad:
         raise CaptureConfigError(f"{var}: item {bad[0]!r} is not a non-negative integer rollout id")
     return frozenset(int(i) for i in items)
+
+
+def normalize_id(value: Any, what: str = "id") -> int:
+    """A trainer's rollout/step/micro-batch id as a non-negative int.
+
+    The one place ids are normalised, so the step filter and the bundle agree: an int, a
+    numpy integer, a 0-d tensor, an integral float or an ASCII decimal string ("7") is the
+    int it spells. A bool, a negative or fractional number, or other text raises
+    ValueError (the manager counts it; a bundle named after ``int("x")`` cannot exist).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{what} {value!r} is a bool, not a non-negative integer")
+    if isinstance(value, str):
+        text = value.strip()
+        if not (text.isascii() and text.isdigit()):
+            raise ValueError(f"{what} {value!r} is not a non-negative integer")
+        return int(text)
+    try:
+        out = operator.index(value)  # int, numpy integer, 0-d integer tensor
+    except TypeError:
+        try:
+            number = float(value)  # float, numpy floating, 0-d float tensor
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(
+                f"{what} {value!r} is not a non-negative integer (got a {type(value).__name__})"
+            ) from None
+        if not number.is_integer():
+            raise ValueError(f"{what} {value!r} is not an integer") from None
+        out = int(number)
+    if out < 0:
+        raise ValueError(f"{what} {value!r} is negative")
+    return out
+
+
+def _config_id(value: Any, field_name: str) -> int:
+    """A configured id or rank: a non-negative int (numpy integers too); bool refused."""
+    if isinstance(value, bool):
+        raise CaptureConfigError(f"{field_name}: {value!r} is a bool, not a non-negative int")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise CaptureConfigError(
+            f"{field_name}: {value!r} is not a non-negative int (got a {type(value).__name__})"
+        ) from None
+    if out < 0:
+        raise CaptureConfigError(f"{field_name}: {value!r} is negative; ids are non-negative ints")
+    return out
+
+
+def _collection(value: Any, field_name: str, form: str) -> list[Any]:
+    """The items of a configured collection; a str (or bytes, or a mapping) is refused
+    rather than iterated: ``steps=["12"]`` or ``rollouts="12"`` must not mean 1 and 2."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise CaptureConfigError(
+            f"{field_name} must be a collection of {form} (or None), got {value!r}"
+        )
+    return list(value)
+
+
+def _config_step(item: Any) -> tuple[int, int]:
+    """One configured step: a (rollout_id, step_id) pair, or an ``"R:S"`` string as in
+    TRAJSTORE_CAPTURE_STEPS."""
+    if isinstance(item, str):
+        m = _STEP.fullmatch(item.strip())
+        if m and item.strip().isascii():
+            return int(m.group(1)), int(m.group(2))
+    elif not isinstance(item, (bytes, Mapping)) and isinstance(item, Iterable):
+        pair = list(item)
+        if len(pair) == 2:
+            return _config_id(pair[0], "steps"), _config_id(pair[1], "steps")
+    raise CaptureConfigError(
+        f"steps: item {item!r} is not a (rollout_id, step_id) pair of non-negative ints "
+        "or an 'R:S' string (e.g. (120, 0) or '120:0')"
+    )
+
+
+def _config_ranks(value: Any, field_name: str) -> tuple[int, ...]:
+    """Configured ranks: a non-empty collection of non-negative ints, sorted, unique."""
+    ranks = tuple(
+        sorted({_config_id(r, field_name) for r in _collection(value, field_name, "ranks")})
+    )
+    if not ranks:
+        raise CaptureConfigError(
+            f"{field_name} is empty: no rank would write; give the ranks (or None)"
+        )
+    return ranks
 
 
 #: every variable of ENV_VARS; a TRAJSTORE_CAPTURE* name outside it is a typo
@@ -165,19 +254,41 @@ class CaptureConfig:
             set_(self, "output_dir", user_path(self.output_dir))
         if self.store_dir is not None and not str(self.store_dir).startswith("s3://"):
             set_(self, "store_dir", user_path(self.store_dir))
+        for name in ("enabled", "block"):
+            if not isinstance(getattr(self, name), bool):
+                raise CaptureConfigError(
+                    f"{name} must be True or False, got {getattr(self, name)!r} "
+                    "(a string such as 'false' would count as true)"
+                )
         if self.steps is not None:
-            set_(self, "steps", frozenset((int(r), int(s)) for r, s in self.steps))
+            form = "(rollout_id, step_id) pairs"
+            steps = frozenset(_config_step(i) for i in _collection(self.steps, "steps", form))
+            set_(self, "steps", steps)
         if self.rollouts is not None:
-            set_(self, "rollouts", frozenset(int(r) for r in self.rollouts))
-        set_(self, "redaction", RedactionPolicy.parse(self.redaction))
-        if self.session is not None and not _RUN.match(str(self.session)):
+            items = _collection(self.rollouts, "rollouts", "non-negative int rollout ids")
+            set_(self, "rollouts", frozenset(_config_id(r, "rollouts") for r in items))
+        if self.enabled and self.steps == frozenset() and self.rollouts == frozenset():
+            raise CaptureConfigError(
+                "steps and rollouts are both empty: capture is on but would write nothing "
+                "(None means every step / every rollout)"
+            )
+        try:
+            set_(self, "redaction", RedactionPolicy.parse(self.redaction))
+        except UsageError as exc:
+            raise CaptureConfigError(f"redaction: {exc}") from None
+        if self.session is not None and not _RUN.fullmatch(str(self.session)):
             raise CaptureConfigError(
                 f"session {self.session!r} must be 1-128 letters, digits, '.', '_' or '-'"
             )
-        if not isinstance(self.run, str) or not _RUN.match(self.run):
+        if not isinstance(self.run, str) or not _RUN.fullmatch(self.run):
             raise CaptureConfigError(
                 f"run name {self.run!r} must be 1-128 characters "
                 "of letters, digits, '.', '_' or '-'"
+            )
+        if not isinstance(self.producer_commit, str) or not _COMMIT.fullmatch(self.producer_commit):
+            raise CaptureConfigError(
+                f"producer_commit {self.producer_commit!r} is not a commit id: a str of "
+                "up to 64 of [0-9A-Za-z._-] (a path or URL would be written verbatim)"
             )
         if (
             isinstance(self.queue_size, bool)
@@ -194,20 +305,22 @@ class CaptureConfig:
             )
         if self.enabled:
             self._check_destination()
+        if self.rank is not None:
+            set_(self, "rank", _config_id(self.rank, "rank"))
         ranks = self.producer_ranks
         if ranks is not None:
-            ranks = tuple(sorted({int(r) for r in ranks}))
+            ranks = _config_ranks(ranks, "producer_ranks")
             set_(self, "producer_ranks", ranks)
-            if not ranks or ranks[0] < 0:
-                raise CaptureConfigError(
-                    f"producer_ranks must be non-negative ints, got {self.producer_ranks}"
-                )
         if ranks is not None and len(ranks) > 1 and self.rank not in ranks:
             raise CaptureConfigError(
                 f"rank {self.rank!r} is not among producer_ranks {list(ranks)}"
             )
         if self.rollout_ranks is not None:
-            set_(self, "rollout_ranks", tuple(sorted({int(r) for r in self.rollout_ranks})))
+            set_(self, "rollout_ranks", _config_ranks(self.rollout_ranks, "rollout_ranks"))
+        if self.parallel is not None and not isinstance(self.parallel, Mapping):
+            raise CaptureConfigError(
+                f"parallel must be a mapping such as {{'dp': 2, 'tp': 1}}, got {self.parallel!r}"
+            )
         for k, v in (self.parallel or {}).items():
             if (
                 k not in ("dp", "tp", "pp", "cp")
@@ -262,7 +375,7 @@ class CaptureConfig:
         got = _read(env, "queue_size")
         if got:
             text = got[1].strip()
-            if not text.isdigit() or int(text) < 1:
+            if not (text.isascii() and text.isdigit()) or int(text) < 1:
                 raise CaptureConfigError(f"{got[0]}={got[1]!r} is not a positive integer")
             kw["queue_size"] = int(text)
         got = _read(env, "block")
@@ -277,8 +390,10 @@ class CaptureConfig:
         got = _read(env, "producer_commit")
         if got:
             commit = got[1].strip()
-            if not re.fullmatch(r"[0-9A-Za-z._-]{0,64}", commit):
-                raise CaptureConfigError(f"{got[0]}={got[1]!r} is not a commit id")
+            if not _COMMIT.fullmatch(commit):
+                raise CaptureConfigError(
+                    f"{got[0]}={got[1]!r} is not a commit id (up to 64 of [0-9A-Za-z._-])"
+                )
             kw["producer_commit"] = commit
         got = _read(env, "session")
         if got and got[1].strip():
@@ -297,11 +412,20 @@ class CaptureConfig:
     def multi_rank(self) -> bool:
         return self.producer_ranks is not None and len(self.producer_ranks) > 1
 
-    def wants_step(self, rollout_id: int, step_id: int) -> bool:
-        return self.enabled and (self.steps is None or (rollout_id, step_id) in self.steps)
+    def wants_step(self, rollout_id: Any, step_id: Any) -> bool:
+        """Whether step ``(rollout_id, step_id)`` is captured; ids as `normalize_id` reads
+        them (ValueError for one it refuses), so ``"0"`` or a tensor matches like 0."""
+        if not self.enabled:
+            return False
+        key = (normalize_id(rollout_id, "rollout id"), normalize_id(step_id, "step id"))
+        return self.steps is None or key in self.steps
 
-    def wants_rollout(self, rollout_id: int) -> bool:
-        if not self.enabled or (self.rollouts is not None and rollout_id not in self.rollouts):
+    def wants_rollout(self, rollout_id: Any) -> bool:
+        """Whether rollout ``rollout_id`` is captured by this rank (ids as in `wants_step`)."""
+        if not self.enabled:
+            return False
+        rollout_id = normalize_id(rollout_id, "rollout id")
+        if self.rollouts is not None and rollout_id not in self.rollouts:
             return False
         ranks = self.rollout_ranks if self.rollout_ranks is not None else self.producer_ranks
         return ranks is None or self.rank is None or self.rank in ranks

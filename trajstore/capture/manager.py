@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -34,7 +36,7 @@ from typing import Any
 
 from trajstore.bundle.assemble import CapturedRecord
 from trajstore.bundle.checks import ROUTE_PAYLOADS
-from trajstore.capture.config import CaptureConfig
+from trajstore.capture.config import CaptureConfig, normalize_id
 from trajstore.capture.redaction import LOCATOR_FIELDS, TEXT_FIELDS, filter_config
 from trajstore.capture.stats import CaptureStats
 from trajstore.capture.writer import STAGING, CaptureWriter
@@ -58,6 +60,8 @@ SAMPLE_KEYS: frozenset[str] = frozenset(
     | set(LOCATOR_FIELDS)
 )
 OPTIONAL_TOKEN_PAYLOADS: tuple[str, ...] = ("rollout_log_probs", "train_log_probs")
+#: a micro-batch id as ``trajstore replay --batch`` selects it
+MICRO_BATCH_ID = re.compile(r"mb-\d+", re.ASCII)
 
 __all__ = [
     "NULL_STEP",
@@ -88,8 +92,8 @@ def _cpu_copy(value: Any) -> Any:
         if value and all(isinstance(v, torch.Tensor) for v in value):
             return torch.cat([v.detach().reshape(-1) for v in value]).to("cpu", copy=True)
         return torch.tensor(list(value))
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)  # np.float32 is no float subclass (np.float64 is)
     raise TypeError(f"cannot capture a {type(value).__name__} (a tensor, array, list or number)")
 
 
@@ -109,6 +113,23 @@ def _snapshot_sample(sample: Mapping[str, Any], stats: CaptureStats) -> dict[str
 # --------------------------------------------------------------------------- step accumulator
 
 
+def _micro_batch_id(given: Any, position: int) -> str:
+    """``mb-NNNN``, the form ``replay --batch`` selects: None is the position, an id as
+    `normalize_id` reads it (0, "0", a tensor) is its number, an ``mb-N`` string is kept.
+    Other text raises: its micro-batch could never be selected for replay."""
+    if given is None:
+        return f"mb-{position:04d}"
+    if isinstance(given, str) and MICRO_BATCH_ID.fullmatch(given):
+        return given
+    try:
+        return f"mb-{normalize_id(given, 'micro-batch id'):04d}"
+    except ValueError:
+        raise ValueError(
+            f"micro-batch id {given!r} is neither a non-negative integer nor 'mb-N' "
+            "(the form replay --batch selects)"
+        ) from None
+
+
 class StepCapture:
     """Per-micro-batch appends of one actor step; `end` enqueues the bundle."""
 
@@ -120,6 +141,8 @@ class StepCapture:
         self._parts: dict[str, list[Any]] = {}
         self._broken = False
         self._done = False
+        #: set by the manager at the first add(): a step with data not yet ended or discarded
+        self._open_token: int | None = None
 
     active = True
 
@@ -148,14 +171,15 @@ class StepCapture:
         """
         if self._broken or self._done:
             return
+        self._manager._opened(self)
         try:
-            mb_id = (
-                f"mb-{len(self._rec.micro_batches):04d}"
-                if micro_batch_id is None
-                else micro_batch_id
-                if isinstance(micro_batch_id, str)
-                else f"mb-{int(micro_batch_id):04d}"
-            )
+            mb_id = _micro_batch_id(micro_batch_id, len(self._rec.micro_batches))
+            if mb_id in self._rec.micro_batches:
+                # one id for two micro-batches merged them into one: refuse the step instead
+                raise ValueError(
+                    f"micro-batch id {mb_id} given twice in step "
+                    f"{self._rec.rollout_id}:{self._rec.step_id}"
+                )
             self._rec.micro_batches.append(mb_id)
             base = len(self._rec.samples)
             for i, sample in enumerate(samples):
@@ -201,6 +225,7 @@ class StepCapture:
             )
         except Exception:  # noqa: BLE001 - capture never raises into training
             self._broken = True
+            self._manager._closed_step(self)  # counted here, not again as abandoned
             self._manager.stats.count_error("snapshotting a micro-batch")
 
     def router_consistency(self, metrics: Mapping[str, Any]) -> None:
@@ -234,6 +259,7 @@ class StepCapture:
         if self._done:
             return False
         self._done = True
+        self._manager._closed_step(self)
         if self._broken or not self._rec.samples:
             return False
         self._rec.payloads = dict(self._parts)
@@ -241,6 +267,7 @@ class StepCapture:
 
     def discard(self) -> None:
         self._done = True
+        self._manager._closed_step(self)
 
     def __enter__(self) -> StepCapture:
         return self
@@ -313,6 +340,9 @@ class CaptureManager:
         self._writer: CaptureWriter | None = None
         self._closed = False
         self._lock = threading.Lock()
+        #: steps given data but not yet ended/discarded: token -> (rollout_id, step_id)
+        self._open_steps: dict[int, tuple[int, int]] = {}
+        self._tokens = itertools.count()
         if self.config.enabled:
             self._writer = CaptureWriter(self.config, self.stats, self._recompute)
             _LIVE.add(self)
@@ -339,11 +369,21 @@ class CaptureManager:
     def enabled(self) -> bool:
         return self.config.enabled and not self._closed
 
-    def wants_step(self, rollout_id: int, step_id: int) -> bool:
-        return self.enabled and self.config.wants_step(rollout_id, step_id)
+    def wants_step(self, rollout_id: Any, step_id: Any) -> bool:
+        """Whether the step is captured; an id `normalize_id` refuses is counted, False."""
+        try:
+            return self.enabled and self.config.wants_step(rollout_id, step_id)
+        except ValueError:
+            self.stats.count_error(f"reading step id {rollout_id!r}:{step_id!r}")
+            return False
 
-    def wants_rollout(self, rollout_id: int) -> bool:
-        return self.enabled and self.config.wants_rollout(rollout_id)
+    def wants_rollout(self, rollout_id: Any) -> bool:
+        """Whether the rollout is captured; an id `normalize_id` refuses is counted, False."""
+        try:
+            return self.enabled and self.config.wants_rollout(rollout_id)
+        except ValueError:
+            self.stats.count_error(f"reading rollout id {rollout_id!r}")
+            return False
 
     # ---- hot path -----------------------------------------------------------
 
@@ -357,17 +397,42 @@ class CaptureManager:
         rollout_partition_ids: Sequence[str] | None = None,
         consumer_batch_ids: Sequence[str] | None = None,
     ) -> StepCapture | _NullStep:
-        """Open actor step ``(rollout_id, step_id)``; a no-op object unless it is captured."""
+        """Open actor step ``(rollout_id, step_id)``; a no-op object unless it is captured.
+
+        Ids may be ints, numpy integers, 0-d tensors or decimal strings (`normalize_id`):
+        the step filter and the bundle name read them alike. A refused id is an error
+        (counted and logged), never raised.
+        """
+        if not self.enabled:
+            return NULL_STEP
+        try:
+            rollout_id = normalize_id(rollout_id, "rollout id")
+            step_id = normalize_id(step_id, "step id")
+        except ValueError:
+            self.stats.count_error(f"opening step {rollout_id!r}:{step_id!r}")
+            return NULL_STEP
         if not self.wants_step(rollout_id, step_id):
-            if self.enabled:
-                self.stats.skipped += 1
+            self.stats.skipped += 1
             return NULL_STEP
         extra = {
             "weight_lineage": dict(weight_lineage) if weight_lineage else None,
             "rollout_partition_ids": list(rollout_partition_ids or []),
             "consumer_batch_ids": list(consumer_batch_ids or []),
         }
-        return StepCapture(self, int(rollout_id), int(step_id), recompute, extra)
+        return StepCapture(self, rollout_id, step_id, recompute, extra)
+
+    def _opened(self, step: StepCapture) -> None:
+        """Note a step that holds data, so that `close` can tell it was never ended."""
+        if step._open_token is None:
+            step._open_token = next(self._tokens)
+            with self._lock:
+                self._open_steps[step._open_token] = (step._rec.rollout_id, step._rec.step_id)
+
+    def _closed_step(self, step: StepCapture) -> None:
+        token, step._open_token = step._open_token, None
+        if token is not None:
+            with self._lock:
+                self._open_steps.pop(token, None)
 
     def rollout(
         self,
@@ -394,9 +459,15 @@ class CaptureManager:
         normalization); the other tensors are flat over response tokens.
         ``expected``: other expected values by stage (JSON-able), merged into expected.json.
         """
+        if not self.enabled:
+            return False
+        try:
+            rollout_id = normalize_id(rollout_id, "rollout id")
+        except ValueError:
+            self.stats.count_error(f"opening rollout {rollout_id!r}")
+            return False
         if not self.wants_rollout(rollout_id):
-            if self.enabled:
-                self.stats.skipped += 1
+            self.stats.skipped += 1
             return False
         try:
             snaps = []
@@ -424,7 +495,7 @@ class CaptureManager:
                 "consumer_batch_ids": [],
             }
             rec = CapturedRecord(
-                "rollout", int(rollout_id), None, snaps, payloads, [], [], recompute, extra
+                "rollout", rollout_id, None, snaps, payloads, [], [], recompute, extra
             )
             if expected:
                 rec.expected_extra = {
@@ -462,6 +533,18 @@ class CaptureManager:
             if self._closed:
                 return self.stats
             self._closed = True
+            abandoned = sorted(self._open_steps.values())
+            self._open_steps.clear()
+        if abandoned:
+            self.stats.abandoned += len(abandoned)
+            shown = ", ".join(f"{r}:{s}" for r, s in abandoned[:10])
+            more = f" and {len(abandoned) - 10} more" if len(abandoned) > 10 else ""
+            logger.warning(
+                "trajstore capture: step(s) %s%s were given micro-batches but never ended "
+                "(use `with capture.step(...)` or call end()); not written",
+                shown,
+                more,
+            )
         if self._writer is not None and not self._writer.stop(timeout):
             logger.warning(
                 "trajstore capture writer still busy after %.1fs; abandoning", timeout or 0

@@ -46,7 +46,7 @@ ROUTER_KEYS: frozenset[str] = frozenset(
         "train_weight",
     }
 )
-_RULE = re.compile(r"^(hash|drop|truncate:(\d+))$")
+_RULE = re.compile(r"^(hash|drop|truncate:(\d+))\Z")  # \Z: "$" passes "drop\n"
 _PATHLIKE = re.compile(r"[/\\]|://|^~|^[A-Za-z]:")
 
 

@@ -21,7 +21,8 @@ class CaptureStats:
 
     ``disk_full`` counts the bundles lost to a full disk or an exhausted quota
     (ENOSPC/EDQUOT, also counted in ``errors``): the capture goes on, and writes
-    again once space is freed.
+    again once space is freed. ``abandoned`` counts the steps given micro-batches but
+    never ended (nor discarded) by `close`: their bundles were not written.
     """
 
     enqueued: int = 0
@@ -31,6 +32,7 @@ class CaptureStats:
     errors: int = 0
     ingested: int = 0
     disk_full: int = 0
+    abandoned: int = 0
     dropped_sample_keys: set[str] = field(default_factory=set)
     #: disk-full kinds (the error's text) already logged since the last bundle written
     _disk_full_logged: set[str] = field(default_factory=set, repr=False)

@@ -78,7 +78,7 @@ def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> S
         else:
             unknown.append(f"group {g}")
     for mb in request.batches:
-        if not re.match(r"^mb-\d+$", mb):
+        if not re.fullmatch(r"mb-\d+", mb, re.ASCII):  # re.match+"$" passed "mb-0\n"
             raise SelectionError(f"micro-batch id {mb!r} is not of the form mb-NNNN")
         # Missing membership refuses: a sample without micro_batch_id might belong to mb.
         lacking = [s.sample_id for s in samples if s.micro_batch_id is None]
