@@ -270,6 +270,25 @@ def test_a_named_stage_the_bundle_cannot_run_is_unsupported_not_a_pass(
     assert f"[unsupported] {stage} — not replayable on this bundle: " in out
 
 
+@pytest.mark.parametrize(
+    ("flag", "written", "error"),
+    [
+        ("--step", "１２０:0", "is not ROLLOUT:STEP"),
+        ("--rollout", "１２０", "is not a non-negative integer"),
+        ("--group", "g-０", "not of the form g-N"),
+        ("--group", "g-0\n", "not of the form g-N"),
+    ],
+)
+def test_an_id_in_other_digits_or_with_a_newline_exits_2(
+    capsys: pytest.CaptureFixture[str], flag: str, written: str, error: str
+) -> None:
+    """\\d and $ let fullwidth digits and a final newline through: step 120:0, group 0."""
+    target = CAPTURE if flag != "--group" else FIXTURES / "example_bundle"
+    code, out, err = run(capsys, target, flag, written)
+    assert code == 2 and out == ""
+    assert_one_line_error(err, error)
+
+
 def test_unknown_sample_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = write_consistent(tmp_path / "b")
     code, _, err = run(capsys, path, "--sample", "s-404")

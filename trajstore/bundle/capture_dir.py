@@ -16,7 +16,7 @@ from trajstore.errors import BundleError, UsageError
 # \Z, not "$": "$" also matches before a final newline, so "replay-0-0\n" was a bundle
 STEP_DIR = re.compile(r"^replay-(\d+)-(\d+)\Z", re.ASCII)
 ROLLOUT_DIR = re.compile(r"^replay-rollout-(\d+)\Z", re.ASCII)
-_STEP_ARG = re.compile(r"^(\d+):(\d+)$")
+_STEP_ARG = re.compile(r"^(\d+):(\d+)$", re.ASCII)  # after strip(); ASCII: not "３:0"
 
 
 def parse_step(text: str) -> tuple[int, int]:
@@ -30,7 +30,7 @@ def parse_step(text: str) -> tuple[int, int]:
 
 
 def parse_rollout(text: str) -> int:
-    if not isinstance(text, str) or not text.strip().isdigit():
+    if not isinstance(text, str) or not (text.strip().isascii() and text.strip().isdigit()):
         raise UsageError(f"rollout id {text!r} is not a non-negative integer")
     return int(text)
 

@@ -16,7 +16,7 @@ import numpy as np
 from trajstore.errors import SelectionError
 from trajstore.schema import Index
 
-_GROUP = re.compile(r"^g-(\d+)$")
+_GROUP = re.compile(r"^g-(\d+)\Z", re.ASCII)  # not "g-1\n" nor fullwidth digits
 
 
 @dataclass(frozen=True)
