@@ -191,6 +191,19 @@ def test_store_bundles_refuses_an_unknown_run_and_a_negative_limit(
     assert [row["key"] for row in store.bundles(run="r", limit=1)] == ["r/step-7-0/a1"]
 
 
+def test_ingest_of_one_rank_directory_of_a_cohort_is_refused(
+    store: Store, tmp_path: Path, make_cohort
+) -> None:
+    """Stored alone it was the whole step (no cohort_ranks): replay answered for one rank."""
+    cohort = make_cohort(tmp_path / "replay-7-0", ranks=2, lengths=[3, 5, 2, 7])
+    (out,) = store.ingest(cohort / "rank-1", run="r")
+    assert out.status == "refused"
+    assert out.reason == f"rank 1 of a cohort of ranks [0, 1]; ingest its cohort directory {cohort}"
+    assert store.bundles() == []
+    (whole,) = store.ingest(cohort, run="r")
+    assert whole.status == "published" and len(store.step("r", 7, 0)) == 2
+
+
 def test_stock_zarr_open_array_equals_ingested_tensor(store: Store, tmp_path: Path) -> None:
     import zarr
 

@@ -423,6 +423,16 @@ class Ingestor:
             bset = open_target(path)
         except TrajstoreError as e:
             return IngestOutcome(str(path), "refused", reason=str(e))
+        member = bset.first
+        expected = sorted(member.complete.expected_ranks)
+        if not bset.is_cohort and member.rank is not None and len(expected) > 1:
+            # stored alone it would be the whole step: replay would answer for one rank
+            return IngestOutcome(
+                str(path),
+                "refused",
+                reason=f"rank {member.rank} of a cohort of ranks {expected}; ingest its cohort "
+                f"directory {path.parent}",
+            )
         cohort_files: dict[int, dict[str, bytes]] = {}
         if bset.is_cohort:
             whole = read_bytes(path / "COMPLETE", "cohort COMPLETE")
