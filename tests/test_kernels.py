@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from trajstore.examples import oracle
 
@@ -375,12 +375,18 @@ def grouped_rewards(draw):
 
 @settings(max_examples=40, deadline=None)
 @given(grouped_rewards())
+@example(([6.1015625, 6.10546875, 6.105469703674316], [0, 0, 0], 3))  # found by a CI run
 def test_property_normalized_group_mean_is_zero(case) -> None:
+    """Zero up to the float32 rounding of the centring, which the division by a small std
+    magnifies: rewards 6.1015625, 6.10546875, 6.1054697 (std 0.002) give a mean of 2e-4."""
     rewards, gi, n = case
     out = grpo_normalize(rewards, gi, n)
     for g in set(gi):
         members = out[np.array(gi) == g].astype(np.float64)
-        assert abs(members.mean()) < 1e-4
+        raw = np.asarray(rewards, dtype=np.float64)[np.array(gi) == g]
+        std = raw.std(ddof=1) if len(raw) > 1 else 0.0
+        rounding = 8 * np.finfo(np.float32).eps * np.abs(raw).max() / (std + 1e-6)
+        assert abs(members.mean()) < 1e-4 + rounding
 
 
 @st.composite
