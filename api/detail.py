@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import quote
 
 from trajstore.jsonio import json_safe
+from trajstore.store.layout import anchor_label
 
 from . import models
 from .errors import ApiError
@@ -126,7 +127,7 @@ def group_detail(
     view = state.view
     check_run(view, run)
     rows, attempts = view.group(run, kind, rollout_id, step_id, attempt)
-    what = f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
+    what = anchor_label(kind, rollout_id, step_id)
     if not rows:
         extra = f" attempt {attempt} (attempts: {attempts})" if attempts else ""
         raise ApiError(404, "not_found", f"run {run!r} has no {what}{extra}")

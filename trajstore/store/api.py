@@ -41,6 +41,7 @@ from trajstore.store.layout import (
     RefEntry,
     RefIndex,
     StoreLayout,
+    anchor_label,
     new_doc_name,
 )
 from trajstore.store.stored_bundle import StoredBundle, get_json_blob
@@ -238,9 +239,7 @@ class Store:
                 key=lambda m: -1 if m.rank is None else m.rank,
             )
             if any(m.key not in chosen for m in cohort):
-                what = f"rollout {e.rollout_id}"
-                if e.kind == "step":
-                    what = f"step {e.rollout_id}:{e.step_id}"
+                what = anchor_label(e.kind, e.rollout_id, e.step_id)
                 raise UsageError(
                     f"{key} is one rank of run {e.run!r} {what} attempt {e.attempt}; a cohort "
                     "is removed whole (its other ranks would list but not replay), so name "
@@ -290,7 +289,7 @@ class Store:
     ) -> list[StoredBundle]:
         if attempt is not None:
             attempt = anchor_id(attempt, "attempt")
-        what = f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
+        what = anchor_label(kind, rollout_id, step_id)
         cands = self.refs.at_anchor(run, kind, rollout_id, step_id)
         if not cands:
             self.refs.refresh(force=True)  # published since the last listing?

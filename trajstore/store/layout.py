@@ -94,6 +94,11 @@ def list_docs(space: RefSpace, folder: str) -> list[str]:
     return [d.name[:-5] for d in space.list(folder) if d.name.endswith(".json")]
 
 
+def anchor_label(kind: str, rollout_id: int, step_id: int | None) -> str:
+    """How messages name an anchor: ``step 120:0`` or ``rollout 120``."""
+    return f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
+
+
 @dataclass(frozen=True)
 class RefEntry:
     """What the ref index keeps of one ref in memory (the full document is read on demand)."""

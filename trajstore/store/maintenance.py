@@ -24,6 +24,7 @@ from trajstore.cas import RepackResult, load_record, record_objects
 from trajstore.errors import StoreError, TrajstoreError, UsageError
 from trajstore.store import gclock
 from trajstore.store.api import Store
+from trajstore.store.layout import anchor_label
 from trajstore.store.stored_bundle import get_json_blob, payload_file_bytes
 
 ROUTE_NAMES = ("rollout_routed_experts", "train_routed_experts", "train_natural_routed_experts")
@@ -144,7 +145,7 @@ def _fsck(store: Store, *, deep: bool) -> FsckReport:
         want = sorted(members[0].cohort_ranks or ())
         have = sorted(m.rank for m in members)
         if have != want:
-            what = f"step {r}:{s}" if kind == "step" else f"rollout {r}"
+            what = anchor_label(kind, r, s)
             keys = " ".join(m.key for m in sorted(members, key=lambda m: m.rank))
             rep.warnings.append(
                 f"run {run!r} {what} attempt {a}: cohort ranks {have} of {want} published "
