@@ -30,7 +30,8 @@ def parse_step(text: str) -> tuple[int, int]:
 
 
 def parse_rollout(text: str) -> int:
-    if not isinstance(text, str) or not (text.strip().isascii() and text.strip().isdigit()):
+    digits = text.strip() if isinstance(text, str) else ""
+    if not (digits.isascii() and digits.isdigit()):
         raise UsageError(f"rollout id {text!r} is not a non-negative integer")
     return int(text)
 
