@@ -459,7 +459,7 @@ def test_vllm_uint16_routes_and_logprobs_decode_to_the_ids_sent():
 def test_vllm_int32_routes_beyond_65535_experts():
     many = 70_000
     rows = known_rows(8, experts=many) + 69_930  # every id above uint16's range
-    assert 65_536 <= rows.min() and rows.max() < many
+    assert rows.min() >= 65_536 and rows.max() < many
     router = RouterSpec(num_experts=many, num_layers=L, top_k=K)
     out = vllm_output(rows=rows, dtype=np.int32)
     s = decode_vllm("v-0", VLLMTurn.from_request_output(out), router=router)
