@@ -417,6 +417,21 @@ def test_routes_that_start_past_the_rows_so_far_do_not_join():
     assert "positions 0-7 only" in text and "do not join" in text
 
 
+def test_a_continuation_with_one_row_per_token_is_the_offset_error():
+    _, turns = two_turns()
+    t1 = turns[1]
+    meta = {**t1.meta_info, "routed_experts": b64(known_rows(6, 8))}  # positions 8-13: one too many
+    bad = SGLangTurn(t1.input_ids, meta, t1.output_ids, 8)
+    text = refused(
+        "turn 1: 6 route rows for positions 8-13 \\(routed_experts_start_len 8\\)",
+        decode_sglang,
+        "s-mt",
+        [turns[0], bad],
+        router=ROUTER,
+    )
+    assert "one row per input position, 5" in text
+
+
 def test_a_turn_whose_input_rewrites_the_sample_does_not_join():
     bad = [*PROMPT[:3], 999, *PROMPT[4:], *OUTPUT, 301, 302]
     _, turns = two_turns(second_input=bad)

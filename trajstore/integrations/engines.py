@@ -61,7 +61,7 @@ engine, sample, turn, layer and/or position; nothing is trimmed, padded or repai
 
 The last token has no route: packed for capture, each sample's final row is ``-1`` (a signed
 dtype), which router metrics treat as "not compared" only where the training side is ``-1``
-too (`blank_final_tokens`); docs/integrations.md#engines.
+too (`blank_final_tokens`); docs/integrations.md, "Engines".
 """
 
 from __future__ import annotations
