@@ -144,6 +144,11 @@ def refused(match: str, fn, *args, **kwargs) -> str:
     return text
 
 
+def refused_rows(match: str, sample: str, rows: np.ndarray) -> str:
+    """decode_sglang refuses the 9-token sample (PROMPT + OUTPUT) whose routes are ``rows``."""
+    return refused(match, decode_sglang, sample, sglang_turn(rows=rows), router=ROUTER)
+
+
 # --------------------------------------------------------------------------- SGLang
 
 
@@ -182,32 +187,20 @@ def test_sglang_input_token_logprobs_cover_the_prompt_tail():
 
 def test_sglang_one_row_per_token_is_the_offset_error():
     rows = known_rows(9)  # 9 tokens, 9 rows: one too many
-    text = refused(
-        "9 route rows for 9 tokens",
-        decode_sglang,
-        "s-7",
-        sglang_turn(rows=rows),
-        router=ROUTER,
-    )
+    text = refused_rows("9 route rows for 9 tokens", "s-7", rows)
     assert (
         "sample 's-7'" in text and "one row per input position, 8" in text and "off by one" in text
     )
 
 
 def test_sglang_too_few_rows_are_counted():
-    text = refused(
-        "6 route rows; expected 8",
-        decode_sglang,
-        "s-1",
-        sglang_turn(rows=known_rows(6)),
-        router=ROUTER,
-    )
+    text = refused_rows("6 route rows; expected 8", "s-1", known_rows(6))
     assert "sample 's-1'" in text
 
 
 def test_sglang_zero_rows_before_the_routes_are_left_padding():
     rows = np.concatenate([np.zeros((2, L, K), np.int64), known_rows(8)])
-    text = refused("left padding", decode_sglang, "s-2", sglang_turn(rows=rows), router=ROUTER)
+    text = refused_rows("left padding", "s-2", rows)
     assert "sample 's-2'" in text and "positions 0-1" in text
 
 
@@ -242,13 +235,7 @@ def test_one_trailing_pad_id_is_the_stop_token_when_pad_is_eos():
 def test_an_all_zero_layer_is_an_incomplete_pipeline_capture():
     rows = known_rows(8)
     rows[:, 2:] = 0  # the second pipeline stage's layers never merged in
-    text = refused(
-        "layer\\(s\\) 2-3 of 4 are all zeros",
-        decode_sglang,
-        "s-6",
-        sglang_turn(rows=rows),
-        router=ROUTER,
-    )
+    text = refused_rows("layer\\(s\\) 2-3 of 4 are all zeros", "s-6", rows)
     assert "sample 's-6'" in text and "pipeline-parallel" in text
 
 
@@ -270,38 +257,20 @@ def test_a_declared_dense_layer_with_ids_is_refused():
 def test_an_expert_id_out_of_range_names_position_and_layer():
     rows = known_rows(8)
     rows[4, 1] = [9, 2]
-    text = refused(
-        "expert id 9 at position 4, layer 1",
-        decode_sglang,
-        "s-8",
-        sglang_turn(rows=rows),
-        router=ROUTER,
-    )
+    text = refused_rows("expert id 9 at position 4, layer 1", "s-8", rows)
     assert "sample 's-8'" in text and "[0, 8)" in text
 
 
 def test_a_negative_id_is_named_as_no_route():
     rows = known_rows(8)
     rows[3, 2] = [-1, 5]
-    refused(
-        "expert id -1 at position 3, layer 2 .*no route",
-        decode_sglang,
-        "s-8",
-        sglang_turn(rows=rows),
-        router=ROUTER,
-    )
+    refused_rows("expert id -1 at position 3, layer 2 .*no route", "s-8", rows)
 
 
 def test_a_repeated_id_in_a_top_k_row_is_refused():
     rows = known_rows(8)
     rows[6, 3] = [5, 5]
-    text = refused(
-        "position 6, layer 3 selects expert 5 twice",
-        decode_sglang,
-        "s-9",
-        sglang_turn(rows=rows),
-        router=ROUTER,
-    )
+    text = refused_rows("position 6, layer 3 selects expert 5 twice", "s-9", rows)
     assert "sample 's-9'" in text
 
 

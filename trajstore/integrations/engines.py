@@ -131,7 +131,12 @@ class RouterSpec:
             raise UsageError(
                 f"engines: RouterSpec.top_k {self.top_k} exceeds num_experts {self.num_experts}"
             )
-        dense = tuple(sorted({int(i) for i in self.dense_layers}))
+        try:
+            dense = tuple(sorted({operator.index(i) for i in self.dense_layers}))
+        except TypeError:
+            raise UsageError(
+                f"engines: dense_layers must be layer indices, got {self.dense_layers!r}"
+            ) from None
         if any(i < 0 or i >= self.num_layers for i in dense):
             raise UsageError(f"engines: dense_layers {list(dense)} not in [0, {self.num_layers})")
         object.__setattr__(self, "dense_layers", dense)
@@ -383,7 +388,9 @@ def _sglang_piece(turn: SGLangTurn, router: RouterSpec | None, where: str) -> _P
     in_lp = None
     in_entries = meta.get("input_token_logprobs")
     if in_entries is not None:
-        n = len(in_entries) if isinstance(in_entries, Sequence) else -1
+        if not isinstance(in_entries, Sequence) or isinstance(in_entries, (str, bytes)):
+            raise EngineOutputError(f"{where}: meta_info['input_token_logprobs'] is not a list")
+        n = len(in_entries)
         if not 0 < n <= input_ids.size:
             raise EngineOutputError(
                 f"{where}: meta_info['input_token_logprobs'] has {n} entries for "
@@ -498,19 +505,15 @@ def _vllm_piece(turn: VLLMTurn, router: RouterSpec | None, where: str) -> _Piece
 # --------------------------------------------------------------------------- route checks
 
 
-def _spans(indices: Sequence[int]) -> str:
+def _spans(indices: Any) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
-    out, run = [], []
+    runs: list[list[int]] = []
     for i in indices:
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [i]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _wrapped(value: int) -> str:
@@ -571,8 +574,8 @@ def _check_rows(piece: _Piece, router: RouterSpec) -> np.ndarray:
     expected = n_tokens - 1 - start
     n = rows.shape[0]
     moe = router.moe_layers
-    live = rows[:, moe]
-    can_tell = router.top_k > 1 and moe  # a zero row is no top-k selection only when K > 1
+    live = rows[:, moe] if router.dense_layers else rows  # the layers the engine routes
+    can_tell = router.top_k > 1 and bool(moe)  # a zero row is no selection only when K > 1
     zero_rows = (live == 0).all(axis=(1, 2)) if can_tell else np.zeros(n, dtype=bool)
     if n != expected:
         lead, trail = _zero_runs(zero_rows)
