@@ -401,6 +401,15 @@ def test_a_continuation_with_one_row_per_token_is_the_offset_error():
     assert "one row per input position, 5" in text
 
 
+def test_a_first_turn_without_the_prompt_rows_does_not_join():
+    # routed_experts_start_len=5 on the only request: rows 0-4 were never reported
+    turn = sglang_turn(rows=known_rows(3, 5), start=5)
+    text = refused(
+        "routes start at position 5, but no turn before", decode_sglang, "s-pd", turn, router=ROUTER
+    )
+    assert "sample 's-pd'" in text and "do not join" in text
+
+
 def test_a_turn_whose_input_rewrites_the_sample_does_not_join():
     bad = [*PROMPT[:3], 999, *PROMPT[4:], *OUTPUT, 301, 302]
     _, turns = two_turns(second_input=bad)

@@ -711,10 +711,14 @@ def _join(
             new = _check_rows(piece, router)
             have_rows = 0 if rows is None else rows.shape[0]
             if piece.start > have_rows:
+                before = (
+                    f"the turns before give rows for positions 0-{have_rows - 1} only"
+                    if have_rows
+                    else "no turn before gives the rows ahead of it"
+                )
                 raise EngineOutputError(
-                    f"{piece.where}: routes start at position {piece.start}, but the turns "
-                    f"before give rows for positions 0-{have_rows - 1} only (the pieces do not "
-                    "join)"
+                    f"{piece.where}: routes start at position {piece.start}, but {before} (the "
+                    "pieces do not join)"
                 )
             if rows is not None and rows.dtype != new.dtype:
                 raise EngineOutputError(
