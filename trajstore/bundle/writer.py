@@ -106,6 +106,8 @@ class BundleContents:
     redaction: dict[str, str] | None = None
     format_version: str = WRITE_FORMAT_VERSION
     extra_manifest: dict[str, Any] = field(default_factory=dict)
+    #: index.json ``extensions``: a framework's data kept verbatim (bundle-format.md)
+    extensions: dict[str, Any] | None = None
 
 
 def _default_producer() -> dict[str, str]:
@@ -214,6 +216,8 @@ def write_bundle(
             "identity": contents.identity,
             "samples": contents.samples,
         }
+        if contents.extensions is not None:
+            index["extensions"] = contents.extensions
         # Validate through the same models the reader uses: never write what we refuse.
         Manifest.from_dict(manifest)
         parsed_index = Index.from_dict(index)
