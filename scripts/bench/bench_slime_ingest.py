@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import hf_xet  # noqa: F401
     except ImportError:
-        raise SystemExit("hf_xet is not installed: pip install hf_xet (the dev extra has it)")
+        raise SystemExit(
+            "hf_xet is not installed: pip install hf_xet (the dev extra has it)"
+        ) from None
     reps = args.reps or (2 if args.quick else 5)
     work = Path(tempfile.mkdtemp(prefix="bench-slime-", dir=args.workdir))
     os.environ["HF_XET_CACHE"] = str(work / "xet-cache")  # never the user's cache
