@@ -23,7 +23,9 @@ each), their ratio trajstore / xet (below 1: trajstore is faster) and its spread
 the per-repetition ratios); and physical / logical for both, logical being the dump files'
 bytes: trajstore's physical is the bytes of every object the refs reach (``trajstore
 stats``) and, apart, the store directory's bytes on disk (catalog, refs and packs); Xet's is
-its CAS directory's bytes on disk, next to its own ``dedup_metrics``. `--quick`: a tiny
+its CAS directory's bytes on disk, next to its own ``dedup_metrics``; and one more,
+instrumented trajstore ingest split into its phases (load + check + convert the dumps,
+write the bundles to a temp directory, ingest those). `--quick`: a tiny
 run, 2 repetitions (a smoke test, not a figure). The machine must be quiet for the
 ratio to mean anything. Prints one JSON object.
 """
@@ -84,6 +86,33 @@ def run_trajstore(dumps: Path, store: Path) -> dict[str, Any]:
         "physical_bytes": st["physical_bytes"],
         "bundle_logical_bytes": st["logical_bytes"],
         "store_dir_bytes": tree_bytes(store),
+    }
+
+
+def phases(dumps: Path, store: Path) -> dict[str, float]:
+    """One instrumented trajstore ingest, phase by phase (what the CLI path does in turn):
+    load + check + convert the dumps, write the bundles to a temp directory, ingest them."""
+    from trajstore.bundle.writer import write_bundle
+    from trajstore.integrations import formats
+    from trajstore.store import Store
+
+    start = time.perf_counter()
+    bundles = formats.convert("slime", [str(dumps)], run="bench", config=str(dumps / "args.txt"))
+    converted = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-slime-bundles-", dir=store.parent))
+    try:
+        for b in bundles:
+            write_bundle(tmp / b.run / b.child, b.contents)
+        written = time.perf_counter()
+        with Store.open(store) as s:
+            s.ingest([str(tmp / b.run / b.child) for b in bundles], run="bench")
+        done = time.perf_counter()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "load_check_convert_s": round(converted - start, 4),
+        "write_temp_bundles_s": round(written - converted, 4),
+        "store_ingest_s": round(done - written, 4),
     }
 
 
@@ -152,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(target, ignore_errors=True)
                 if rep:
                     sides[side].append(got)
+        breakdown = phases(dumps, work / "phases-store")
+        shutil.rmtree(work / "phases-store", ignore_errors=True)
         ratios = [
             t["wall_s"] / x["wall_s"] for t, x in zip(sides["trajstore"], sides["xet"], strict=True)
         ]
@@ -174,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 "physical_over_logical": round(last_t["physical_bytes"] / logical, 4),
                 "store_dir_over_logical": round(last_t["store_dir_bytes"] / logical, 4),
                 "bundle_logical_bytes": last_t["bundle_logical_bytes"],
+                "phases_one_run": breakdown,
             },
             "xet": {
                 "median_wall_s": round(x_med, 4),

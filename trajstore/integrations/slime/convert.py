@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.bundle.ptfile import NUMPY_TO_TORCH
 from trajstore.bundle.reader import check_payload_name
 from trajstore.bundle.writer import BundleContents
 from trajstore.errors import BundleError, UsageError
@@ -57,18 +58,6 @@ from trajstore.vocab import Payload, Stage
 #: a file name slime gives an evaluation dump: the template's {rollout_id} is "eval_<N>"
 _EVAL_NAME = re.compile(r"(?:^|[^A-Za-z0-9])eval_(\d+)(?:[^0-9]|$)")
 _TEMPLATE_FIELD = re.compile(r"\{(rollout_id|rank)\}")
-#: NumPy dtype (str) -> torch dtype name, for arrays that arrive as NumPy
-_NUMPY_TORCH = {
-    "<f8": "torch.float64",
-    "<f4": "torch.float32",
-    "<f2": "torch.float16",
-    "<i8": "torch.int64",
-    "<i4": "torch.int32",
-    "<i2": "torch.int16",
-    "|i1": "torch.int8",
-    "|u1": "torch.uint8",
-    "|b1": "torch.bool",
-}
 
 
 @dataclass
@@ -183,8 +172,8 @@ def as_array(value: Any) -> ArrayValue | None:
             return None
         return ArrayValue(bits, name, ["tensor", name])
     if isinstance(value, np.ndarray):
-        name = _NUMPY_TORCH.get(value.dtype.str)
-        if name is None:
+        name = NUMPY_TO_TORCH.get(value.dtype.name)
+        if name is None or value.dtype.byteorder == ">":
             return None
         return ArrayValue(np.ascontiguousarray(value), name, ["ndarray", value.dtype.str])
     if type(value) is list and value:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.bundle.ptfile import TORCH_TO_NUMPY
 from trajstore.errors import BundleError, NotFoundError, UsageError
 from trajstore.integrations.slime.common import (
     EXT,
@@ -63,9 +64,7 @@ def _mask(mask: list[int], form: list[Any]) -> Any:
         return None
     bits = np.asarray(mask)
     if form[0] == "tensor":
-        from trajstore.integrations.slime.values import _TORCH_NUMPY
-
-        return tensor_from_bits(form[1], bits.astype(np.dtype(_TORCH_NUMPY[form[1]])))
+        return tensor_from_bits(form[1], bits.astype(TORCH_TO_NUMPY[form[1]]))
     if form[0] == "ndarray":
         return bits.astype(np.dtype(form[1]))
     return [int(x) for x in mask]

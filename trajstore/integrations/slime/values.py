@@ -18,26 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from trajstore.bundle.ptfile import TORCH_TO_NUMPY
 from trajstore.errors import BundleError
 
 TAG = "$slime"
-
-#: torch dtype names a tensor may have here (the dtypes torch.save and NumPy share)
-_TORCH_NUMPY = {
-    "torch.float64": "<f8",
-    "torch.float32": "<f4",
-    "torch.float16": "<f2",
-    "torch.bfloat16": "<u2",
-    "torch.int64": "<i8",
-    "torch.int32": "<i4",
-    "torch.int16": "<i2",
-    "torch.int8": "i1",
-    "torch.uint8": "u1",
-    "torch.uint16": "<u2",
-    "torch.uint32": "<u4",
-    "torch.uint64": "<u8",
-    "torch.bool": "?",
-}
 
 
 def _is_tensor(value: Any) -> bool:
@@ -53,11 +37,11 @@ def tensor_bits(value: Any) -> tuple[str, np.ndarray]:
 
     t = value.detach().cpu().contiguous()
     name = str(t.dtype)
-    if name not in _TORCH_NUMPY:
+    if name not in TORCH_TO_NUMPY:
         raise BundleError(f"tensor of dtype {name} cannot be kept (supported: plain numbers)")
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return name, t.numpy().view(np.dtype(_TORCH_NUMPY[name]))
+    return name, t.numpy().view(TORCH_TO_NUMPY[name])
 
 
 def tensor_from_bits(name: str, bits: np.ndarray) -> Any:
@@ -65,7 +49,7 @@ def tensor_from_bits(name: str, bits: np.ndarray) -> Any:
     import torch
 
     # np.array, not np.ascontiguousarray: that one turns a 0-d array into shape (1,)
-    arr = np.array(bits, order="C").view(np.dtype(_TORCH_NUMPY[name]))
+    arr = np.array(bits, order="C").view(TORCH_TO_NUMPY[name])
     if name == "torch.bfloat16":
         return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(arr.copy())
@@ -127,7 +111,7 @@ def decode(value: Any) -> Any:
         return set(items) if kind == "set" else frozenset(items)
     if kind == "tensor":
         name, shape, data = rest
-        bits = np.frombuffer(base64.b64decode(data), dtype=np.dtype(_TORCH_NUMPY[name]))
+        bits = np.frombuffer(base64.b64decode(data), dtype=TORCH_TO_NUMPY[name])
         return tensor_from_bits(name, bits.reshape(shape))
     if kind == "ndarray":
         dtype, shape, data = rest
