@@ -235,6 +235,11 @@ def cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
     return code, out, err
 
 
+def ingest(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
+    """``trajstore ingest --from slime ARGS...``"""
+    return cli(capsys, "ingest", "--from", "slime", *args)
+
+
 def generate(out: Path, *args: Any) -> Path:
     assert slime_dumps.main([str(out), *map(str, args)]) == 0
     return out
@@ -265,21 +270,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stored(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     store = tmp_path_factory.mktemp("store") / "s"
-    code = main(
-        [
-            "ingest",
-            "--from",
-            "slime",
-            str(run_dir),
-            "--store",
-            str(store),
-            "--run",
-            "sl",
-            "--config",
-            str(run_dir / "args.txt"),
-        ]
-    )
-    assert code == 0
+    args = [run_dir, "--store", store, "--run", "sl", "--config", run_dir / "args.txt"]
+    assert main(["ingest", "--from", "slime", *map(str, args)]) == 0
     return store
 
 
@@ -294,11 +286,8 @@ def test_ingest_publishes_a_rollout_bundle_per_dump_and_a_step_bundle_per_optimi
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = tmp_path / "s"
-    code, out, err = cli(
+    code, out, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         run_dir,
         "--store",
         store,
@@ -375,11 +364,8 @@ def test_a_groups_prompt_tokens_and_routes_are_stored_once(stored: Path) -> None
 def test_a_train_dump_without_its_rollout_dump_is_refused_naming_it(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, _, err = cli(
+    code, _, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         run_dir / "train_data" / "0.pt",
         "--store",
         tmp_path / "s",
@@ -392,11 +378,8 @@ def test_a_train_dump_without_its_rollout_dump_is_refused_naming_it(
 def test_path_templates_pick_the_files_slime_wrote(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, err = cli(
+    code, out, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         "--store",
         tmp_path / "s",
         "--json",
@@ -405,11 +388,8 @@ def test_path_templates_pick_the_files_slime_wrote(
     )
     assert code == 0, err
     assert len(json.loads(out)) == 8  # 2 rollouts, 4 steps, 2 evaluation rollouts
-    code, _, err = cli(
+    code, _, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         "--store",
         tmp_path / "s",
         f"{run_dir}/nothing/{{rollout_id}}.pt",
@@ -445,11 +425,8 @@ def test_a_dump_that_runs_code_when_unpickled_is_refused_and_nothing_is_written(
     else:
         doc = Shell(marker)
     torch.save(doc, dumps / "rollout_data" / "1.pt")
-    code, _, err = cli(
+    code, _, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         dumps,
         "--store",
         tmp_path / "s",
@@ -469,9 +446,7 @@ def test_a_pickled_object_of_any_class_is_refused(
     doc = load(run_dir / "rollout_data" / "0.pt")
     doc["samples"][0]["metadata"] = {"obj": Status.COMPLETED}  # an enum member: a class
     torch.save(doc, tmp_path / "0.pt")
-    code, _, err = cli(
-        capsys, "ingest", "--from", "slime", tmp_path / "0.pt", "--store", tmp_path / "s"
-    )
+    code, _, err = ingest(capsys, tmp_path / "0.pt", "--store", tmp_path / "s")
     assert code == 2 and "Status" in err and not (tmp_path / "s").exists()
 
 
@@ -499,11 +474,8 @@ def test_a_flipped_byte_in_a_dump_is_refused(
     path.write_bytes(bytes(data))
     if member == "data/0":  # torch itself reads the flipped tensor without a word
         torch.load(path, weights_only=True)
-    code, _, err = cli(
+    code, _, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         path,
         run_dir / "rollout_data" / "0.pt",
         "--store",
@@ -517,12 +489,7 @@ def test_a_flipped_byte_in_the_store_stops_the_export(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = tmp_path / "s"
-    assert (
-        cli(
-            capsys, "ingest", "--from", "slime", run_dir / "rollout_data" / "0.pt", "--store", store
-        )[0]
-        == 0
-    )
+    assert ingest(capsys, run_dir / "rollout_data" / "0.pt", "--store", store)[0] == 0
     with Store.open(store) as s:
         (rollout,) = s.rollout("default", 0)
         chunk_hash = rollout.record("rollout_routed_experts").chunks[0][0]
@@ -606,11 +573,8 @@ def test_an_exported_run_ingested_again_is_unchanged(
         )[0]
         == 0
     )
-    code, printed, err = cli(
+    code, printed, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         out,
         "--store",
         stored,
@@ -637,7 +601,7 @@ def test_fields_slime_adds_or_trajstore_does_not_model_come_back(
     doc["samples"][5]["loss_mask"] = None  # slime's "all tokens count"
     torch.save(doc, tmp_path / "0.pt")
     store, out = tmp_path / "s", tmp_path / "out"
-    assert cli(capsys, "ingest", "--from", "slime", tmp_path / "0.pt", "--store", store)[0] == 0
+    assert ingest(capsys, tmp_path / "0.pt", "--store", store)[0] == 0
     assert cli(capsys, "export", "--store", store, "--rollout", 0, "--to", "slime", out)[0] == 0
     assert same(load(out / "rollout_0.pt"), doc) == []
 
@@ -668,11 +632,8 @@ def test_ingest_and_export_through_s3(
     run_dir: Path, s3_env: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = s3_env.fresh_url("slime")
-    code, _, err = cli(
+    code, _, err = ingest(
         capsys,
-        "ingest",
-        "--from",
-        "slime",
         run_dir / "rollout_data" / "1.pt",
         run_dir / "train_data" / "1.pt",
         "--store",
@@ -760,12 +721,7 @@ def test_replay_recomputes_slimes_rewards_kl_and_advantages(
     )
     _check_dump_against_oracle(run, 0)
     store = tmp_path / "s"
-    assert (
-        cli(
-            capsys, "ingest", "--from", "slime", run, "--store", store, "--config", run / "args.txt"
-        )[0]
-        == 0
-    )
+    assert ingest(capsys, run, "--store", store, "--config", run / "args.txt")[0] == 0
     code, out, err = cli(capsys, "replay", "--store", store, "--all", "--json")
     assert code == 0, out + err
     code, out, _ = cli(capsys, "replay", "--store", store, "--step", "0:0", "--json")
@@ -802,12 +758,7 @@ def test_replay_names_the_sample_and_token_of_a_changed_kl_and_advantage(
 
     _edit_train(run, 0, edit)
     store = tmp_path / "s"
-    assert (
-        cli(
-            capsys, "ingest", "--from", "slime", run, "--store", store, "--config", run / "args.txt"
-        )[0]
-        == 0
-    )
+    assert ingest(capsys, run, "--store", store, "--config", run / "args.txt")[0] == 0
     code, out, _ = cli(capsys, "replay", "--store", store, "--step", "0:0", "--json")
     assert code == 1
     stages = {s["stage"]: s for s in json.loads(out)["bundles"][0]["stages"]}
@@ -828,12 +779,7 @@ def test_rewards_normalized_over_the_batch_instead_of_each_group_are_named(
     n * rollout_batch_size: the rewards it trained on diverge from their groups'."""
     run = generate(tmp_path / "dump", "--rollouts", 1, "--fault-reward", 0)
     store = tmp_path / "s"
-    assert (
-        cli(
-            capsys, "ingest", "--from", "slime", run, "--store", store, "--config", run / "args.txt"
-        )[0]
-        == 0
-    )
+    assert ingest(capsys, run, "--store", store, "--config", run / "args.txt")[0] == 0
     code, out, _ = cli(capsys, "replay", "--store", store, "--rollout", "0", "--json")
     assert code == 1
     report = json.loads(out)
@@ -849,15 +795,10 @@ def test_what_is_not_replayable_is_named(
 ) -> None:
     run = generate(tmp_path / "dump", "--rollouts", 1, "--normalize-advantages", "--steps", 2)
     store = tmp_path / "s"
+    assert ingest(capsys, run, "--store", store, "--run", "noargs")[0] == 0
     assert (
-        cli(capsys, "ingest", "--from", "slime", run, "--store", store, "--run", "noargs")[0] == 0
-    )
-    assert (
-        cli(
+        ingest(
             capsys,
-            "ingest",
-            "--from",
-            "slime",
             run,
             "--store",
             store,
@@ -870,11 +811,8 @@ def test_what_is_not_replayable_is_named(
     )
     (tmp_path / "ppo.json").write_text(json.dumps({"advantage-estimator": "ppo"}))
     assert (
-        cli(
+        ingest(
             capsys,
-            "ingest",
-            "--from",
-            "slime",
             run,
             "--store",
             store,
@@ -924,11 +862,8 @@ def test_router_compare_reads_slime_runs(
             tmp_path / mode, "--rollouts", 1, "--train-routes", "--mode", mode, "--seed", 3
         )
         assert (
-            cli(
+            ingest(
                 capsys,
-                "ingest",
-                "--from",
-                "slime",
                 run,
                 "--store",
                 store,

@@ -54,6 +54,18 @@ V1_STAGES: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+def stage_contract(stage: str, inputs: list[str], outputs: list[str]) -> dict[str, Any]:
+    """A stage contract trajstore writes: recomputed, reimplemented, version v1."""
+    return {
+        "capability": "recompute",
+        "expected_outputs": outputs,
+        "implementation": "reimplemented",
+        "inputs": inputs,
+        "stage": stage,
+        "version": "v1",
+    }
+
+
 def default_stage_contracts(
     payloads: set[str], expected: dict[str, Any], samples: list[dict]
 ) -> dict:
@@ -74,14 +86,7 @@ def default_stage_contracts(
     out = {}
     for stage, (inputs, outputs) in V1_STAGES.items():
         if present[stage]:
-            out[stage] = {
-                "capability": "recompute",
-                "expected_outputs": outputs,
-                "implementation": "reimplemented",
-                "inputs": inputs,
-                "stage": stage,
-                "version": "v1",
-            }
+            out[stage] = stage_contract(stage, inputs, outputs)
     return out
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from trajstore.bundle.ptfile import NUMPY_TO_TORCH
 from trajstore.bundle.reader import check_payload_name
-from trajstore.bundle.writer import BundleContents
+from trajstore.bundle.writer import BundleContents, stage_contract
 from trajstore.errors import BundleError, UsageError
 from trajstore.integrations.framework import FrameworkBundle
 from trajstore.integrations.slime import config as slime_config
@@ -260,17 +260,6 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _contract(stage: str, inputs: list[str], outputs: list[str]) -> dict[str, Any]:
-    return {
-        "capability": "recompute",
-        "expected_outputs": outputs,
-        "implementation": "reimplemented",
-        "inputs": inputs,
-        "stage": stage,
-        "version": "v1",
-    }
-
-
 def _router(args: dict[str, Any], payload: Any) -> dict[str, Any] | None:
     """config.router for a bundle with route payload `payload`: L and K from its shape,
     num_experts from slime's arguments (never guessed from the ids)."""
@@ -397,11 +386,11 @@ def rollout_bundle(
     router = _router(args, payloads.get("rollout_routed_experts"))
     if router is not None:
         cfg["router"] = router
-    contracts = {Stage.SAMPLE: _contract(Stage.SAMPLE, ["index.samples"], [])}
+    contracts = {Stage.SAMPLE: stage_contract(Stage.SAMPLE, ["index.samples"], [])}
     expected: dict[str, Any] = {}
     has_raw = all("raw_reward" in rec for rec in records)
     if post and has_raw and not dump.evaluation:
-        contracts[Stage.REWARD_POST_PROCESS] = _contract(
+        contracts[Stage.REWARD_POST_PROCESS] = stage_contract(
             Stage.REWARD_POST_PROCESS,
             ["index.samples.raw_reward", "index.samples.group_index", "config.slime"],
             ["index.samples.reward"],
@@ -646,15 +635,15 @@ def _step_bundle(
     router = _router(args, payloads.get(Payload.ROLLOUT_ROUTED_EXPERTS))
     if router is not None:
         cfg["router"] = router
-    contracts = {Stage.SAMPLE: _contract(Stage.SAMPLE, ["index.samples"], [])}
+    contracts = {Stage.SAMPLE: stage_contract(Stage.SAMPLE, ["index.samples"], [])}
     if Payload.KL in payloads:
-        contracts[Stage.ADVANTAGE_KL] = _contract(
+        contracts[Stage.ADVANTAGE_KL] = stage_contract(
             Stage.ADVANTAGE_KL,
             [Payload.LOG_PROBS, Payload.REF_LOG_PROBS, "config.slime"],
             [Payload.KL],
         )
     if Payload.ADVANTAGES in payloads:
-        contracts[Stage.ADVANTAGE_ESTIMATE] = _contract(
+        contracts[Stage.ADVANTAGE_ESTIMATE] = stage_contract(
             Stage.ADVANTAGE_ESTIMATE,
             ["index.samples.reward", Payload.KL, "config.slime"],
             [Payload.ADVANTAGES, Payload.RETURNS],
