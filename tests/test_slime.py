@@ -599,6 +599,7 @@ def test_fields_slime_adds_or_trajstore_does_not_model_come_back(
     s["rollout_top_p_token_ids"] = torch.tensor([5, 6, 7], dtype=torch.int32)
     s["new_field_of_a_later_slime"] = [torch.tensor(1.5, dtype=torch.bfloat16), None]
     doc["samples"][5]["loss_mask"] = None  # slime's "all tokens count"
+    doc["samples"][6]["response_length"] = np.int64(doc["samples"][6]["response_length"])
     torch.save(doc, tmp_path / "0.pt")
     store, out = tmp_path / "s", tmp_path / "out"
     assert ingest(capsys, tmp_path / "0.pt", "--store", store)[0] == 0

@@ -280,6 +280,12 @@ def _router(args: dict[str, Any], payload: Any) -> dict[str, Any] | None:
     }
 
 
+def _plain_ints(sample: dict[str, Any], *keys: str) -> list[str]:
+    """The `keys` whose value is a plain int: the sample record holds them; any other
+    (a NumPy integer, ...) is kept as it is, so the export gives back its type too."""
+    return [k for k in keys if type(sample.get(k)) is int]
+
+
 def _kept(sample: dict[str, Any], modeled: set[str], where: str) -> dict[str, Any]:
     kept = {}
     for key, value in sample.items():
@@ -331,8 +337,9 @@ def rollout_bundle(
         if tokens is None or tokens.bits.ndim != 1:
             raise BundleError(f"{who}: tokens is not a list or tensor of token ids")
         response = s.get("response_length")
-        if isinstance(response, bool) or not isinstance(response, int):
+        if isinstance(response, bool) or not isinstance(response, (int, np.integer)):
             raise BundleError(f"{who}: response_length {response!r} is not an integer")
+        response = int(response)
         total = int(tokens.bits.shape[0])
         if not 0 < response <= total:
             raise BundleError(f"{who}: response_length {response} not in (0, len(tokens) {total}]")
@@ -354,10 +361,10 @@ def rollout_bundle(
         who = f"{where}: sample {p}"
         total, response = lengths[p]
         mask, mask_form = _mask(s.get("loss_mask"), response, who)
-        modeled = {"tokens", "response_length", "loss_mask", "group_index", *payloads}
+        modeled = {"tokens", "loss_mask", *payloads, *_plain_ints(s, "response_length")}
+        if not singleton:
+            modeled.add("group_index")
         kept = _kept(s, modeled, who)
-        if singleton:
-            kept["group_index"] = encode(s.get("group_index"))
         sample_forms = {field: forms[field][p] for field in forms}
         sample_forms["loss_mask"] = mask_form
         record: dict[str, Any] = {
@@ -417,7 +424,7 @@ def rollout_bundle(
     )
     sources = [str(dump.path)] + ([str(train.path)] if post else [])
     return FrameworkBundle(
-        run=run + EVAL_SUFFIX if dump.evaluation else run,
+        run=check_run_name(run + EVAL_SUFFIX) if dump.evaluation else run,
         child=f"replay-rollout-{r}",
         contents=contents,
         sources=sources,
@@ -605,7 +612,8 @@ def _step_bundle(
     for (p, mb, i, t), (total, response) in zip(members, lengths, strict=True):
         who = f"{train.path}: samples[{i}]"
         mask, mask_form = _mask(t.get("loss_masks"), response, who)
-        modeled = {*TRAIN_RECORD_FIELDS, *(k for k in payloads if k not in derived)}
+        lengths_fields = _plain_ints(t, "response_lengths", "total_lengths")
+        modeled = {"loss_masks", *lengths_fields, *(k for k in payloads if k not in derived)}
         sample_forms = {field: forms[field][len(records)] for field in forms}
         sample_forms["loss_masks"] = mask_form
         kept = _kept(t, modeled, who)
@@ -692,7 +700,6 @@ def _step_bundle(
 def convert(paths: list[str], *, run: str, config: str | None) -> list[FrameworkBundle]:
     """Every dump `paths` name, loaded and converted (nothing is written here)."""
     check_run_name(run)
-    check_run_name(run + EVAL_SUFFIX)
     args = slime_config.read_args(config)
     rollouts: dict[tuple[bool, int], RolloutDump] = {}
     trains: dict[int, TrainDump] = {}
