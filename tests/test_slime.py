@@ -375,6 +375,20 @@ def test_a_train_dump_without_its_rollout_dump_is_refused_naming_it(
     assert not (tmp_path / "s").exists()
 
 
+def test_a_train_dump_read_after_its_rollout_was_converted_is_refused(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dumps are converted one rollout at a time, grouped by the number in their names
+    (slime names both dumps by the rollout id); a train dump named otherwise comes too late."""
+    shutil.copy(run_dir / "rollout_data" / "0.pt", tmp_path / "0.pt")
+    shutil.copy(run_dir / "train_data" / "0.pt", tmp_path / "train.pt")  # no number: last
+    code, _, err = ingest(
+        capsys, tmp_path / "0.pt", tmp_path / "train.pt", "--store", tmp_path / "s"
+    )
+    assert code == 2 and "came after its rollout dump" in err
+    assert not (tmp_path / "s").exists()
+
+
 def test_path_templates_pick_the_files_slime_wrote(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -412,8 +426,17 @@ class Shell:
 
 @pytest.mark.parametrize("where", ["metadata", "sample", "top"])
 def test_a_dump_that_runs_code_when_unpickled_is_refused_and_nothing_is_written(
-    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+    run_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
 ) -> None:
+    """Rollout 1's dump is the bad one: rollout 0's bundles, already staged, go too."""
+    staging = tmp_path / "tmp"
+    staging.mkdir()
+    monkeypatch.setenv("TMPDIR", str(staging))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
     dumps = tmp_path / "dumps"
     shutil.copytree(run_dir, dumps)
     marker = tmp_path / "pwned"
@@ -438,6 +461,7 @@ def test_a_dump_that_runs_code_when_unpickled_is_refused_and_nothing_is_written(
     assert "1.pt: refused" in err and "system" in err and "nothing was written" in err
     assert not marker.exists()  # the pickle's code never ran
     assert not (tmp_path / "s").exists()  # the store was not even created
+    assert list(staging.iterdir()) == []  # nor is anything left in the temp directory
 
 
 def test_a_pickled_object_of_any_class_is_refused(

@@ -24,8 +24,8 @@ the per-repetition ratios); and physical / logical for both, logical being the d
 bytes: trajstore's physical is the bytes of every object the refs reach (``trajstore
 stats``) and, apart, the store directory's bytes on disk (catalog, refs and packs); Xet's is
 its CAS directory's bytes on disk, next to its own ``dedup_metrics``; and one more,
-instrumented trajstore ingest split into its phases (load + check + convert the dumps,
-write the bundles to a temp directory, ingest those). `--quick`: a tiny
+instrumented trajstore ingest split into its two phases (load + check + convert the
+dumps and write their bundles to a temp directory; ingest those). `--quick`: a tiny
 run, 2 repetitions (a smoke test, not a figure). The machine must be quiet for the
 ratio to mean anything. Prints one JSON object.
 """
@@ -91,27 +91,22 @@ def run_trajstore(dumps: Path, store: Path) -> dict[str, Any]:
 
 def phases(dumps: Path, store: Path) -> dict[str, float]:
     """One instrumented trajstore ingest, phase by phase (what the CLI path does in turn):
-    load + check + convert the dumps, write the bundles to a temp directory, ingest them."""
-    from trajstore.bundle.writer import write_bundle
+    load + check + convert the dumps and write their bundles to a temp directory (`stage`),
+    then ingest those (`ingest_staged`)."""
     from trajstore.integrations import formats
     from trajstore.store import Store
 
     start = time.perf_counter()
-    bundles = formats.convert("slime", [str(dumps)], run="bench", config=str(dumps / "args.txt"))
-    converted = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-slime-bundles-", dir=store.parent))
+    staged = formats.stage("slime", [str(dumps)], run="bench", config=str(dumps / "args.txt"))
     try:
-        for b in bundles:
-            write_bundle(tmp / b.run / b.child, b.contents)
         written = time.perf_counter()
         with Store.open(store) as s:
-            s.ingest([str(tmp / b.run / b.child) for b in bundles], run="bench")
+            formats.ingest_staged(s, staged)
         done = time.perf_counter()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staged.cleanup()
     return {
-        "load_check_convert_s": round(converted - start, 4),
-        "write_temp_bundles_s": round(written - converted, 4),
+        "load_check_convert_write_bundles_s": round(written - start, 4),
         "store_ingest_s": round(done - written, 4),
     }
 

@@ -150,7 +150,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         else:
             print(f"{o.status:9} {o.path}: {', '.join(o.keys)}", flush=True)
 
-    converted = None
+    staged = None
     if args.from_format is not None:
         from trajstore.integrations import formats
 
@@ -160,7 +160,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
         # every dump read and checked before the store is opened (or made): a refused one
         # leaves nothing behind
-        converted = formats.convert(args.from_format, args.paths, run=args.run, config=args.config)
+        staged = formats.stage(args.from_format, args.paths, run=args.run, config=args.config)
     elif args.config is not None:
         raise UsageError("--config is read with --from FORMAT only")
     else:
@@ -173,8 +173,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             with _open(args, create=True) as store:
                 if new:  # a misspelt --store would otherwise fill a fresh store unnoticed
                     print(f"trajstore: created a new store at {args.store}", file=sys.stderr)
-                if converted is not None:
-                    formats.ingest_bundles(store, converted, on_outcome=report)
+                if staged is not None:
+                    formats.ingest_staged(store, staged, on_outcome=report)
                 else:
                     store.ingest(
                         args.paths,
@@ -190,6 +190,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        if staged is not None:
+            staged.cleanup()  # the bundles staged from the framework's files
     refused = [o for o in done if o.status == "refused"]
     if args.json:
         print_json([o.to_dict() for o in done])

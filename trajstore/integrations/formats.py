@@ -9,9 +9,10 @@ bundles (`FrameworkBundle`) and stored bundles back into its files. Everything b
 
 A format module provides:
 
-- ``convert(paths, *, run, config) -> list[FrameworkBundle]``
-  (`trajstore.integrations.framework`): read and check every file
-  first, raising a `TrajstoreError` (exit 2) before anything is written;
+- ``convert(paths, *, run, config) -> Iterator[FrameworkBundle]``
+  (`trajstore.integrations.framework`), one rollout at a time: read and check every file
+  before its bundles, raising a `TrajstoreError` (exit 2); `stage` writes them to a temp
+  directory and only then is a store opened, so a refusal leaves no trace;
 - ``export(store, *, run, rollouts, out) -> list[Path]``: write the stored rollouts back as
   the framework's files under ``out``.
 """
@@ -23,13 +24,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from trajstore.errors import UsageError
-from trajstore.integrations.framework import FrameworkBundle
 
 
 @dataclass(frozen=True)
@@ -63,50 +63,80 @@ def load_format(name: str) -> ModuleType:
     return importlib.import_module(fmt.module)
 
 
-def convert(name: str, paths: list[str], *, run: str, config: str | None) -> list[Any]:
-    """Format `name`'s files as bundles, every file read and checked (nothing written)."""
-    bundles = load_format(name).convert(paths, run=run, config=config)
-    if not bundles:
-        raise UsageError(f"no {name} dumps found in {', '.join(paths)}")
-    return bundles
+@dataclass
+class Staged:
+    """A format's files converted and written as bundle directories in a temp directory:
+    each bundle's run, capture-directory child and source files. `ingest_staged` stores
+    them; `cleanup` removes the directory."""
+
+    root: Path
+    bundles: list[tuple[str, str, list[str]]] = field(default_factory=list)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
-def ingest_bundles(
-    store: Any,
-    bundles: list[FrameworkBundle],
-    *,
-    on_outcome: Callable[[Any], None] | None = None,
-) -> list[Any]:
-    """Write `bundles` as bundle directories in a temp capture directory and ingest them,
-    run by run, each outcome naming the files its bundle came from."""
+def stage(name: str, paths: list[str], *, run: str, config: str | None) -> Staged:
+    """Format `name`'s files as bundle directories in a temp directory (``$TMPDIR``), every
+    file read, checked and converted before this returns: a refusal removes them and
+    raises, and no store is involved. The format hands over one rollout at a time, so
+    memory holds one rollout's files; the temp directory holds every bundle."""
     from trajstore.bundle.writer import write_bundle
 
-    outcomes: list[Any] = []
-    tmp = Path(tempfile.mkdtemp(prefix="trajstore-import-"))
+    module = load_format(name)
+    staged = Staged(Path(tempfile.mkdtemp(prefix=f"trajstore-{name}-")))
     try:
-        by_run: dict[str, list[FrameworkBundle]] = {}
-        for b in bundles:
-            write_bundle(tmp / b.run / b.child, b.contents)
-            by_run.setdefault(b.run, []).append(b)
-        for run_name, members in by_run.items():
-            sources = {
-                str(tmp / run_name / b.child): f"{', '.join(b.sources)} ({b.child})"
-                for b in members
-            }
+        for b in module.convert(paths, run=run, config=config):
+            write_bundle(staged.root / b.run / b.child, b.contents)
+            staged.bundles.append((b.run, b.child, b.sources))
+        if not staged.bundles:
+            raise UsageError(f"no {name} dumps found in {', '.join(paths)}")
+    except BaseException:
+        staged.cleanup()
+        raise
+    return staged
 
-            def report(outcome: Any, sources: dict[str, str] = sources) -> None:
-                outcome.path = sources.get(outcome.path, outcome.path)
-                if on_outcome is not None:
-                    on_outcome(outcome)
 
-            outcomes += store.ingest(
-                [str(tmp / run_name / b.child) for b in members],
-                run=run_name,
-                on_outcome=report,
-            )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def ingest_staged(
+    store: Any, staged: Staged, *, on_outcome: Callable[[Any], None] | None = None
+) -> list[Any]:
+    """Ingest the staged bundles run by run, each outcome naming the files its bundle came
+    from (not the temp directory)."""
+    outcomes: list[Any] = []
+    runs = list(dict.fromkeys(run for run, _, _ in staged.bundles))
+    for run in runs:
+        members = [(child, sources) for r, child, sources in staged.bundles if r == run]
+        names = {
+            str(staged.root / run / child): f"{', '.join(sources)} ({child})"
+            for child, sources in members
+        }
+
+        def report(outcome: Any, names: dict[str, str] = names) -> None:
+            outcome.path = names.get(outcome.path, outcome.path)
+            if on_outcome is not None:
+                on_outcome(outcome)
+
+        outcomes += store.ingest(
+            [str(staged.root / run / child) for child, _ in members], run=run, on_outcome=report
+        )
     return outcomes
+
+
+def ingest_from(
+    name: str,
+    store: Any,
+    paths: list[str],
+    *,
+    run: str,
+    config: str | None = None,
+    on_outcome: Callable[[Any], None] | None = None,
+) -> list[Any]:
+    """`stage` then `ingest_staged` (the Python face of ``ingest --from``)."""
+    staged = stage(name, paths, run=run, config=config)
+    try:
+        return ingest_staged(store, staged, on_outcome=on_outcome)
+    finally:
+        staged.cleanup()
 
 
 def export_to(

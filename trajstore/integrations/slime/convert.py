@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import glob
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -697,40 +698,74 @@ def _step_bundle(
 # --------------------------------------------------------------------------- entry point
 
 
-def convert(paths: list[str], *, run: str, config: str | None) -> list[FrameworkBundle]:
-    """Every dump `paths` name, loaded and converted (nothing is written here)."""
+#: the first number of a file name: slime's templates put {rollout_id} in both dumps' names
+_NAME_NUMBER = re.compile(r"\d+")
+
+
+def _by_name(files: list[Path]) -> list[list[Path]]:
+    """The files in groups that share the first number of their names (a rollout's
+    ``rollout_data/N.pt``, ``eval_N.pt`` and ``train_data/N.pt``), in that number's order;
+    names without a number come last, together. Only memory depends on this: pairing goes
+    by the ``rollout_id`` each dump holds."""
+    numbered: dict[int, list[Path]] = {}
+    rest: list[Path] = []
+    for path in files:
+        found = _NAME_NUMBER.search(path.stem)
+        if found is None:
+            rest.append(path)
+        else:
+            numbered.setdefault(int(found.group()), []).append(path)
+    return [numbered[k] for k in sorted(numbered)] + ([rest] if rest else [])
+
+
+def convert(paths: list[str], *, run: str, config: str | None) -> Iterator[FrameworkBundle]:
+    """The bundles of every dump `paths` name, one rollout at a time (its dumps are loaded,
+    checked and converted, then dropped, so memory holds one rollout's dumps). A refusal is
+    raised before the bundles of the dumps after it; nothing is written here."""
     check_run_name(run)
     args = slime_config.read_args(config)
-    rollouts: dict[tuple[bool, int], RolloutDump] = {}
-    trains: dict[int, TrainDump] = {}
-    for path in dump_files(paths):
-        dump = classify(path, load_dump(path))
-        if isinstance(dump, TrainDump):
-            if dump.rollout_id in trains:
-                raise BundleError(
-                    f"{path}: a second train dump of rollout {dump.rollout_id} (the first: "
-                    f"{trains[dump.rollout_id].path}); slime writes one per rollout"
-                )
-            trains[dump.rollout_id] = dump
-        else:
-            key = (dump.evaluation, dump.rollout_id)
-            if key in rollouts:
+    seen_rollouts: dict[tuple[bool, int], Path] = {}
+    seen_trains: dict[int, Path] = {}
+    pending: dict[int, TrainDump] = {}  # train dumps whose rollout dump is not read yet
+    converted: set[int] = set()  # rollouts (not evaluations) whose bundles are out
+    for group in _by_name(dump_files(paths)):
+        rollouts: list[RolloutDump] = []
+        for path in group:
+            dump = classify(path, load_dump(path))
+            r = dump.rollout_id
+            if isinstance(dump, TrainDump):
+                if r in seen_trains:
+                    raise BundleError(
+                        f"{path}: a second train dump of rollout {r} (the first: "
+                        f"{seen_trains[r]}); slime writes one per rollout"
+                    )
+                if r in converted:
+                    raise BundleError(
+                        f"{path}: the train dump of rollout {r} came after its rollout dump "
+                        f"{seen_rollouts[False, r]} was converted; give them names that carry "
+                        "the rollout id, as slime's templates do"
+                    )
+                seen_trains[r] = path
+                pending[r] = dump
+                continue
+            key = (dump.evaluation, r)
+            if key in seen_rollouts:
                 raise BundleError(
                     f"{path}: a second {'evaluation' if dump.evaluation else 'rollout'} dump "
-                    f"of rollout {dump.rollout_id} (the first: {rollouts[key].path})"
+                    f"of rollout {r} (the first: {seen_rollouts[key]})"
                 )
-            rollouts[key] = dump
-    for r, train in trains.items():
-        if (False, r) not in rollouts:
-            raise BundleError(
-                f"{train.path}: the rollout dump of rollout {r} is not among the paths; a train "
-                "dump has no group_index or prompt of its own, so ingest it with its rollout "
-                "dump (both files of --dump-details)"
-            )
-    out: list[FrameworkBundle] = []
-    for (evaluation, r), dump in sorted(rollouts.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        train = None if evaluation else trains.get(r)
-        out.append(rollout_bundle(dump, train, args, run))
-        if train is not None:
-            out += step_bundles(train, dump, args, run)
-    return out
+            seen_rollouts[key] = path
+            rollouts.append(dump)
+        for dump in sorted(rollouts, key=lambda d: d.evaluation):
+            train = None if dump.evaluation else pending.pop(dump.rollout_id, None)
+            if not dump.evaluation:
+                converted.add(dump.rollout_id)
+            yield rollout_bundle(dump, train, args, run)
+            if train is not None:
+                yield from step_bundles(train, dump, args, run)
+    for r, train in sorted(pending.items()):
+        raise BundleError(
+            f"{train.path}: the rollout dump of rollout {r} is not among the paths; a train "
+            "dump has no group_index or prompt of its own, so ingest it with its rollout "
+            "dump (both files of --dump-details)"
+        )
