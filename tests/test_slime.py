@@ -389,6 +389,20 @@ def test_a_train_dump_read_after_its_rollout_was_converted_is_refused(
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("field", ["rollout_routed_experts", "rollout_log_probs"])
+def test_an_array_out_of_step_with_the_tokens_is_refused_naming_the_sample(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str
+) -> None:
+    """Routes need one row per input position (len(tokens) - 1), log-probs one value per
+    response token: slime refuses a sample that breaks either, and so does the ingest."""
+    doc = load(run_dir / "rollout_data" / "0.pt")
+    doc["samples"][6][field] = doc["samples"][6][field][:-1]
+    torch.save(doc, tmp_path / "0.pt")
+    code, _, err = ingest(capsys, tmp_path / "0.pt", "--store", tmp_path / "s")
+    assert code == 2 and f"0.pt: sample 6: {field} has" in err, err
+    assert not (tmp_path / "s").exists()
+
+
 def test_path_templates_pick_the_files_slime_wrote(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

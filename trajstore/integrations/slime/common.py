@@ -14,6 +14,20 @@ ROLLOUT_ARRAYS: dict[str, str] = {
 #: route fields a train dump may carry (slime ships the rollout's when R3 is off; a fork
 #: that dumps Megatron's routes adds the training side)
 TRAIN_ROUTES = ("rollout_routed_experts", "train_routed_experts")
+#: per-token fields slime's train dump defines (train_data_utils' context-parallel fields):
+#: one value per response token, refused by name when their length is not that
+SLIME_PER_TOKEN = (
+    "rollout_log_probs",
+    "teacher_log_probs",
+    "log_probs",
+    "ref_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "kl",
+    "entropy",
+    "opd_reverse_kl",
+)
 #: train-dump per-sample fields that become sample-record fields, not payloads
 TRAIN_RECORD_FIELDS = ("response_lengths", "total_lengths", "loss_masks")
 #: the evaluation dumps' run: the training run's name plus this

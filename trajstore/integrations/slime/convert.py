@@ -46,6 +46,7 @@ from trajstore.integrations.slime.common import (
     EVAL_SUFFIX,
     EXT,
     ROLLOUT_ARRAYS,
+    SLIME_PER_TOKEN,
     TRAIN_RECORD_FIELDS,
     TRAIN_ROUTES,
     micro_batch_id,
@@ -198,15 +199,25 @@ def _collect(
     field: str,
     rows: str,
     lengths: list[tuple[int, int]],
+    names: list[str] | None = None,
 ) -> tuple[Any, list[list[Any]]] | None:
     """Field `field` of every sample as one payload (rows: ``total``, ``response`` or
-    ``routes``) and each sample's form; None when any sample's value does not fit (then the
-    field is kept as a value in every sample)."""
+    ``routes``) and each sample's form; None when a sample has no array there or the
+    samples' dtypes differ (then the field is kept as a value in every sample). With
+    `names` (a field slime defines, each sample's name for messages), an array of the wrong
+    length or shape is refused, naming the sample: slime itself refuses such a sample
+    (``_validate_response_metadata_lengths``, ``prepare_routed_experts_for_routing_replay``).
+    """
     parts: list[np.ndarray] = []
     forms: list[list[Any]] = []
     dtype: str | None = None
     trailing: tuple[int, ...] | None = None
-    for sample, (total, response) in zip(samples, lengths, strict=True):
+
+    def misfit(i: int, what: str) -> None:
+        if names is not None:
+            raise BundleError(f"{names[i]}: {field} {what}")
+
+    for i, (sample, (total, response)) in enumerate(zip(samples, lengths, strict=True)):
         got = as_array(sample.get(field))
         if got is None or (dtype is not None and got.dtype != dtype):
             return None
@@ -214,6 +225,8 @@ def _collect(
         bits = got.bits
         if rows == "routes":
             if bits.ndim != 3 or (trailing is not None and bits.shape[1:] != trailing):
+                want = "[rows, layers, top_k]" if trailing is None else f"[rows, {trailing}]"
+                misfit(i, f"has shape {list(bits.shape)}, expected {want} like the others")
                 return None
             trailing = bits.shape[1:]
             if bits.shape[0] == total - 1:
@@ -223,9 +236,18 @@ def _collect(
                 bits = np.concatenate([bits, pad])
                 got.form = [*got.form, "pad"]
             elif bits.shape[0] != total:
+                misfit(
+                    i,
+                    f"has {bits.shape[0]} rows; one per input position is len(tokens) - 1 = "
+                    f"{total - 1}",
+                )
                 return None
-        elif bits.ndim != 1 or bits.shape[0] != (total if rows == "total" else response):
-            return None
+        else:
+            want = total if rows == "total" else response
+            if bits.ndim != 1 or bits.shape[0] != want:
+                what = "len(tokens)" if rows == "total" else "response_length"
+                misfit(i, f"has shape {list(bits.shape)}, {what} is {want}")
+                return None
         parts.append(bits)
         forms.append(got.form)
     if dtype is None:
@@ -348,8 +370,9 @@ def rollout_bundle(
 
     payloads: dict[str, Any] = {}
     forms: dict[str, list[list[Any]]] = {}
+    names = [f"{where}: sample {p}" for p in range(len(dump.samples))]
     for field, rows in ROLLOUT_ARRAYS.items():
-        got = _collect(dump.samples, field, rows, lengths)
+        got = _collect(dump.samples, field, rows, lengths, names)
         if got is not None:
             payloads[field], forms[field] = got
     if "tokens" not in payloads:
@@ -581,6 +604,7 @@ def _step_bundle(
 
     payloads: dict[str, Any] = {}
     forms: dict[str, list[list[Any]]] = {}
+    names = [f"{train.path}: samples[{i}]" for _, _, i, _ in members]
     candidates = [k for k in dict.fromkeys(k for t in samples for k in t)]
     for field in candidates:
         if field in TRAIN_RECORD_FIELDS:
@@ -595,7 +619,8 @@ def _step_bundle(
             check_payload_name(field)
         except BundleError:
             continue
-        got = _collect(samples, field, rows, lengths)
+        known = field in TRAIN_ROUTES or field in SLIME_PER_TOKEN or field == "tokens"
+        got = _collect(samples, field, rows, lengths, names if known else None)
         if got is not None:
             payloads[field], forms[field] = got
     derived = []
@@ -604,7 +629,7 @@ def _step_bundle(
         derived.append(Payload.TRAIN_LOG_PROBS)
     if Payload.ROLLOUT_ROUTED_EXPERTS not in payloads:
         from_rollout = [rollout.samples[p] for p, _, _, _ in members]
-        got = _collect(from_rollout, Payload.ROLLOUT_ROUTED_EXPERTS, "routes", lengths)
+        got = _collect(from_rollout, Payload.ROLLOUT_ROUTED_EXPERTS, "routes", lengths, None)
         if got is not None:
             payloads[Payload.ROLLOUT_ROUTED_EXPERTS] = got[0]
             derived.append(Payload.ROLLOUT_ROUTED_EXPERTS)
