@@ -947,3 +947,36 @@ def test_router_compare_reads_slime_runs(
     assert rows["baseline"]["valid_token_layers"] == total
     assert rows["baseline"]["route_mismatch_rate"] == pytest.approx(differ / total)
     assert rows["r3"]["route_mismatch_rate"] == 0 and differ > 0
+
+
+def test_a_dense_runs_sampler_against_trainer_drift_is_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No routes (a dense model), no config.router: `router compare` still measures the
+    trainer's log_probs against SGLang's rollout_log_probs on the loss tokens."""
+    run = generate(tmp_path / "dense", "--rollouts", 1, "--layers", 0, "--steps", 1)
+    store = tmp_path / "s"
+    for name in ("a", "b"):
+        assert ingest(capsys, run, "--store", store, "--run", name)[0] == 0
+    code, out, err = cli(
+        capsys,
+        "router",
+        "compare",
+        "--store",
+        store,
+        "--run",
+        "a",
+        "--run",
+        "b",
+        "--format",
+        "json",
+    )
+    assert code == 0, err
+    (step,) = json.loads(out)["steps"]
+    row = step["runs"]["a"]
+    assert row["metric_error"] == ["missing_route"] and row["route_mismatch_rate"] is None
+    diffs = []  # |log_probs - rollout_log_probs| over the loss tokens, from the dump
+    for t in load(run / "train_data" / "0.pt")["samples"]:
+        d = (t["log_probs"].double() - t["rollout_log_probs"].double()).abs()
+        diffs += d[t["loss_masks"].bool()].tolist()
+    assert row["logprob_abs_diff"] == pytest.approx(float(np.mean(diffs)), rel=1e-6)
