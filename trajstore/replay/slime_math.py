@@ -113,11 +113,15 @@ _UNDECLARED = {
 def slime_capability(stage: Stage) -> CapabilityCheck:
     def check(source: BundleSource) -> tuple[Capability, str]:
         contract = source.manifest.stage_contracts.get(stage)
+        args = _args(source)
+        if stage == Stage.REWARD_POST_PROCESS and args.get("evaluation"):
+            return Capability.SKIPPED, "an evaluation rollout: slime trains on none of it"
         if contract is None:
             return Capability.SKIPPED, _UNDECLARED.get(stage, "not in the stage contracts")
+        if stage in (Stage.REWARD_RAW, Stage.LOSS_POLICY):  # declared by hand: still none
+            return Capability.UNSUPPORTED, _UNDECLARED[stage]
         if contract.capability != Capability.RECOMPUTE:
             return Capability.SKIPPED, f"declared {contract.capability} by the producer"
-        args = _args(source)
         if not args.get("args_given"):
             return (
                 Capability.UNSUPPORTED,
@@ -149,6 +153,7 @@ def slime_capability(stage: Stage) -> CapabilityCheck:
 
 
 def _unreplayed(ctx: ReplayContext) -> StageOutcome:
+    """Never called: the capability of these stages is never `recompute` on slime data."""
     raise StageInputError("this stage is not replayed for slime bundles")
 
 

@@ -338,6 +338,10 @@ def _header(doc: dict[str, Any], path: Path) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- rollout bundle
 
+#: slime's commit and torch are not in its dumps: unknown, not this host's (so the same
+#: dumps make the same bundles wherever they are ingested)
+PRODUCER = {"commit": "", "dirty_patch_digest": "", "torch_version": ""}
+
 
 def rollout_bundle(
     dump: RolloutDump, train: TrainDump | None, args: dict[str, Any], run: str
@@ -400,7 +404,7 @@ def rollout_bundle(
             EXT: {"keys": [str(k) for k in s], "kept": kept, "forms": sample_forms},
         }
         reward = s.get("reward")
-        raw = _number(reward[reward_key] if isinstance(reward, dict) and reward_key else reward)
+        raw = _number(reward.get(reward_key) if isinstance(reward, dict) and reward_key else reward)
         if raw is not None:
             record["raw_reward"] = raw
         if p in post:
@@ -443,7 +447,7 @@ def rollout_bundle(
         payloads=payloads,
         expected=expected,
         stage_contracts=contracts,
-        producer={"commit": "", "dirty_patch_digest": "", "torch_version": _torch_version()},
+        producer=PRODUCER,
         extensions={EXT: {**header, "kind": "rollout", "evaluation": dump.evaluation}},
     )
     sources = [str(dump.path)] + ([str(train.path)] if post else [])
@@ -463,12 +467,6 @@ def _weight(samples: list[dict[str, Any]]) -> str | None:
         if isinstance(s.get("weight_versions"), list) and s["weight_versions"]
     }
     return last.pop() if len(last) == 1 else None
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
 
 
 def _post_processed(train: TrainDump, count: int) -> dict[int, float]:
@@ -700,7 +698,7 @@ def _step_bundle(
         payloads=payloads,
         expected={},
         stage_contracts=contracts,
-        producer={"commit": "", "dirty_patch_digest": "", "torch_version": _torch_version()},
+        producer=PRODUCER,
         extensions={
             EXT: {
                 **header,
