@@ -53,7 +53,7 @@ from trajstore.integrations.slime.common import (
     sample_id,
 )
 from trajstore.integrations.slime.load import load_dump
-from trajstore.integrations.slime.values import encode, tensor_bits, tensor_from_bits
+from trajstore.integrations.slime.values import encode, tensor_bits, tensor_of_bits
 from trajstore.store.ingest import check_run_name
 from trajstore.vocab import Payload, Stage
 
@@ -209,6 +209,7 @@ def _collect(
     (``_validate_response_metadata_lengths``, ``prepare_routed_experts_for_routing_replay``).
     """
     parts: list[np.ndarray] = []
+    padded: list[bool] = []
     forms: list[list[Any]] = []
     dtype: str | None = None
     trailing: tuple[int, ...] | None = None
@@ -223,17 +224,17 @@ def _collect(
             return None
         dtype = got.dtype
         bits = got.bits
+        pad = False
         if rows == "routes":
             if bits.ndim != 3 or (trailing is not None and bits.shape[1:] != trailing):
                 want = "[rows, layers, top_k]" if trailing is None else f"[rows, {trailing}]"
                 misfit(i, f"has shape {list(bits.shape)}, expected {want} like the others")
                 return None
             trailing = bits.shape[1:]
-            if bits.shape[0] == total - 1:
+            pad = bits.shape[0] == total - 1
+            if pad:
                 if bits.dtype.kind != "i":
                     return None  # no -1 row for the last token in an unsigned dtype
-                pad = np.full((1, *trailing), -1, dtype=bits.dtype)
-                bits = np.concatenate([bits, pad])
                 got.form = [*got.form, "pad"]
             elif bits.shape[0] != total:
                 misfit(
@@ -249,10 +250,23 @@ def _collect(
                 misfit(i, f"has shape {list(bits.shape)}, {what} is {want}")
                 return None
         parts.append(bits)
+        padded.append(pad)
         forms.append(got.form)
     if dtype is None:
         return None
-    return tensor_from_bits(dtype, np.concatenate(parts)), forms
+    # one array for the payload, filled in place (routes: the last token's row of -1)
+    out = np.empty(
+        (sum(len(p) + f for p, f in zip(parts, padded, strict=True)), *parts[0].shape[1:]),
+        dtype=parts[0].dtype,
+    )
+    at = 0
+    for part, pad in zip(parts, padded, strict=True):
+        out[at : at + len(part)] = part
+        at += len(part)
+        if pad:
+            out[at] = -1
+            at += 1
+    return tensor_of_bits(dtype, out), forms
 
 
 def _mask(value: Any, response_length: int, where: str) -> tuple[list[int], list[Any]]:
@@ -262,7 +276,7 @@ def _mask(value: Any, response_length: int, where: str) -> tuple[list[int], list
     got = as_array(value)
     if got is None or got.bits.ndim != 1 or got.bits.dtype.kind not in "iub":
         raise BundleError(f"{where}: loss_mask is not a list of 0/1")
-    mask = [int(x) for x in got.bits.tolist()]
+    mask = got.bits.astype(np.int64).tolist()
     if len(mask) != response_length or not set(mask) <= {0, 1}:
         raise BundleError(
             f"{where}: loss_mask has {len(mask)} entries (values {sorted(set(mask))[:4]}), "

@@ -48,11 +48,23 @@ def tensor_from_bits(name: str, bits: np.ndarray) -> Any:
     """The torch tensor of dtype `name` whose bits are `bits`."""
     import torch
 
-    # np.array, not np.ascontiguousarray: that one turns a 0-d array into shape (1,)
-    arr = np.array(bits, order="C").view(TORCH_TO_NUMPY[name])
+    # one copy (the tensor owns it); np.array, not np.ascontiguousarray, which would turn
+    # a 0-d array into shape (1,)
+    arr = np.array(bits, order="C", copy=True).view(TORCH_TO_NUMPY[name])
     if name == "torch.bfloat16":
-        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(arr.copy())
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def tensor_of_bits(name: str, bits: np.ndarray) -> Any:
+    """The torch tensor of dtype `name` over the C-contiguous array `bits` (no copy: the
+    tensor shares its memory)."""
+    import torch
+
+    arr = bits.view(TORCH_TO_NUMPY[name])
+    if name == "torch.bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
 
 
 def encode(value: Any) -> Any:
