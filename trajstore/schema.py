@@ -321,6 +321,7 @@ class Index(Doc):
         "identity": (_DICT, False, True),
         "samples": (_LIST, False, True),
         "config": (_DICT, False, True),
+        "extensions": (_DICT, False, False),
     }
     WHERE: ClassVar[str] = "index.json"
     identity: Identity | None = None
@@ -390,6 +391,8 @@ class Config(Doc):
         "entropy_coef": (_NUM, False, False),
         "use_unbiased_kl": ((bool,), False, False),
         "router": (_DICT, True, False),
+        #: slime's arguments, for bundles made from its dumps (trajstore/replay/slime_math.py)
+        "slime": (_DICT, True, False),
         **LOSS_FAMILY_FIELDS,
     }
     WHERE: ClassVar[str] = "index.json config"

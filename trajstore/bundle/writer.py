@@ -54,6 +54,18 @@ V1_STAGES: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
+def stage_contract(stage: str, inputs: list[str], outputs: list[str]) -> dict[str, Any]:
+    """A stage contract trajstore writes: recomputed, reimplemented, version v1."""
+    return {
+        "capability": "recompute",
+        "expected_outputs": outputs,
+        "implementation": "reimplemented",
+        "inputs": inputs,
+        "stage": stage,
+        "version": "v1",
+    }
+
+
 def default_stage_contracts(
     payloads: set[str], expected: dict[str, Any], samples: list[dict]
 ) -> dict:
@@ -74,14 +86,7 @@ def default_stage_contracts(
     out = {}
     for stage, (inputs, outputs) in V1_STAGES.items():
         if present[stage]:
-            out[stage] = {
-                "capability": "recompute",
-                "expected_outputs": outputs,
-                "implementation": "reimplemented",
-                "inputs": inputs,
-                "stage": stage,
-                "version": "v1",
-            }
+            out[stage] = stage_contract(stage, inputs, outputs)
     return out
 
 
@@ -106,6 +111,8 @@ class BundleContents:
     redaction: dict[str, str] | None = None
     format_version: str = WRITE_FORMAT_VERSION
     extra_manifest: dict[str, Any] = field(default_factory=dict)
+    #: index.json ``extensions``: a framework's data kept verbatim (bundle-format.md)
+    extensions: dict[str, Any] | None = None
 
 
 def _default_producer() -> dict[str, str]:
@@ -214,6 +221,8 @@ def write_bundle(
             "identity": contents.identity,
             "samples": contents.samples,
         }
+        if contents.extensions is not None:
+            index["extensions"] = contents.extensions
         # Validate through the same models the reader uses: never write what we refuse.
         Manifest.from_dict(manifest)
         parsed_index = Index.from_dict(index)

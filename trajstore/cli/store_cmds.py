@@ -36,10 +36,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ingest", help="store bundles/cohorts/capture dirs (deduplicated, idempotent)"
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="bundle, cohort or capture directory")
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="bundle, cohort or capture directory; with --from, the framework's dump files, "
+        "directories of them, or its path template",
+    )
     _store_arg(p)
     p.add_argument("--run", default="default", help="run name (default: default)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--from",
+        dest="from_format",
+        metavar="FORMAT",
+        help="read a framework's own dumps instead of bundles (formats: slime)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="with --from: the framework's training arguments (slime: a JSON object or its "
+        "command-line flags), for replaying its math",
+    )
     from trajstore.cli._common import add_executor_args
 
     add_executor_args(p)
@@ -47,14 +65,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="write a stored bundle back as a bundle directory")
     _store_arg(p)
-    sel = p.add_mutually_exclusive_group(required=True)
+    sel = p.add_mutually_exclusive_group()
     sel.add_argument("--step", metavar="R:S", help="actor step id")
     sel.add_argument("--rollout", metavar="R", help="rollout id")
     sel.add_argument("--bundle", metavar="KEY", help="bundle key (see trajstore ls)")
     p.add_argument("--run", help="run name (default: default; with --bundle, the key's)")
     p.add_argument("--attempt", type=int, help="attempt number (default: the latest)")
     p.add_argument("--format", type=int, choices=(1, 2), help="format major of the export")
-    p.add_argument("out", metavar="OUT", help="directory to create")
+    p.add_argument(
+        "--to",
+        dest="to_format",
+        metavar="FORMAT",
+        help="write the framework's own dumps instead of a bundle (formats: slime)",
+    )
+    p.add_argument("--rollout-from", metavar="R", help="with --to: first rollout of a range")
+    p.add_argument("--rollout-to", metavar="R", help="with --to: last rollout of a range")
+    p.add_argument(
+        "out", metavar="OUT", help="directory to create (with --to: directory to write into)"
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("ls", help="list runs and bundles of a store")
@@ -107,6 +135,7 @@ def _human(n: int | None) -> str:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from trajstore.errors import UsageError
     from trajstore.store.ingest import IngestOutcome
 
     done: list[IngestOutcome] = []
@@ -121,7 +150,21 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         else:
             print(f"{o.status:9} {o.path}: {', '.join(o.keys)}", flush=True)
 
-    _check_before_opening(args)
+    staged = None
+    if args.from_format is not None:
+        from trajstore.integrations import formats
+
+        if args.executor == "ray":
+            raise UsageError("--from reads the dumps on this host; --executor ray is not for it")
+        if not args.store:
+            raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
+        # every dump read and checked before the store is opened (or made): a refused one
+        # leaves nothing behind
+        staged = formats.stage(args.from_format, args.paths, run=args.run, config=args.config)
+    elif args.config is not None:
+        raise UsageError("--config is read with --from FORMAT only")
+    else:
+        _check_before_opening(args)
     try:
         if args.executor == "ray":
             _ingest_on_ray(args, report)
@@ -130,12 +173,15 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             with _open(args, create=True) as store:
                 if new:  # a misspelt --store would otherwise fill a fresh store unnoticed
                     print(f"trajstore: created a new store at {args.store}", file=sys.stderr)
-                store.ingest(
-                    args.paths,
-                    run=args.run,
-                    progress=None if not args.json else False,
-                    on_outcome=report,
-                )
+                if staged is not None:
+                    formats.ingest_staged(store, staged, on_outcome=report)
+                else:
+                    store.ingest(
+                        args.paths,
+                        run=args.run,
+                        progress=None if not args.json else False,
+                        on_outcome=report,
+                    )
     except KeyboardInterrupt:
         stored = sum(o.status != "refused" for o in done)
         print(
@@ -144,6 +190,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        if staged is not None:
+            staged.cleanup()  # the bundles staged from the framework's files
     refused = [o for o in done if o.status == "refused"]
     if args.json:
         print_json([o.to_dict() for o in done])
@@ -196,8 +245,15 @@ def _ingest_on_ray(args: argparse.Namespace, report: Any) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from trajstore.bundle.capture_dir import parse_rollout, parse_step
+    from trajstore.errors import UsageError
     from trajstore.store.export import export_bundles
 
+    if args.to_format is not None:
+        return _export_to(args)
+    if args.rollout_from is not None or args.rollout_to is not None:
+        raise UsageError("--rollout-from / --rollout-to go with --to FORMAT")
+    if not (args.step or args.rollout or args.bundle):
+        raise UsageError("one of the arguments --step --rollout --bundle is required")
     run = args.run or "default"  # None: not given, which --bundle must know
     with _open(args) as store:
         if args.bundle:
@@ -213,6 +269,37 @@ def cmd_export(args: argparse.Namespace) -> int:
             bundles = store.rollout(run, parse_rollout(args.rollout), attempt=args.attempt)
         out = export_bundles(bundles, args.out, format_major=args.format)
     print(f"exported {', '.join(b.bundle_key for b in bundles)} -> {out}")
+    return 0
+
+
+def _export_to(args: argparse.Namespace) -> int:
+    """`export --to FORMAT OUT_DIR`: stored rollouts written as the framework's own files."""
+    from trajstore.bundle.capture_dir import parse_rollout
+    from trajstore.errors import UsageError
+    from trajstore.integrations import formats
+
+    if args.step or args.bundle or args.format is not None or args.attempt is not None:
+        raise UsageError(
+            "--to writes whole rollouts (their latest attempts): use --rollout R or "
+            "--rollout-from R --rollout-to R, without --step, --bundle, --format, --attempt"
+        )
+    if args.rollout is not None:
+        if args.rollout_from is not None or args.rollout_to is not None:
+            raise UsageError("--rollout and --rollout-from/--rollout-to: give one of them")
+        first = last = parse_rollout(args.rollout)
+    elif args.rollout_from is not None and args.rollout_to is not None:
+        first, last = parse_rollout(args.rollout_from), parse_rollout(args.rollout_to)
+        if first > last:
+            raise UsageError(f"--rollout-from {first} is after --rollout-to {last}")
+    else:
+        raise UsageError("--to needs --rollout R, or --rollout-from R and --rollout-to R")
+    formats.load_format(args.to_format)  # an unknown format before the store is opened
+    with _open(args, create=False) as store:
+        written = formats.export_to(
+            args.to_format, store, run=args.run or "default", rollouts=(first, last), out=args.out
+        )
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

@@ -27,9 +27,12 @@ from typing import Any
 from trajstore.replay.source import BundleSource
 from trajstore.router.metrics import ERROR_CODES, RouterMetrics, aggregate, compute_router_metrics
 from trajstore.router.stage import (
+    ROLLOUT_LOGPROBS,
     STABILITY_COUNTERS,
     STAGE,
+    TRAIN_LOGPROBS,
     compare_recorded,
+    payload_logprobs,
     recompute_router_metrics,
 )
 
@@ -82,7 +85,9 @@ class StepMetrics:
 
 
 def _metrics_or_missing(source: BundleSource) -> RouterMetrics:
-    """A step without config.router has no measurable routes: missing_route, nulls."""
+    """A step without config.router has no measurable routes (missing_route, nulls); its
+    log-prob drift is measured all the same (the two families fail independently), so a
+    dense model's runs compare on it."""
     if not isinstance(source.index.config.get("router"), dict):
         samples = source.index.samples
         return compute_router_metrics(
@@ -94,6 +99,8 @@ def _metrics_or_missing(source: BundleSource) -> RouterMetrics:
             num_experts=1,
             num_layers=1,
             top_k=1,
+            rollout_log_probs=payload_logprobs(source, ROLLOUT_LOGPROBS),
+            train_log_probs=payload_logprobs(source, TRAIN_LOGPROBS),
         )
     return recompute_router_metrics(source)
 

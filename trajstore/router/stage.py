@@ -69,7 +69,8 @@ def router_config(source: BundleSource) -> dict[str, Any]:
     return router
 
 
-def _logprobs(source: BundleSource, name: str) -> np.ndarray | None:
+def payload_logprobs(source: BundleSource, name: str) -> np.ndarray | None:
+    """A log-prob payload as floats (bfloat16 widened), None when the bundle has none."""
     if name not in source.manifest.payloads:
         return None
     return as_float(source.payload(name), source.manifest.payloads[name].dtype)
@@ -89,8 +90,8 @@ def recompute_router_metrics(source: BundleSource) -> RouterMetrics:
         num_experts=router["num_experts"],
         num_layers=router["num_layers"],
         top_k=router["top_k"],
-        rollout_log_probs=_logprobs(source, ROLLOUT_LOGPROBS),
-        train_log_probs=_logprobs(source, TRAIN_LOGPROBS),
+        rollout_log_probs=payload_logprobs(source, ROLLOUT_LOGPROBS),
+        train_log_probs=payload_logprobs(source, TRAIN_LOGPROBS),
         dense_layers=router.get("dense_layers") or (),
     )
 
