@@ -2,7 +2,10 @@
 
 Replay-all and ingest hand an executor a module-level function and picklable
 jobs; the executor yields each job's result as it finishes, in no particular
-order. The local executor is a fork pool (today's behaviour). The Ray
+order. The local executor is a process pool started from a fork server (a fresh
+interpreter that imports trajstore once and forks the workers), never from the
+calling process: that process may already hold an S3 client's runtime (obstore's
+tokio threads, started by listing the store), which a forked copy cannot use. The Ray
 executor submits one Ray task per job with retries, so a job whose worker
 process dies is run again elsewhere: the job functions are written to be
 idempotent (their writes are create-if-absent under a deterministic name), so
@@ -15,7 +18,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ TASK_GATE_ENV = "TRAJSTORE_TASK_GATE"
 TASK_GATE_MAX_WAIT_S = 300.0
 
 
-#: the local fork pool's most processes, unless the machine has more CPUs (as `serve`)
+#: the local pool's most processes, unless the machine has more CPUs (as `serve`)
 LOCAL_MAX_WORKERS = 64
 
 
@@ -59,7 +61,7 @@ class ExecutorSpec:
             raise UsageError("--ray-address needs --executor ray")
 
     def _check_workers(self, workers: int) -> None:
-        """Below 1 is refused, and so is more than the local fork pool starts (a typo such
+        """Below 1 is refused, and so is more than the local pool starts (a typo such
         as 100000 forked 100000 processes at once); Ray forks nothing: any count."""
         if workers < 1:
             raise UsageError("--workers must be >= 1")
@@ -73,10 +75,20 @@ class ExecutorSpec:
 
 
 class LocalExecutor:
-    """A fork pool of `workers` processes; one worker runs the jobs in this process."""
+    """A pool of `workers` processes; one worker runs the jobs in this process.
 
-    def __init__(self, workers: int | None = None) -> None:
+    The workers come from a fork server (spawn where there is none), not from a fork of
+    this process: after this process used an `s3://` store, obstore's process-wide
+    runtime has threads a forked child does not have, and the child's first request
+    waits on them forever. A database connection or a thread pool's lock inherited
+    through fork would be as wrong. The fork server imports `preload` once, so a worker
+    does not import trajstore again; each worker takes this process's environment and
+    directory as of the pool's start, as a forked one would.
+    """
+
+    def __init__(self, workers: int | None = None, preload: tuple[str, ...] = ()) -> None:
         self.workers = workers or 1
+        self.preload = preload
         self._pool: Any = None
 
     def __enter__(self) -> LocalExecutor:
@@ -91,11 +103,31 @@ class LocalExecutor:
     def map_unordered(self, fn: Callable[[J], R], jobs: Iterable[J]) -> Iterator[R]:
         if self.workers <= 1:
             return map(fn, jobs)
-        ctx = (
-            mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
+        ctx = worker_context(self.preload or (fn.__module__,))
+        self._pool = ctx.Pool(
+            self.workers, initializer=_adopt_parent, initargs=(dict(os.environ), os.getcwd())
         )
-        self._pool = ctx.Pool(self.workers)
         return self._pool.imap_unordered(fn, jobs, chunksize=1)
+
+
+def worker_context(preload: Iterable[str] = ()) -> Any:
+    """The multiprocessing context worker processes start from: the fork server (its
+    modules `preload`ed when it starts) where the platform has one, else spawn. Never a
+    fork of the calling process (see `LocalExecutor`)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Only a server started after this call imports them; one already running keeps its own.
+    ctx.set_forkserver_preload(sorted(set(preload)))
+    return ctx
+
+
+def _adopt_parent(environ: dict[str, str], cwd: str) -> None:
+    """In a worker: the environment and directory of the process that made the pool (the
+    fork server's are those of its start, maybe another test's or command's)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
 
 
 def _import_ray() -> Any:
@@ -243,7 +275,9 @@ def task_gate() -> None:
         time.sleep(0.05)
 
 
-def make_executor(spec: ExecutorSpec) -> LocalExecutor | RayExecutor:
+def make_executor(spec: ExecutorSpec, preload: tuple[str, ...] = ()) -> LocalExecutor | RayExecutor:
+    """The executor `spec` names; `preload`: modules a local worker needs (imported once by
+    the fork server, not by every worker)."""
     if spec.kind == "ray":
         return RayExecutor(spec.ray_address, spec.workers)
-    return LocalExecutor(spec.workers)
+    return LocalExecutor(spec.workers, preload)
