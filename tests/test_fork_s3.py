@@ -2,10 +2,10 @@
 
 The first S3 request of a process starts obstore's process-wide runtime (tokio
 threads); a process forked after that has none of those threads, and its first
-request waits for them forever. So the local executor's workers come from a fork
-server, never from a fork of the command that has just listed the store, and a
-process that was forked after S3 use (a user's own fork, a capture writer in it)
-gets one clear error instead of hanging.
+request waits for them forever. So once obstore is loaded the local executor's
+workers come from a fork server, never from a fork of the command that has just
+listed the store, and a process that was forked after S3 use (a user's own fork, a
+capture writer in it) gets one clear error instead of hanging.
 
 A command that hangs never returns: each runs in its own session under a generous
 harness timeout (`HANG_S`, not a measured bound), after which it and every process
