@@ -51,6 +51,12 @@ def check_known_sample(sample_id: str | None, found: bool, run: str | None) -> N
         raise NotFoundError(f"sample {sample_id!r} is in no bundle of {where}")
 
 
+class EngineOutputError(TrajstoreError):
+    """An inference engine's output (SGLang's meta_info, vLLM's CompletionOutput) does not
+    line up with its sample: routes, log-probs or tokens misaligned, padded, out of range.
+    Raised by `trajstore.integrations.engines`, naming the sample, turn, layer or position."""
+
+
 class IntegrityError(TrajstoreError):
     """Stored content does not match its address or a declared size/hash."""
 
