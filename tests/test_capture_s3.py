@@ -2,17 +2,21 @@
 
 Each rank is a separate process with its own temp dir, home and cache (no path
 is shared, as on different hosts); they meet only in the S3 server. The last
-rank to finish publishes the cohort; a rank killed before it finishes leaves
-nothing published.
+rank to finish publishes the cohort; a rank killed while it uploads its shard
+leaves nothing published, and its re-capture publishes the cohort.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ from test_store import cli
 
 from trajstore.errors import StoreError
 from trajstore.store import Store
+from trajstore.store.maintenance import fsck
 
 RANKS = [0, 1]
 
@@ -67,20 +72,16 @@ def _host(tmp: Path, name: str, s3: Any, url: str) -> tuple[Path, dict[str, str]
     return home, env
 
 
-def _start(rank: int, home: Path, env: dict[str, str]) -> subprocess.Popen:
+def _start(rank: int, home: Path, env: dict[str, str], go: str = "go") -> subprocess.Popen:
+    """Rank `rank` on its "host": it trains its step once `home/go` exists."""
     return subprocess.Popen(
-        [sys.executable, "-c", RANK_SCRIPT, str(rank), str(home / "go")],
+        [sys.executable, "-c", RANK_SCRIPT, str(rank), str(home / go)],
         cwd=home,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def _refs(url: str) -> list[str]:
-    with Store.open(url, create=False) as store:
-        return [d.name for d in store.space.list("refs/bundles")]
 
 
 def _kinds_once(url: str, want: list[str], timeout_s: float = 120) -> list[str]:
@@ -124,26 +125,103 @@ def test_two_ranks_on_two_hosts_publish_one_cohort(s3_env: Any, tmp_path: Path) 
     assert len(json.loads(proc.stdout)["bundles"]) == len(RANKS)
 
 
-def test_a_rank_killed_before_it_finishes_leaves_no_cohort(s3_env: Any, tmp_path: Path) -> None:
+class HoldingProxy:
+    """A TCP proxy on loopback in front of the S3 server that forwards every request,
+    except that it holds (never forwards, never answers) the first one whose start
+    matches `hold`: a write that is provably in flight, and stays so."""
+
+    def __init__(self, upstream: str, hold: bytes) -> None:
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.hold = re.compile(hold)
+        self.held = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client, socket.create_connection(self.upstream) as up:
+            # HTTP/1.1 without pipelining: the client's bytes after an answer start a request
+            answered = threading.Event()
+            answered.set()
+            threading.Thread(target=self._pump, args=(up, client, answered), daemon=True).start()
+            head = b""
+            while data := client.recv(1 << 16):
+                if answered.is_set():
+                    answered.clear()
+                    head = b""
+                head = (head + data)[:4096]
+                if not self.held.is_set() and self.hold.match(head):
+                    self.held.set()
+                    while client.recv(1 << 16):  # swallowed until the client is gone
+                        pass
+                    return
+                up.sendall(data)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, answered: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                answered.set()  # before the client can see the answer and send again
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_rank_killed_while_its_shard_uploads_publishes_nothing_and_a_recapture_does(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    """Rank 1 talks to the store through a proxy that holds its first pack upload (the
+    objects of its shard); it is killed there. Rank 0 then stores its shard: nothing is
+    published, as no shard of rank 1 exists. A re-capture of rank 1 publishes the one
+    whole cohort (attempt 1, both ranks), and fsck passes."""
     url = s3_env.fresh_url("killed")
+    Store.open(url).close()
     hosts = {r: _host(tmp_path, f"host-{r}", s3_env, url) for r in RANKS}
-    procs = {r: _start(r, *hosts[r]) for r in RANKS}
-    (hosts[0][0] / "go").touch()
-    _, err0 = procs[0].communicate(timeout=180)
-    assert procs[0].returncode == 0, err0
-    deadline = time.monotonic() + 120  # rank 1 is alive and has not captured its step
-    while procs[1].poll() is None and time.monotonic() < deadline:
-        if _refs(url):  # the store exists once rank 0's rollout is in
-            break
-        time.sleep(0.05)
-    assert procs[1].poll() is None
-    os.kill(procs[1].pid, signal.SIGKILL)
-    procs[1].communicate(timeout=30)
-    assert procs[1].returncode == -signal.SIGKILL
+    (home0, env0), (home1, env1) = hosts[0], hosts[1]
+    prefix = url.removeprefix("s3://")
+    proxy = HoldingProxy(s3_env.endpoint, rb"PUT /" + re.escape(prefix.encode()) + rb"/packs/")
+    # all three start now (their imports and rollouts overlap); each trains on its `go`
+    rank1 = _start(1, home1, {**env1, "AWS_ENDPOINT_URL": proxy.endpoint})
+    rank0 = _start(0, home0, env0)
+    again = _start(1, home1, env1, go="go-again")  # the re-capture, straight to the server
+    try:
+        (home1 / "go").touch()
+        held = proxy.held.wait(180)
+        os.kill(rank1.pid, signal.SIGKILL)
+        _, err1 = rank1.communicate(timeout=60)
+    finally:
+        proxy.close()
+    assert held, err1  # rank 1 was killed with its shard's pack upload in flight
+    assert rank1.returncode == -signal.SIGKILL
+    with Store.open(url, create=False) as store:
+        assert store.space.walk("capture") == []  # no shard of rank 1
+    (home0 / "go").touch()
+    out0, err0 = rank0.communicate(timeout=180)
+    assert rank0.returncode == 0, err0
+    assert out0.split()[2] == "1"  # its rollout only: the cohort waits for rank 1
     with Store.open(url, create=False) as store:
         assert [e.kind for e in store.refs.all()] == ["rollout"]
         assert store.attempts("mr", "step", 0, 0) == []
-        shards = store.space.list("capture/mr/step-0-0/g1")
-    assert [d.name for d in shards] == ["rank-0.json"]  # rank 0's shard waits, unpublished
-    proc = cli("replay", "--store", url, "--run", "mr", "--step", "0:0")
-    assert proc.returncode == 2 and "has no step 0:0" in proc.stderr
+        assert [d.name for d in store.space.walk("capture")] == ["mr/step-0-0/g1/rank-0.json"]
+    (home1 / "go-again").touch()
+    out1, err1 = again.communicate(timeout=180)
+    assert again.returncode == 0, err1
+    assert out1.split()[2] == "1"  # it published the cohort
+    with Store.open(url, create=False) as store:
+        assert [b.rank for b in store.step("mr", 0, 0)] == RANKS
+        assert store.attempts("mr", "step", 0, 0) == [1]
+        assert store.space.walk("capture") == []
+        report = fsck(store)
+    assert report.ok, report.problems

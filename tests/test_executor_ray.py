@@ -6,12 +6,18 @@ gate's `hold` file exists, every task writes `pid-<pid>` after its work and
 waits, so a test can SIGKILL a worker that has already written its results
 and before it reported back; Ray runs that task again on another worker and
 the store must still hold each result or ref exactly once.
+
+The cluster is closed twice over: it runs in a network namespace of its own
+(tests/netns.py: Ray binds every interface whatever --node-ip-address says), with
+only a loopback interface, which the commands that use it enter; and it requires
+Ray's token authentication (RAY_AUTH_MODE=token, a token made for the session).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,7 +26,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +40,12 @@ from trajstore.catalog import tables
 from trajstore.store import Store
 
 ROLLOUTS, STEPS, FAULTY = 4, 2, 2
+RAY_TOKEN = secrets.token_hex(32)  # this session's cluster token
 RAY_ENV = {
     "RAY_DISABLE_USAGE_STATS": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_AUTH_MODE": "disabled",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": RAY_TOKEN,
 }
 
 
@@ -46,55 +55,106 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class RayHead:
+    """A running test cluster: its address, the task gate, the namespace it runs in."""
+
+    address: str
+    gate: Path
+    netns: Any  # netns.NetNamespace
+    pid: int
+
+    def enter(self) -> Callable[[], None]:
+        """A `preexec_fn` that puts a command where it can reach the cluster."""
+        return self.netns.enter()
+
+
+def _private_namespace() -> Any:
+    """A new network namespace (tests/netns.py), or a skip (a fail under CI) without the
+    rights to make one."""
+    from netns import NetNamespace
+
+    try:
+        return NetNamespace()
+    except (OSError, subprocess.SubprocessError) as e:
+        why = f"cannot make a network namespace for the Ray cluster (needs root): {e}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{why} (CI is set: the Ray tests must run)")
+        pytest.skip(why)
+
+
+def _forward_into(netns: Any, s3_server: Any) -> None:
+    """The S3 server and PostgreSQL, on their loopback ports inside the namespace."""
+    from pg_server import server_url
+
+    netns.forward(int(s3_server.endpoint.rsplit(":", 1)[1]))
+    pg = sa.engine.make_url(server_url())
+    if pg.host in ("127.0.0.1", "localhost", None):
+        netns.forward(pg.port or 5432)
+
+
 @pytest.fixture(scope="session")
-def ray_head(s3_server: Any) -> Iterator[tuple[str, Path]]:
-    """(address, gate directory) of a 2-CPU Ray head on this machine, stopped at the end.
+def ray_head(s3_server: Any) -> Iterator[RayHead]:
+    """A 2-CPU Ray head in a private network namespace with token authentication,
+    stopped at the end.
 
     Its workers get the S3 server's AWS variables, as a cluster's nodes get them from the
     environment `ray start` runs in (docs/deployment.md)."""
     ray_bin = Path(sys.executable).with_name("ray")
     assert ray_bin.is_file(), "the ray extra is part of the dev install: pip install -e '.[dev]'"
+    netns = _private_namespace()
     # short: Ray's unix socket paths under --temp-dir must stay under 108 bytes
     tmp = Path(tempfile.mkdtemp(prefix="tsray-"))
     gate = tmp / "gate"
     gate.mkdir()
     port = _free_port()
-    env = {**os.environ, **s3_server.env(), **RAY_ENV, "TRAJSTORE_TASK_GATE": str(gate)}
+    env = {
+        **os.environ,
+        **s3_server.env(),
+        **RAY_ENV,
+        "TRAJSTORE_TASK_GATE": str(gate),
+        "HOME": str(tmp),  # no ~/.ray/auth_token of the machine's user is read or made
+    }
     log = (tmp / "head.log").open("wb")
-    head = subprocess.Popen(
-        [
-            str(ray_bin),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--node-ip-address=127.0.0.1",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            "--object-store-memory=100000000",
-            f"--temp-dir={tmp / 'r'}",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     try:
-        deadline = time.monotonic() + 180
-        while b"Ray runtime started" not in (tmp / "head.log").read_bytes():
-            assert head.poll() is None, (tmp / "head.log").read_text(errors="replace")[-2000:]
-            assert time.monotonic() < deadline, "ray start --head did not come up in 180 s"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}", gate
-    finally:
-        head.send_signal(signal.SIGTERM)
+        _forward_into(netns, s3_server)
+        head = subprocess.Popen(
+            [
+                str(ray_bin),
+                "start",
+                "--head",
+                "--block",
+                f"--port={port}",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=2",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                "--object-store-memory=100000000",
+                f"--temp-dir={tmp / 'r'}",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=netns.enter(),
+        )
         try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+            deadline = time.monotonic() + 180
+            while b"Ray runtime started" not in (tmp / "head.log").read_bytes():
+                assert head.poll() is None, (tmp / "head.log").read_text(errors="replace")[-2000:]
+                assert time.monotonic() < deadline, "ray start --head did not come up in 180 s"
+                time.sleep(0.2)
+            yield RayHead(f"127.0.0.1:{port}", gate, netns, head.pid)
+        finally:
+            head.send_signal(signal.SIGTERM)
+            try:
+                head.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(head.pid, signal.SIGKILL)
+                head.wait()
+    finally:
         log.close()
+        netns.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -131,13 +191,17 @@ def stored(capture: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run_cli(*args: str | Path) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str | Path, head: RayHead | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """A trajstore command; with `head`, run where it reaches that cluster."""
     return subprocess.run(
         [sys.executable, "-m", "trajstore", *map(str, args)],
         capture_output=True,
         text=True,
-        env={**os.environ, **RAY_ENV},
+        env=env or {**os.environ, **RAY_ENV},
         timeout=300,
+        preexec_fn=head.enter() if head is not None else None,
     )
 
 
@@ -155,7 +219,8 @@ def _kill_one_held_worker(proc: subprocess.Popen, gate: Path) -> int:
     return pid
 
 
-def _run_with_a_killed_worker(gate: Path, *args: str | Path) -> tuple[int, str, str]:
+def _run_with_a_killed_worker(head: RayHead, *args: str | Path) -> tuple[int, str, str]:
+    gate = head.gate
     for old in gate.glob("pid-*"):
         old.unlink()
     (gate / "hold").touch()
@@ -166,6 +231,7 @@ def _run_with_a_killed_worker(gate: Path, *args: str | Path) -> tuple[int, str, 
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **RAY_ENV},
+            preexec_fn=head.enter(),
         )
         pid = _kill_one_held_worker(proc, gate)
         out, err = proc.communicate(timeout=300)
@@ -191,16 +257,15 @@ def _recorded(root: Path, catalog: str | None = None) -> list[tuple[str, str, st
 
 
 def test_a_killed_ray_worker_leaves_one_result_per_bundle_equal_to_the_local_run(
-    stored: Path, ray_head: tuple[str, Path], tmp_path: Path
+    stored: Path, ray_head: RayHead, tmp_path: Path
 ) -> None:
     local, on_ray = tmp_path / "local", tmp_path / "ray"
     shutil.copytree(stored, local)
     shutil.copytree(stored, on_ray)
     assert run_cli("replay", "--store", local, "--all", "--record").returncode == 1
-    address, gate = ray_head
     code, out, err = _run_with_a_killed_worker(
-        gate, "replay", "--store", on_ray, "--all", "--record", "--json",
-        "--executor", "ray", "--ray-address", address,
+        ray_head, "replay", "--store", on_ray, "--all", "--record", "--json",
+        "--executor", "ray", "--ray-address", ray_head.address,
     )  # fmt: skip
     assert code == 1, err
     summary = json.loads(out)
@@ -214,12 +279,11 @@ def test_a_killed_ray_worker_leaves_one_result_per_bundle_equal_to_the_local_run
 
 
 def test_a_killed_ray_worker_during_ingest_publishes_each_bundle_once(
-    capture: Path, ray_head: tuple[str, Path], tmp_path: Path
+    capture: Path, ray_head: RayHead, tmp_path: Path
 ) -> None:
-    address, gate = ray_head
     code, out, err = _run_with_a_killed_worker(
-        gate, "ingest", capture, "--store", tmp_path / "ray", "--run", "r", "--json",
-        "--executor", "ray", "--ray-address", address,
+        ray_head, "ingest", capture, "--store", tmp_path / "ray", "--run", "r", "--json",
+        "--executor", "ray", "--ray-address", ray_head.address,
     )  # fmt: skip
     assert code == 0, err
     assert len(json.loads(out)) == ROLLOUTS * (STEPS + 1)
@@ -232,18 +296,17 @@ def test_a_killed_ray_worker_during_ingest_publishes_each_bundle_once(
 
 
 def test_ray_on_s3_with_a_postgres_catalog_finds_exactly_the_faulty_rollouts_steps(
-    capture: Path, ray_head: tuple[str, Path], s3_env: Any
+    capture: Path, ray_head: RayHead, s3_env: Any
 ) -> None:
     from pg_server import fresh_schema
 
-    address, _ = ray_head
     url = s3_env.fresh_url("ray")
-    on_ray = ("--executor", "ray", "--ray-address", address)
+    on_ray = ("--executor", "ray", "--ray-address", ray_head.address)
     with fresh_schema() as catalog:
         where = ("--store", url, "--catalog", catalog)
-        ingest = run_cli("ingest", capture, *where, "--run", "r", *on_ray)
+        ingest = run_cli("ingest", capture, *where, "--run", "r", *on_ray, head=ray_head)
         assert ingest.returncode == 0, ingest.stderr
-        replay = run_cli("replay", *where, "--all", "--record", "--json", *on_ray)
+        replay = run_cli("replay", *where, "--all", "--record", "--json", *on_ray, head=ray_head)
         assert replay.returncode == 1, replay.stderr
         assert json.loads(replay.stdout)["total"] == ROLLOUTS * (STEPS + 1)
         out = run_cli(
@@ -253,6 +316,66 @@ def test_ray_on_s3_with_a_postgres_catalog_finds_exactly_the_faulty_rollouts_ste
         assert out.returncode == 0, out.stderr
     steps = sorted((row["rollout_id"], row["step_id"]) for row in json.loads(out.stdout))
     assert steps == [(FAULTY, s) for s in range(STEPS)]
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> command name of `pid` and every process below it (from /proc)."""
+    parents: dict[int, tuple[int, str]] = {}
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text() if d.name.isdigit() else ""
+        except OSError:
+            continue  # gone meanwhile
+        if stat:
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            parents[int(d.name)] = (int(stat[stat.rindex(")") + 2 :].split()[1]), name)
+    out = {pid: parents[pid][1]}
+    while True:
+        more = {c: n for c, (pp, n) in parents.items() if pp in out and c not in out}
+        if not more:
+            return out
+        out.update(more)
+
+
+def test_the_cluster_runs_where_only_a_loopback_interface_reaches_it(ray_head: RayHead) -> None:
+    """Ray binds every interface; its every process is in the test's namespace, whose only
+    interface is lo, so nothing it opens is reachable from the network (nor from this
+    host's own loopback: the head's port is closed here)."""
+    procs = _descendants(ray_head.pid)
+    assert {"gcs_server", "raylet"} <= set(procs.values()), procs
+    spaces = set()
+    for pid in procs:
+        try:
+            spaces.add(os.readlink(f"/proc/{pid}/ns/net"))
+        except FileNotFoundError:
+            continue  # a worker that ended meanwhile
+    assert spaces == {ray_head.netns.inode}
+    assert ray_head.netns.interfaces() == ["lo"]
+    port = int(ray_head.address.rsplit(":", 1)[1])
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+
+
+@pytest.mark.parametrize("mode", ["token", None])
+def test_a_command_without_the_clusters_token_is_refused_in_one_line(
+    stored: Path, ray_head: RayHead, tmp_path: Path, mode: str | None
+) -> None:
+    """No token (none in the environment, none under its HOME), with RAY_AUTH_MODE=token
+    or unset: exit 2 and one line saying what to set, not Ray's retry log."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    env.update(HOME=str(tmp_path), RAY_USAGE_STATS_ENABLED="0", RAY_NUM_REDIS_GET_RETRIES="3")
+    if mode is not None:
+        env["RAY_AUTH_MODE"] = mode
+    out = run_cli(
+        "replay", "--store", stored, "--all", "--executor", "ray",
+        "--ray-address", ray_head.address, head=ray_head, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        f"trajstore: error: the Ray cluster at {ray_head.address} uses token authentication "
+        "and refused this process: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or "
+        "RAY_AUTH_TOKEN_PATH) to the cluster's token (docs/deployment.md)"
+    ]
 
 
 def test_replay_all_indexes_its_results_when_a_server_catalog_mark_is_ahead(

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,12 @@ from conftest import make_contents
 from test_store import cli
 
 from trajstore.bundle.writer import write_bundle
+from trajstore.cas.s3 import S3RefSpace, parse_s3_url, s3_client
 from trajstore.store import Store
 
 RACERS = 4
+#: creators of one key released together by one barrier, and how many keys they race for
+CREATORS, ROUNDS = 6, 5
 
 
 def _ref_keys(store: Store) -> list[str]:
@@ -70,6 +74,41 @@ def test_racing_ingests_of_one_identity_publish_exactly_one_ref(
         assert len(set(digests.values())) == 2
         rows = store.bundles(all_attempts=True)
     assert [r["key"] for r in rows] == ["default/step-7-0/a1", "default/step-7-0/a2"]
+
+
+def test_creators_of_one_key_released_together_make_exactly_one_winner(s3_env: Any) -> None:
+    """The commit point itself, raced: CREATORS creators (each its own S3 client) wait on
+    one barrier, then all create the same new key at once; ROUNDS keys. The conditional
+    PUT lets exactly one win each, and the key holds the winner's bytes. (A check-then-put
+    lets several win: every creator's check runs before any creator's put lands.)"""
+    loc = parse_s3_url(s3_env.fresh_url("create-once"))
+    spaces = [S3RefSpace(s3_client(loc.bucket), loc) for _ in range(CREATORS)]
+    for space in spaces:  # each client connected before the race, not during it
+        assert not space.exists("refs/warm-up")
+    barrier = threading.Barrier(CREATORS)
+    won: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def creator(i: int) -> None:
+        for r in range(ROUNDS):
+            barrier.wait()
+            try:
+                if spaces[i].create_if_absent(f"refs/race-{r}", f"creator {i}".encode()):
+                    won[r].append(i)
+            except BaseException as e:  # noqa: BLE001 - reported by the test below
+                errors.append(e)
+            barrier.wait()  # every creator done with key r before the next round starts
+
+    won.extend([] for _ in range(ROUNDS))
+    threads = [threading.Thread(target=creator, args=(i,)) for i in range(CREATORS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert [len(w) for w in won] == [1] * ROUNDS, won
+    for r, (winner,) in enumerate(won):
+        assert spaces[0].read(f"refs/race-{r}") == f"creator {winner}".encode()
 
 
 def test_a_plain_http_endpoint_needs_aws_allow_http(s3_env: Any) -> None:

@@ -2,7 +2,11 @@
 
 Replay-all and ingest hand an executor a module-level function and picklable
 jobs; the executor yields each job's result as it finishes, in no particular
-order. The local executor is a fork pool (today's behaviour). The Ray
+order. The local executor is a process pool: forked from the calling process
+(fast) unless that process has loaded obstore, whose runtime (tokio threads,
+started by an S3 request such as listing the store) a forked copy cannot use;
+then from a fork server (a fresh interpreter that imports trajstore once and
+forks the workers). The Ray
 executor submits one Ray task per job with retries, so a job whose worker
 process dies is run again elsewhere: the job functions are written to be
 idempotent (their writes are create-if-absent under a deterministic name), so
@@ -12,10 +16,12 @@ entered, so `trajstore --help` and the local path never pay for it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -38,7 +44,7 @@ TASK_GATE_ENV = "TRAJSTORE_TASK_GATE"
 TASK_GATE_MAX_WAIT_S = 300.0
 
 
-#: the local fork pool's most processes, unless the machine has more CPUs (as `serve`)
+#: the local pool's most processes, unless the machine has more CPUs (as `serve`)
 LOCAL_MAX_WORKERS = 64
 
 
@@ -59,7 +65,7 @@ class ExecutorSpec:
             raise UsageError("--ray-address needs --executor ray")
 
     def _check_workers(self, workers: int) -> None:
-        """Below 1 is refused, and so is more than the local fork pool starts (a typo such
+        """Below 1 is refused, and so is more than the local pool starts (a typo such
         as 100000 forked 100000 processes at once); Ray forks nothing: any count."""
         if workers < 1:
             raise UsageError("--workers must be >= 1")
@@ -73,10 +79,20 @@ class ExecutorSpec:
 
 
 class LocalExecutor:
-    """A fork pool of `workers` processes; one worker runs the jobs in this process."""
+    """A pool of `workers` processes; one worker runs the jobs in this process.
 
-    def __init__(self, workers: int | None = None) -> None:
+    The workers are forked from this process, except after it loaded obstore (an
+    `s3://` store): obstore's process-wide runtime has threads a forked child does not
+    have, and the child's first request would wait on them forever. Then they come from
+    a fork server (spawn where there is none), which imports `preload` once so a worker
+    does not import trajstore again; it costs a command one interpreter start and those
+    imports (scripts/bench/bench_local_pool.py). Either way each worker takes this
+    process's environment and directory as of the pool's start.
+    """
+
+    def __init__(self, workers: int | None = None, preload: tuple[str, ...] = ()) -> None:
         self.workers = workers or 1
+        self.preload = preload
         self._pool: Any = None
 
     def __enter__(self) -> LocalExecutor:
@@ -91,11 +107,40 @@ class LocalExecutor:
     def map_unordered(self, fn: Callable[[J], R], jobs: Iterable[J]) -> Iterator[R]:
         if self.workers <= 1:
             return map(fn, jobs)
-        ctx = (
-            mp.get_context("fork") if sys.platform.startswith("linux") else mp.get_context("spawn")
+        ctx = worker_context(self.preload or (fn.__module__,))
+        self._pool = ctx.Pool(
+            self.workers, initializer=_adopt_parent, initargs=(dict(os.environ), os.getcwd())
         )
-        self._pool = ctx.Pool(self.workers)
         return self._pool.imap_unordered(fn, jobs, chunksize=1)
+
+
+def worker_context(preload: Iterable[str] = ()) -> Any:
+    """The multiprocessing context a local pool's workers start from: a fork of this
+    process where that works (Linux, obstore not loaded), else the fork server (its
+    modules `preload`ed when it starts), else spawn."""
+    methods = mp.get_all_start_methods()
+    if sys.platform.startswith("linux") and "fork" in methods and not fork_unsafe():
+        return mp.get_context("fork")
+    if "forkserver" not in methods:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Only a server started after this call imports them; one already running keeps its own.
+    ctx.set_forkserver_preload(sorted(set(preload)))
+    return ctx
+
+
+def fork_unsafe() -> bool:
+    """Whether a forked copy of this process could hang: obstore is loaded, so its runtime
+    may be running (any S3 request starts it; loading alone is taken as enough)."""
+    return "obstore" in sys.modules
+
+
+def _adopt_parent(environ: dict[str, str], cwd: str) -> None:
+    """In a worker: the environment and directory of the process that made the pool (a
+    fork server's are those of its start, maybe another test's or command's)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
 
 
 def _import_ray() -> Any:
@@ -139,11 +184,14 @@ class RayExecutor:
                 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             _ray_messages_to_stderr(ray)
             _check_reachable(address)
+            refused = (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError)
             try:
-                ray.init(**options)
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise StoreError(f"cannot start or reach Ray at {address}: {first}") from None
+                # Ray's C++ client logs each failed try to connect on fd 2: held back, so a
+                # refusal is one line (shown again when the connection succeeds)
+                with _stderr_held(address != "local") as said:
+                    ray.init(**options)
+            except refused as exc:
+                raise _ray_init_error(address, exc, "".join(said)) from None
             self._owns = True
         self._cluster_cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
         if self.workers is None:
@@ -191,6 +239,52 @@ class RayExecutor:
                 f"a Ray worker died {RAY_MAX_RETRIES + 1} times on one task; what was "
                 "recorded is kept, run the same command again to finish"
             ) from None
+
+
+#: what Ray says (as an exception or in its logs) when a cluster refuses a driver's token
+_AUTH_REFUSED = ("AuthenticationError", "InvalidAuthToken", "Unauthenticated")
+
+
+def _ray_init_error(address: str, exc: BaseException, said: str) -> StoreError:
+    """One line for a failed `ray.init`: a cluster with token authentication that refused
+    this process (no token, or another one) says what to set."""
+    if any(word in f"{type(exc).__name__} {exc} {said}" for word in _AUTH_REFUSED):
+        return StoreError(
+            f"the Ray cluster at {address} uses token authentication and refused this "
+            "process: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) "
+            "to the cluster's token (docs/deployment.md)"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return StoreError(f"cannot start or reach Ray at {address}: {first}")
+
+
+@contextlib.contextmanager
+def _stderr_held(hold: bool) -> Iterator[list[str]]:
+    """While the block runs, what is written to file descriptor 2 (by C++ code as by
+    Python) goes to a temporary file; afterwards its text is in the yielded list, and is
+    written to stderr if the block succeeded. Not for a block that starts processes
+    (they would keep the temporary file as their stderr)."""
+    said: list[str] = []
+    if not hold:
+        yield said
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    ok = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield said
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            said.append(held.read().decode(errors="replace"))
+    if ok and said[0]:
+        sys.stderr.write(said[0])
+        sys.stderr.flush()
 
 
 def _check_reachable(address: str) -> None:
@@ -243,7 +337,9 @@ def task_gate() -> None:
         time.sleep(0.05)
 
 
-def make_executor(spec: ExecutorSpec) -> LocalExecutor | RayExecutor:
+def make_executor(spec: ExecutorSpec, preload: tuple[str, ...] = ()) -> LocalExecutor | RayExecutor:
+    """The executor `spec` names; `preload`: modules a local worker needs (imported once by
+    the fork server, not by every worker)."""
     if spec.kind == "ray":
         return RayExecutor(spec.ray_address, spec.workers)
-    return LocalExecutor(spec.workers)
+    return LocalExecutor(spec.workers, preload)

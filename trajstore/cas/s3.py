@@ -115,6 +115,31 @@ def s3_client(bucket: str) -> Any:
         raise UsageError(f"cannot configure S3 access to bucket {bucket!r}: {e}") from None
 
 
+#: the process whose requests started obstore's runtime (a tokio runtime with its own
+#: threads, one per process, started by the first request, not by making a client)
+_runtime_pid: int | None = None
+
+
+def _obstore() -> Any:
+    """The obstore module, for a request of this process; a StoreError in a process forked
+    from one that had already made requests (its runtime's threads are not in the copy,
+    and the copy's first request would wait for them forever)."""
+    global _runtime_pid
+    import obstore
+
+    pid = os.getpid()
+    if _runtime_pid is None:
+        _runtime_pid = pid
+    elif _runtime_pid != pid:
+        raise StoreError(
+            f"this process (pid {pid}) was forked from one that had used an s3:// store "
+            f"(pid {_runtime_pid}), and S3 requests cannot work in such a copy: start it "
+            "with multiprocessing's 'spawn' or 'forkserver' method, or fork before the "
+            "first S3 request"
+        )
+    return obstore
+
+
 def _store_error(e: BaseException, what: str) -> StoreError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return StoreError(f"S3 {what}: {first[:300]}")
@@ -159,7 +184,7 @@ class S3RefSpace(RefSpace):
         return True
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
-        import obstore
+        obstore = _obstore()
         from obstore.exceptions import AlreadyExistsError
 
         try:
@@ -171,7 +196,7 @@ class S3RefSpace(RefSpace):
         return True
 
     def read(self, key: str) -> bytes:
-        import obstore
+        obstore = _obstore()
 
         try:
             return bytes(obstore.get(self.client, self._key(key)).bytes())
@@ -181,7 +206,7 @@ class S3RefSpace(RefSpace):
             raise _store_error(e, f"cannot read {self.where(key)}") from None
 
     def list(self, folder: str) -> list[DocInfo]:
-        import obstore
+        obstore = _obstore()
 
         prefix = self._key(folder.strip("/") + "/")
         try:
@@ -199,7 +224,7 @@ class S3RefSpace(RefSpace):
         )
 
     def walk(self, folder: str) -> list[DocInfo]:
-        import obstore
+        obstore = _obstore()
 
         prefix = self._key(folder.strip("/") + "/")
         try:
@@ -214,7 +239,7 @@ class S3RefSpace(RefSpace):
         """Names directly inside `folder` that sort after `after` (all when None), sorted:
         one listing that starts there (S3 StartAfter), so an incremental catalog sync
         pays for what is new, not for the whole folder (trajstore.catalog.sync.sync_new)."""
-        import obstore
+        obstore = _obstore()
 
         prefix = self._key(folder.strip("/") + "/")
         offset = prefix + after if after else None
@@ -231,7 +256,7 @@ class S3RefSpace(RefSpace):
         return sorted(n for n in names if n and "/" not in n and not n.startswith("."))
 
     def delete(self, key: str) -> None:
-        import obstore
+        obstore = _obstore()
 
         try:
             obstore.delete(self.client, self._key(key))
@@ -295,7 +320,7 @@ class S3ObjectStore(ObjectStore):
     # -- raw requests (errors become one-line StoreErrors) --
 
     def _put_raw(self, key: str, data: bytes | list[bytes]) -> None:
-        import obstore
+        obstore = _obstore()
 
         try:
             obstore.put(self.client, key, data)
@@ -303,7 +328,7 @@ class S3ObjectStore(ObjectStore):
             raise _store_error(e, f"cannot write s3://{self.loc.bucket}/{key}") from None
 
     def _get_raw(self, key: str) -> bytes | None:
-        import obstore
+        obstore = _obstore()
 
         try:
             return bytes(obstore.get(self.client, key).bytes())
@@ -313,7 +338,7 @@ class S3ObjectStore(ObjectStore):
             raise _store_error(e, f"cannot read s3://{self.loc.bucket}/{key}") from None
 
     def _head(self, key: str) -> dict | None:
-        import obstore
+        obstore = _obstore()
 
         try:
             return obstore.head(self.client, key)
@@ -325,7 +350,7 @@ class S3ObjectStore(ObjectStore):
     def _list(self, folder: str, after: str | None = None) -> list[dict]:
         """Listing entries under `folder`, only names sorting after `after` when given
         (S3 StartAfter: one request per 1,000 names from there on)."""
-        import obstore
+        obstore = _obstore()
 
         prefix = f"{self.loc.prefix}{folder}"
         offset = prefix + after if after else None
@@ -341,7 +366,7 @@ class S3ObjectStore(ObjectStore):
         return out
 
     def _delete_raw(self, key: str) -> None:
-        import obstore
+        obstore = _obstore()
 
         try:
             obstore.delete(self.client, key)
@@ -582,7 +607,7 @@ class S3ObjectStore(ObjectStore):
         self, pid: str, items: list[tuple[int, int, int]], hashes: list[str], out: list
     ) -> None:
         """Objects (offset, length, slot) of one pack into `out`: merged ranged GETs, verified."""
-        import obstore
+        obstore = _obstore()
 
         items.sort()
         runs: list[tuple[int, int, list[tuple[int, int, int]]]] = []

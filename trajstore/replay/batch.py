@@ -140,6 +140,8 @@ _rollout_cache: dict = {}
 _rollout_cache_owner: list[tuple[str, str]] = []
 #: targets per job: a rollout and its steps travel together (linkage reuses the rollout)
 CHUNK = 4
+#: what a replay worker imports (a local pool's fork server imports them once for all)
+WORKER_MODULES = ("trajstore.replay.batch", "trajstore.replay.from_store", "trajstore.store")
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ def replay_all(
     )
     i = 0
     try:
-        with make_executor(spec) as pool:
+        with make_executor(spec, WORKER_MODULES) as pool:
             for results in pool.map_unordered(replay_job, jobs):
                 for what, status, stage, err in results:
                     i += 1

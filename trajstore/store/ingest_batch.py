@@ -21,6 +21,8 @@ from trajstore.errors import TrajstoreError
 from trajstore.executors import ExecutorSpec, make_executor
 from trajstore.store.ingest import IngestOutcome
 
+#: what an ingest worker imports (a local pool's fork server imports them once for all)
+WORKER_MODULES = ("trajstore.store.ingest_batch", "trajstore.store")
 #: open stores of a worker process, by (process, location, catalog)
 _stores: dict[tuple[int, str, str | None], Any] = {}
 
@@ -85,7 +87,7 @@ def ingest_on_executor(
             continue
         shown.update({str(Path(t).resolve()): str(t) for t in found})
     jobs = [IngestJob(where, catalog_url, path, run) for path in shown]
-    with make_executor(spec) as pool:
+    with make_executor(spec, WORKER_MODULES) as pool:
         for done in pool.map_unordered(ingest_job, jobs):
             for outcome in done:
                 outcome.path = shown.get(outcome.path, outcome.path)
