@@ -32,7 +32,6 @@ import argparse
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import serving
 from conftest import DemoRun, user_env
 
 from trajstore.capture.config import ENV_VARS
@@ -490,12 +490,7 @@ def _serve_as_written(argv: list[str], cwd: Path, env: dict[str, str]) -> None:
             got = httpx.get(DEFAULT_SERVE + page, timeout=60)
             assert got.status_code == 200 and got.headers["content-type"].startswith("text/html")
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        serving.stop(server)
 
 
 def test_the_readme_tour_runs_as_written_on_what_make_demo_leaves(demo_run: DemoRun) -> None:
