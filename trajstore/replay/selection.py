@@ -49,19 +49,18 @@ class Selection:
 
 #: ids of each kind a "not found" error lists (then how many there are in all)
 LISTED_IDS = 8
-
-
 _PLURAL = {"sample": "samples", "group": "groups", "micro-batch": "micro-batches"}
 
 
 def _listed(ids: list[str]) -> str:
-    shown = ", ".join(ids[:LISTED_IDS])
+    """The first LISTED_IDS ids (an unprintable one as its repr: the error stays one line)."""
+    shown = ", ".join(i if i.isprintable() else repr(i) for i in ids[:LISTED_IDS])
     return shown if len(ids) <= LISTED_IDS else f"{shown}, ... ({len(ids)} in all)"
 
 
 def _what_there_is(samples: Iterable[Sample], kinds: Iterable[str]) -> str:
-    """ " (groups: g-0, g-1; ...)": the ids of each kind ("sample", "group", "micro-batch")
-    the samples hold, so an error naming an id that is not there says which ones are."""
+    """The ids of each kind ("sample", "group", "micro-batch") the samples hold, as
+    " (groups: g-0, g-1; ...)": an error naming an id that is not there says which are."""
     samples = list(samples)
     parts = []
     for kind in dict.fromkeys(kinds):
@@ -77,7 +76,7 @@ def _what_there_is(samples: Iterable[Sample], kinds: Iterable[str]) -> str:
 
 def not_found(unknown: list[tuple[str, str]], samples: Iterable[Sample], where: str) -> str:
     """The message for ids (kind, id) that no sample of `where` has, with the ones it has."""
-    named = ", ".join(f"{kind} {name}" for kind, name in unknown)
+    named = ", ".join(f"{kind} {_listed([name])}" for kind, name in unknown)
     return f"{named} not found in {where}" + _what_there_is(samples, (k for k, _ in unknown))
 
 
