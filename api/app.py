@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from trajstore import __version__
 
@@ -32,6 +33,8 @@ from .params import DeclaredQueryOnly
 from .routes import ROUTERS
 from .state import AppState
 
+#: where /docs and /redoc find Swagger UI's and ReDoc's scripts and styles (fastapi-offline's)
+DOCS_ASSETS = "/docs-assets"
 #: where `app_from_env` (each `trajstore serve --workers N` worker) finds its store and catalog
 STORE_ENV = "TRAJSTORE_SERVE_STORE"
 CATALOG_ENV = "TRAJSTORE_SERVE_CATALOG"
@@ -148,7 +151,11 @@ def create_app(
             app.state.trajstore = None
             state.close()
 
-    app = FastAPI(
+    # /docs and /redoc as FastAPI's own, with their assets served from the fastapi-offline
+    # package instead of a CDN (FastAPI's self-hosting recipe): they render offline too
+    app = FastAPIOffline(
+        static_url=DOCS_ASSETS,
+        favicon_url="/static/favicon.svg",
         title="trajstore",
         version=__version__,
         description="Store and replay what asynchronous RL training consumed (docs/rest.md).",

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 #: the public producer's bundles the demo ingests (a copy of tests/fixtures/relax-v2's, shipped)
 FIXTURES = Path(__file__).resolve().parent / "data" / "relax-v2"
@@ -42,15 +43,27 @@ def say(text: str) -> None:
     print(f"\n[{time.perf_counter() - T0:6.1f}s] {text}", flush=True)
 
 
+def fail(message: str) -> NoReturn:
+    """Exit 1 with `message` on stderr, after everything already printed to stdout."""
+    sys.stdout.flush()
+    raise SystemExit(message)
+
+
 def run(cmd: list[str], *, expect: tuple[int, ...] = (0,), show: bool = True) -> str:
+    """Run `cmd`; its stdout (when shown), then its stderr, follow the `$ cmd` line in order.
+
+    Each stream is flushed before the other is written: with both redirected to one file,
+    stdout is block-buffered and stderr is not, so the lines came out of order."""
     shown = cmd[2:] if cmd[1:3] == ["-m", "trajstore"] else ["python", *cmd[1:]]
     print("$ " + " ".join(shown), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if show:
         sys.stdout.write(proc.stdout)
+        sys.stdout.flush()
     sys.stderr.write(proc.stderr)
+    sys.stderr.flush()
     if proc.returncode not in expect:
-        raise SystemExit(f"demo: `{' '.join(cmd)}` exited {proc.returncode}, expected {expect}")
+        fail(f"demo: `{' '.join(cmd)}` exited {proc.returncode}, expected {expect}")
     return proc.stdout
 
 
@@ -60,8 +73,8 @@ def trajstore(*args: str, expect: tuple[int, ...] = (0,), show: bool = True) -> 
 
 def check(cond: bool, what: str) -> None:
     if not cond:
-        raise SystemExit(f"demo: expectation failed: {what}")
-    print(f"  ok: {what}")
+        fail(f"demo: expectation failed: {what}")
+    print(f"  ok: {what}", flush=True)
 
 
 def r3_section(store: Path, steps: int) -> None:
@@ -302,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     r3 = [row["runs"]["r3"]["route_mismatch_rate"] for row in comparison["steps"]]
     check(sum(rate or 0 for rate in baseline) > 0, "baseline route mismatch > 0")
     check(all(rate == 0 for rate in r3), "r3 route mismatch exactly 0 on every step")
-    print(f"plot written to {plot}")
 
     say("6/6 R3 through TRL's GRPOTrainer on a transformers Qwen3-MoE: baseline vs r3")
     missing = [

@@ -256,7 +256,9 @@ def producer_metrics(rec: StepRecord, cfg: HFMoEConfig) -> dict[str, Any]:
         rollout_log_probs=rec.rollout_log_probs,
         train_log_probs=rec.train_log_probs,
     )
-    return {**m.to_dict(), "hang_count": 0, "engine_error_count": 0}
+    # no hang_count / engine_error_count: generation runs in this process, with no engine
+    # that could hang or fail, so neither is measured (compare shows null, not a 0)
+    return m.to_dict()
 
 
 def recompute_config(cfg: HFMoEConfig, mode: str, step: int) -> dict[str, Any]:

@@ -271,8 +271,9 @@ def producer_metrics(rec: StepRecord, cfg: ToyConfig) -> dict[str, Any]:
         rollout_log_probs=rec.rollout_log_probs,
         train_log_probs=rec.train_log_probs,
     )
-    # The toy never hangs and has no engine to die: recorded so compare can show 0, not "unknown".
-    return {**m.to_dict(), "hang_count": 0, "engine_error_count": 0}
+    # No hang_count / engine_error_count: the toy runs no rollout engine that could hang or
+    # fail, so it measures neither; compare shows them as null (not recorded), not as a 0.
+    return m.to_dict()
 
 
 def sample_records(rec: StepRecord, cfg: ToyConfig) -> list[dict[str, Any]]:
@@ -389,7 +390,7 @@ def run_toy(
 
 def dir_sink(capture_dir: Path | str) -> StepSink:
     """Write each step as ``<capture_dir>/replay-<R>-0/`` with the producer's own
-    router.consistency metrics and stability counters in expected.json."""
+    router.consistency metrics in expected.json."""
     from trajstore.bundle.capture_dir import step_dir_name
     from trajstore.bundle.writer import write_bundle
 

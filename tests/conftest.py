@@ -18,10 +18,14 @@ every COMPLETE.<r>), so a test can reach the check behind the integrity gate.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -287,3 +291,38 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "local":
         return str(tmp_path / "store")
     return request.getfixturevalue("s3_env").fresh_url()
+
+
+def user_env() -> dict[str, str]:
+    """This environment as a user's shell has it: no TRAJSTORE_* setting, and Python's
+    streams buffered as usual (PYTHONUNBUFFERED would hide an ordering bug)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TRAJSTORE_") and k != "PYTHONUNBUFFERED"
+    }
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """`trajstore demo demo-store`, run as `make demo` runs it."""
+
+    cwd: Path  # where it ran: demo-store/ and demo-store-work/ are here
+    returncode: int
+    output: str  # its stdout and stderr as one stream, in the order written
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The demo, once per session (minutes), in a fresh directory outside the checkout;
+    what it leaves behind is the README tour's data (tests/test_docs.py)."""
+    cwd = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run(
+        [sys.executable, "-m", "trajstore", "demo", "demo-store"],
+        cwd=cwd,
+        env=user_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return DemoRun(cwd, proc.returncode, proc.stdout)

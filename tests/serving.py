@@ -40,6 +40,16 @@ def memory_kb(pid: int) -> dict[str, int]:
     return {name: int(fields[name].split()[0]) for name in ("VmRSS", "VmHWM")}
 
 
+def stop(server: subprocess.Popen) -> None:
+    """Stop a server as a user does, with Ctrl-C (SIGINT); killed if it is not gone in 30 s."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 class ServeError(RuntimeError):
     """The server exited, or did not answer in time."""
 
@@ -93,9 +103,4 @@ def served(
             if server.poll() is not None:
                 raise ServeError(died())
         finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop(server)

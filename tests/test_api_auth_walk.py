@@ -3,8 +3,8 @@
 Two walks against `trajstore serve` (a subprocess, TRAJSTORE_API_TOKEN set):
 every operation of the served OpenAPI document, and every route the app
 has (`app.routes`: the operations plus what the schema leaves out: the web
-view's pages and assets, /docs, /redoc, /openapi.json, the catch-all step
-routes). What is public is decided in one place, `api.web.is_public`: GET
+view's pages and assets, /docs, /redoc and their /docs-assets, /openapi.json,
+the catch-all step routes). What is public is decided in one place, `api.web.is_public`: GET
 and HEAD of the web view's shell pages and its four assets (package files,
 no store data; docs/rest.md#security). Everything else, any method, answers
 401 with a JSON body without the header or with a wrong one, and something
@@ -61,7 +61,12 @@ def all_routes(app: FastAPI) -> list[tuple[str, list[str]]]:
     """(path template, methods) of every route: the app's own (/docs, /redoc,
     /openapi.json) and those of the routers it includes (/v1's and the web view's;
     FastAPI keeps an included router as one opaque entry in ``app.routes``)."""
-    found = [(route.path, route.methods) for route in app.routes if hasattr(route, "path")]
+    # a Mount (/docs' assets, fastapi-offline's files) has a path and no methods: GET
+    found = [
+        (route.path, getattr(route, "methods", None))
+        for route in app.routes
+        if hasattr(route, "path")
+    ]
     found += [("/v1" + route.path, route.methods) for r in ROUTERS for route in r.routes]
     found += [(route.path, route.methods) for route in web.router.routes]
     return [(path, sorted(methods or {"GET"})) for path, methods in found]
@@ -112,7 +117,7 @@ def test_every_route_and_method_outside_the_public_pages_needs_the_token(
 ) -> None:
     routes = all_routes(create_app(store, token=TOKEN))
     paths = {path for path, _ in routes}
-    assert {"/docs", "/redoc", "/openapi.json", "/", "/static/{name}"} <= paths, paths
+    assert {"/docs", "/redoc", "/docs-assets", "/openapi.json", "/", "/static/{name}"} <= paths
     public = 0
     for template, methods in routes:
         path = concrete(template)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
+import os
 import socket
 import threading
 import time
@@ -29,12 +31,15 @@ from serving import memory_kb
 from trajstore.api.errors import ApiError
 from trajstore.api.limits import QueueLimitedLock
 
+from trajstore.cas.objects import LocalObjectStore
 from trajstore.store import Store
 
 KEY = "cap/step-120-0/rank-0/a1"
 PAYLOAD = f"/v1/bundles/{KEY}/payloads/log_probs"
 #: the deadline the tests give a client to send one whole request (the default is 30 s)
 REQUEST_TIMEOUT_S = 2
+#: a ceiling for a loaded 2-core box to answer, not a measured time
+WAIT_S = 90
 #: traversal forms tried in every path parameter (already percent-encoded for the path)
 TRAVERSALS = (
     "..",
@@ -492,26 +497,90 @@ def test_the_replay_lock_refuses_one_waiter_too_many() -> None:
         pass
 
 
-def test_a_flood_of_replays_is_answered_200_or_busy_and_lookups_go_on(store: Path) -> None:
-    with served(store, TRAJSTORE_API_MAX_QUEUED_REPLAYS="2") as (_, port):
+def _all_loose_store(root: Path) -> Path:
+    """The capture stored with every object a loose file under objects/ (as objects of
+    1 MiB and more always are), so that one object can be swapped for a FIFO."""
+    Store.open(root, durable=False).close()
+    objects = LocalObjectStore(root, pack_threshold=0, durable=False)
+    with Store(root, durable=False, objs=objects) as st:
+        assert all(o.status == "published" for o in st.ingest([CAPTURE_DIR], run="cap"))
+    assert not any((root / "packs").glob("*.pack"))
+    return root
+
+
+def _write_end_once_read(fifo: Path, reader: threading.Thread) -> int:
+    """The FIFO's write end, once some process has opened it for reading (ENXIO until then)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:
+                raise
+        assert reader.is_alive(), "the replay was answered without reading the FIFO"
+        assert time.monotonic() < deadline, "the server never opened the FIFO"
+        time.sleep(0.01)
+
+
+def test_a_flood_beyond_the_replay_queue_is_refused_busy_and_the_server_goes_on(
+    tmp_path: Path,
+) -> None:
+    """One replay is held inside the replay lock (the expected.json object it reads is a
+    FIFO nobody writes yet); then QUEUED more replays wait and every one past them is a
+    JSON 503 `busy` at once, while lookups are answered. Released, the held and queued
+    replays finish and the server answers normally."""
+    queued, flood = 2, 12
+    store = _all_loose_store(tmp_path / "store")
+    with Store.open(store, create=False) as st:
+        expected_hash = st.step("cap", 120, 0)[0].ref["documents"]["expected"]
+    obj = store / "objects" / expected_hash[:2] / expected_hash
+    data = obj.read_bytes()
+    answers: dict[str, tuple[int, str, str]] = {}
+
+    with served(store, TRAJSTORE_API_MAX_QUEUED_REPLAYS=str(queued)) as (_, port):
         base = f"http://127.0.0.1:{port}"
-        answers: list[tuple[int, str]] = []
 
-        def replay(i: int) -> None:
-            with httpx.Client(base_url=base, timeout=120) as c:
+        def replay(name: str) -> None:
+            with httpx.Client(base_url=base, timeout=WAIT_S * 3) as c:
                 got = c.post("/v1/replay", json={"run": "cap", "step": "120:0"})
-                code = got.json().get("error", "") if got.status_code != 200 else ""
-                answers.append((got.status_code, code))
+                error = got.json().get("error", "") if got.status_code != 200 else ""
+                answers[name] = (got.status_code, got.headers["content-type"], error)
 
-        flood = [threading.Thread(target=replay, args=(i,)) for i in range(24)]
-        for thread in flood:
-            thread.start()
-        with httpx.Client(base_url=base, timeout=120) as client:
-            for _ in range(10):
-                got = client.get("/v1/runs/cap/steps/120:0")
-                assert got.status_code == 200 and got.json()["step_id"] == 0
-        for thread in flood:
-            thread.join(120)
-    assert len(answers) == 24
-    assert set(answers) <= {(200, ""), (503, "busy")}, answers
-    assert (200, "") in answers
+        obj.unlink()
+        os.mkfifo(obj)
+        holder = threading.Thread(target=replay, args=("holder",))
+        holder.start()
+        fd = _write_end_once_read(obj, holder)  # the holder is inside the lock, reading
+        threads = [threading.Thread(target=replay, args=(f"f{i}",)) for i in range(flood)]
+        try:
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + WAIT_S
+            while len(answers) < flood - queued and time.monotonic() < deadline:
+                time.sleep(0.05)
+            while_held = dict(answers)
+            with httpx.Client(base_url=base, timeout=WAIT_S) as client:
+                runs = client.get("/v1/runs")
+                assert runs.status_code == 200 and "cap" in runs.text
+        finally:  # the real bytes: from the FIFO for the held reader, in place for the rest
+            tmp = obj.with_suffix(".restore")
+            tmp.write_bytes(data)
+            os.replace(tmp, obj)
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "wb") as pipe:
+                pipe.write(data)
+            for thread in (holder, *threads):
+                thread.join(WAIT_S * 3)
+        busy = (503, "application/json", "busy")
+        assert sorted(while_held.values()) == [busy] * (flood - queued), (
+            f"while one replay held the lock, {flood} more got {sorted(while_held.values())}; "
+            f"expected {flood - queued} JSON 503 busy (the queue holds {queued})"
+        )
+        assert answers["holder"] == (200, "application/json", "")
+        done = sorted(v for k, v in answers.items() if k not in while_held and k != "holder")
+        assert done == [(200, "application/json", "")] * queued
+        with httpx.Client(base_url=base, timeout=WAIT_S) as client:
+            again = client.post("/v1/replay", json={"run": "cap", "step": "120:0"})
+            assert again.status_code == 200 and again.json()["exit_code"] == 0
+            step = client.get("/v1/runs/cap/steps/120:0")
+            assert step.status_code == 200 and step.json()["step_id"] == 0

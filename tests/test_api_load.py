@@ -3,13 +3,15 @@
 `trajstore serve` (a subprocess) answers 6 client threads doing 7 step
 lookups to 3 payload downloads (npy, raw, a suffix Range) while `trajstore
 ingest` publishes 12 bundles into the same store in another process. Every
-answer must be a 2xx with the right body; afterwards the ingest exited 0 and
-everything it published is served. The 60 s wrk run with 64 connections and
+answer must be a 2xx with the right body (built from the fixture's own `.pt`
+files, not asked of the server); afterwards the ingest exited 0 and everything
+it published is served. The 60 s wrk run with 64 connections and
 its p99 are the benchmark's (docs/benchmarks.md), not this test's.
 """
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import threading
@@ -17,8 +19,10 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
-from conftest import make_contents
+import torch
+from conftest import CAPTURE_DIR, make_contents
 from test_api_hostile import KEY, served, store  # noqa: F401  (the module's store fixture)
 
 from trajstore.bundle.writer import write_bundle
@@ -38,6 +42,26 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def fixture_bodies(detail: dict) -> dict[tuple[str, str], bytes]:
+    """(payload URL, format) -> the body it must be, built from the fixture's own `.pt`
+    files (torch.load), never from the server: `raw` is the tensor's little-endian C-order
+    bytes, `npy` what `np.save` writes for it (docs/rest.md)."""
+    bodies = {}
+    assert sorted(b["rank"] for b in detail["bundles"]) == [0, 1]
+    for bundle in detail["bundles"]:
+        folder = CAPTURE_DIR / "replay-120-0" / f"rank-{bundle['rank']}" / "payloads"
+        assert {p["name"] for p in bundle["payloads"]} == {f.stem for f in folder.glob("*.pt")}
+        for payload in bundle["payloads"]:
+            tensor = torch.load(folder / f"{payload['name']}.pt", weights_only=True)
+            values = tensor.contiguous().numpy()
+            values = values.astype(values.dtype.newbyteorder("<"))
+            npy = io.BytesIO()
+            np.save(npy, values)
+            bodies[(payload["url"], "raw")] = values.tobytes()
+            bodies[(payload["url"], "npy")] = npy.getvalue()
+    return bodies
+
+
 def test_lookups_and_downloads_stay_correct_while_an_ingest_runs(
     store: Path,  # noqa: F811
     capture: Path,
@@ -46,12 +70,8 @@ def test_lookups_and_downloads_stay_correct_while_an_ingest_runs(
         base = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base, timeout=60) as client:
             detail = client.get("/v1/runs/cap/steps/120:0").json()
-            urls = [p["url"] for b in detail["bundles"] for p in b["payloads"]]
-            expected = {
-                (url, fmt): client.get(url, params={"format": fmt}).content
-                for url in urls
-                for fmt in ("npy", "raw")
-            }
+        expected = fixture_bodies(detail)
+        urls = sorted({url for url, _ in expected})
         failures: list[str] = []
         counts = [0] * THREADS
         stop = threading.Event()

@@ -7,8 +7,11 @@ trajstore's own error with a one-line message, or a refused pack index.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import struct
 import zipfile
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 
@@ -16,9 +19,11 @@ import pytest
 from blake3 import blake3
 
 from trajstore.bundle.ptfile import read_pt_bytes
+from trajstore.bundle.reader import parse_expected
 from trajstore.cas.objects import LocalObjectStore
 from trajstore.errors import BundleError, NotFoundError
 from trajstore.jsonio import parse_json
+from trajstore.replay.context import StageOutcome
 from trajstore.schema import CohortComplete
 
 CRASHES = Path(__file__).resolve().parent / "fuzz" / "crashes"
@@ -160,3 +165,110 @@ def test_cohort_complete_with_a_non_numeric_shard_key_is_a_bundle_error() -> Non
     doc = {"ranks": [0, 1], "shards": {"&": {}}}
     with pytest.raises(BundleError, match="is not a rank number"):
         CohortComplete.from_dict(doc)
+
+
+# -- what replay reads from expected.json (tests/fuzz/fuzz_expected.py) ---------------------
+#
+# Each input is the harness's seed (tests/fuzz/corpus/expected/) with one value changed, the
+# way the harness writes it: into the template bundle, re-signed, opened by the bundle
+# reader and replayed through every stage. Each raised from the stage that read it; now the
+# reader refuses it in one line, or the stage fails saying what was wrong.
+
+EXPECTED_SEEDS = Path(__file__).resolve().parent / "fuzz" / "corpus" / "expected"
+
+
+def _fuzz_expected():  # noqa: ANN202 - the harness module
+    spec = importlib.util.spec_from_file_location(
+        "fuzz_expected", Path(__file__).resolve().parent / "fuzz" / "fuzz_expected.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _replayed(template: str, edit: Callable[[dict], object]) -> dict[str, StageOutcome]:
+    """The harness's template `template` ("family" or "routed") replayed with its seed
+    expected.json edited by `edit`: each stage's outcome by name."""
+    seed = (EXPECTED_SEEDS / template).read_bytes()
+    expected = json.loads(seed[1:])
+    edit(expected)
+    report = _fuzz_expected().replay_with_expected(seed[0], json.dumps(expected).encode())
+    return {s.stage: s for s in report.bundles[0].stages}
+
+
+def _micro_batch(expected: dict) -> dict:
+    return expected["loss.policy"]["micro_batches"]["mb-0000"]
+
+
+def test_a_micro_batch_record_that_is_no_object_fails_loss_policy() -> None:
+    """Directed check of fuzz_expected: micro_batches {"mb-0000": 5} raised AttributeError
+    ('int' object has no attribute 'get') in replay/losses.py."""
+    stages = _replayed("family", lambda e: e["loss.policy"]["micro_batches"].update({"mb-0000": 5}))
+    loss = stages["loss.policy"]
+    assert loss.status == "fail"
+    assert loss.reason == "expected.json loss.policy.micro_batches['mb-0000'] must be an object"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "what"),
+    [
+        ("token_normalizer", "x", "a number above 0"),
+        ("token_normalizer", 0, "a number above 0"),
+        ("aux_loss", "x", "a finite number"),
+    ],
+)
+def test_a_micro_batch_number_that_is_no_number_fails_loss_policy(
+    field: str, value: object, what: str
+) -> None:
+    """Directed check of fuzz_expected: token_normalizer "x" raised ValueError (could not
+    convert string to float), 0 divided by zero into an inf loss, aux_loss "x" raised too."""
+    stages = _replayed("family", lambda e: _micro_batch(e).update({field: value}))
+    loss = stages["loss.policy"]
+    assert loss.status == "fail"
+    assert loss.reason == (
+        f"expected.json loss.policy.micro_batches['mb-0000'].{field} is {value!r}, not {what}"
+    )
+
+
+def test_a_string_among_the_rewards_per_function_fails_reward_raw() -> None:
+    """Directed check of fuzz_expected: a string in rewards_per_func raised ValueError from
+    np.array in replay/losses.py."""
+    stages = _replayed(
+        "family", lambda e: e["reward.raw"]["rewards_per_func"][0].__setitem__(0, "x")
+    )
+    raw = stages["reward.raw"]
+    assert raw.status == "fail"
+    assert raw.reason == "expected.json reward.raw.rewards_per_func holds 'x', not a number or null"
+
+
+def test_an_integer_beyond_a_float64_in_expected_json_is_refused_by_the_reader() -> None:
+    """Directed check of fuzz_expected: 10**400 anywhere in expected.json raised OverflowError
+    (int too large to convert to float) in whichever stage read it."""
+    seed = (EXPECTED_SEEDS / "family").read_bytes()
+    expected = json.loads(seed[1:])
+    expected["loss.policy"]["loss"] = 10**400
+    with pytest.raises(BundleError) as refused:
+        _fuzz_expected().replay_with_expected(seed[0], json.dumps(expected).encode())
+    assert str(refused.value) == "expected.json: an integer of 401 digits is beyond a float64"
+    assert parse_expected(b'{"a": [1e308, ' + b"9" * 308 + b"]}")  # within a float64: read
+
+
+@pytest.mark.parametrize("codes", [[1, {}], 5, {"missing_route": 1}])
+def test_recorded_metric_error_that_is_no_list_of_codes_disagrees(codes: object) -> None:
+    """Directed check of fuzz_expected: metric_error [1, {}] raised TypeError (sorting a dict
+    with an int) in router/stage.py, 5 raised TypeError (not iterable)."""
+    stages = _replayed("routed", lambda e: e["router.consistency"].update({"metric_error": codes}))
+    router = stages["router.consistency"]
+    assert router.status == "fail"
+    assert [d.field for d in router.divergences] == ["metric_error"]
+
+
+def test_recorded_metric_error_that_is_a_number_disagrees_as_the_fuzzer_found_it() -> None:
+    """Fuzzer (fuzz_expected, input kept as found, 6,739 inputs into its first run):
+    router.consistency's "metric_error": 2 raised TypeError ('int' object is not iterable)."""
+    data = (CRASHES / "expected" / "metric-error-int.bin").read_bytes()
+    assert b'"metric_error": 2' in data
+    report = _fuzz_expected().replay_with_expected(data[0], data[1:])
+    (router,) = [s for s in report.bundles[0].stages if s.stage == "router.consistency"]
+    assert router.status == "fail"
+    assert "metric_error" in [d.field for d in router.divergences]

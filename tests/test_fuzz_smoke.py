@@ -17,8 +17,9 @@ import pytest
 
 FUZZ = Path(__file__).resolve().parent / "fuzz"
 
-#: harness -> inputs; sized so the three together stay well under the 40 s test budget
-RUNS = {"ptfile": 20000, "documents": 4000, "pack_index": 8000}
+#: harness -> inputs; sized so the four together stay well under the 40 s test budget
+#: (`expected` replays a bundle per input: tens of milliseconds each, not microseconds)
+RUNS = {"ptfile": 20000, "documents": 4000, "pack_index": 8000, "expected": 300}
 
 
 @pytest.mark.parametrize("harness", sorted(RUNS))

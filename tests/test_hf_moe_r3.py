@@ -315,6 +315,13 @@ def test_router_compare_shows_baseline_route_mismatch_above_zero(compared):
     assert sum(r["route_mismatch_rate"] for r in rows) > 0.0
 
 
+def test_router_compare_prints_no_stability_counter_nobody_measured(compared):
+    """Generation runs in-process: no engine could hang or fail, so none is counted (null)."""
+    for run in ("hf-baseline", "hf-r3"):
+        stability = compared["stability"][run]
+        assert (stability["hang_count"], stability["engine_error_count"]) == (None, None)
+
+
 def test_router_compare_shows_r3_route_mismatch_exactly_zero(compared):
     rows = [step["runs"]["hf-r3"] for step in compared["steps"]]
     assert len(rows) == STEPS

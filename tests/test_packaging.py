@@ -9,11 +9,10 @@ honest and check that the installed names are the ones everything imports.
 from __future__ import annotations
 
 import filecmp
-import subprocess
-import sys
 from pathlib import Path
 
 import tomllib
+from conftest import DemoRun
 
 from trajstore.catalog.db import migrations_dir
 
@@ -69,15 +68,8 @@ def test_the_demo_data_is_the_public_producers_fixtures() -> None:
         assert (mismatch, errors) == ([], [])
 
 
-def test_trajstore_demo_runs_outside_the_checkout(tmp_path: Path) -> None:
+def test_trajstore_demo_runs_outside_the_checkout(demo_run: DemoRun) -> None:
     """`trajstore demo DIR` from a directory that is not the checkout: every expectation holds."""
-    store = tmp_path / "store"
-    proc = subprocess.run(
-        [sys.executable, "-m", "trajstore", "demo", str(store)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "done: all expectations met" in proc.stdout
-    assert any(store.iterdir())
+    assert demo_run.returncode == 0, demo_run.output[-4000:]
+    assert "done: all expectations met" in demo_run.output
+    assert any((demo_run.cwd / "demo-store").iterdir())

@@ -142,3 +142,41 @@ def test_replay_all_record_replays_a_step_only_partly_recorded(tmp_path: Path) -
     assert (summary["total"], summary["skipped_already_recorded"]) == (1, 0)
     with Store.open(st) as store, store.catalog() as cat:
         assert [r["status"] for r in queries.query_steps(cat)["items"]] == ["diverged"]
+
+
+def _table(text: str) -> list[dict[str, str]]:
+    """The rows of a printed table, each cell cut at its header's column."""
+    head, *lines = text.splitlines()
+    names = head.split()
+    starts = [
+        head.index(f"{name} " if i < len(names) - 1 else name) for i, name in enumerate(names)
+    ]
+    ends = [*starts[1:], None]
+    return [
+        {name: line[a:b].strip() for name, a, b in zip(names, starts, ends, strict=True)}
+        for line in lines
+    ]
+
+
+def test_the_steps_table_leaves_nothing_blank_not_null_or_empty_brackets(store_dir: Path) -> None:
+    """A person reads the table: a step never replayed has no status, a single-producer
+    step no ranks and no divergent rank; those cells are blank (JSON keeps null and [])."""
+    res = cli("query", "steps", "--store", store_dir)
+    assert res.returncode == 0, res.stderr
+    assert "null" not in res.stdout.split() and "[]" not in res.stdout.split(), res.stdout
+    rows = {(r["rollout_id"], r["step_id"]): r for r in _table(res.stdout)}
+    assert set(rows) == {("7", str(s)) for s in STEPS}
+    unreplayed = rows[("7", "0")]
+    assert [unreplayed[c] for c in ("ranks", "status", "first_divergent_stage")] == ["", "", ""]
+    replayed = rows[("7", str(REPLAYED))]
+    assert replayed["status"] == "diverged" and replayed["first_divergent_stage"]
+    assert (replayed["ranks"], replayed["first_divergent_rank"]) == ("", "")
+    as_json = cli("query", "steps", "--store", store_dir, "--format", "json")
+    first = json.loads(as_json.stdout)[0]
+    assert (first["ranks"], first["status"]) == ([], None)
+
+
+def test_the_sql_table_leaves_a_null_blank(store_dir: Path) -> None:
+    res = cli("sql", "--store", store_dir, "SELECT 1 AS a, NULL AS b, 2 AS c")
+    assert res.returncode == 0, res.stderr
+    assert _table(res.stdout) == [{"a": "1", "b": "", "c": "2"}]

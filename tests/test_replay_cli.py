@@ -296,11 +296,35 @@ def test_unknown_sample_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert_one_line_error(err, "sample s-404 not found")
 
 
-def test_unknown_group_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path, _ = write_consistent(tmp_path / "b")
+def test_unknown_group_exits_2_naming_the_groups_there_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = write_consistent(tmp_path / "b", groups=3)
     code, _, err = run(capsys, path, "--group", "g-77")
     assert code == 2
-    assert_one_line_error(err, "group g-77 not found")
+    assert_one_line_error(err, "group g-77 not found in bundle ", " (groups: g-0, g-1, g-2)")
+
+
+def test_unknown_group_of_many_lists_the_first_and_the_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = write_consistent(tmp_path / "b", groups=12, n=2, micro_batch_size=2)
+    code, _, err = run(capsys, path, "--group", "g-12", "--batch", "mb-0099")
+    assert code == 2
+    assert_one_line_error(
+        err,
+        "group g-12, micro-batch mb-0099 not found in bundle ",
+        " (groups: g-0, g-1, g-2, g-3, g-4, g-5, g-6, g-7, ... (12 in all); micro-batches: "
+        "mb-0000, mb-0001, mb-0002, mb-0003, mb-0004, mb-0005, mb-0006, mb-0007, ... (12 in all))",
+    )
+
+
+def test_unknown_group_of_a_cohort_names_the_groups_of_every_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, CAPTURE, "--step", "120:0", "--group", "g-9")
+    assert code == 2
+    assert_one_line_error(err, "group g-9 not found in ", " (groups: g-0, g-1)")
 
 
 def test_malformed_group_id_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import web_demo
 from selenium import webdriver
@@ -33,6 +34,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 TOKEN = "web-browser-s3cret"
 WAIT_S = 90  # a ceiling for a loaded 2-core box, not a measured time
+#: the only host the browser can reach (tests/web_demo.py serves there)
+LOOPBACK = "127.0.0.1"
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +67,8 @@ def browser() -> Iterator[WebDriver]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(arg)
     options.add_argument("--window-size=1400,1000")
+    # as on a machine without internet: any host but the server's is unresolvable
+    options.add_argument(f"--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE {LOOPBACK}")
     options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     try:
@@ -357,3 +362,34 @@ def test_the_token_is_asked_once_and_sent_only_as_a_header(browser: WebDriver, s
     with_token = [r for r in data if r["headers"].get("Authorization") == f"Bearer {TOKEN}"]
     assert len(data) - len(with_token) == 1  # only the first request, answered 401, lacked it
     assert any(r["url"].startswith(f"{url}/v1/runs/synthetic/steps") for r in with_token)
+
+
+def test_the_api_docs_draw_every_operation_without_the_network(
+    browser: WebDriver, base: str, shots: Path
+) -> None:
+    """/docs is Swagger UI with its script and styles served by the app (fastapi-offline's
+    copies), not a CDN: with no host but the server's reachable it draws each operation of
+    /openapi.json, and every request the page sent went to the server."""
+    spec = httpx.get(f"{base}/openapi.json", timeout=60).json()
+    operations = sorted(
+        (method.upper(), path)
+        for path, item in spec["paths"].items()
+        for method in item
+        if method in ("get", "post", "put", "patch", "delete")
+    )
+    assert len(operations) >= 15
+    _requests(browser)  # drop what earlier tests sent
+    browser.get(f"{base}/docs")
+    wait_for(browser, lambda d: len(elements(d, ".opblock")) >= len(operations))
+    drawn = sorted(
+        (
+            block.find_element(By.CSS_SELECTOR, ".opblock-summary-method").text,
+            block.find_element(By.CSS_SELECTOR, ".opblock-summary-path").get_attribute("data-path"),
+        )
+        for block in elements(browser, ".opblock")
+    )
+    assert drawn == operations
+    sent = [r["url"] for r in _requests(browser) if not r["url"].startswith("data:")]
+    assert f"{base}/openapi.json" in sent
+    assert all(url.startswith(f"{base}/") for url in sent), sent
+    shoot(browser, shots, "api-docs")

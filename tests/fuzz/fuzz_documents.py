@@ -2,7 +2,8 @@
 
 The first input byte picks a target: one of the schema models' ``from_dict``
 (manifest.json, index.json, COMPLETE, COMPLETE.<r>, cohort COMPLETE) after
-``parse_json``, expected.json as the reader takes it, or a whole bundle
+``parse_json``, expected.json through the bundle reader's own ``parse_expected``
+(what replay then reads from it is fuzzed by ``fuzz_expected.py``), or a whole bundle
 directory opened with ``open_bundle``. In that last mode the rest of the input
 is split on ``\\x00\\x00`` into manifest, index, expected, COMPLETE and a rank
 shard (written as ``COMPLETE.<r>`` for each rank COMPLETE lists), and the
@@ -24,19 +25,14 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports(include=["trajstore"]):
-    from trajstore.bundle.reader import METADATA_FILES, open_bundle
-    from trajstore.errors import BundleError, TrajstoreError
+    from trajstore.bundle.reader import METADATA_FILES, open_bundle, parse_expected
+    from trajstore.errors import TrajstoreError
     from trajstore.jsonio import parse_json, sha256_bytes
     from trajstore.schema import CohortComplete, Complete, Index, Manifest, RankShard
 
 _MODELS = (Manifest, Index, Complete, RankShard, CohortComplete)
 _ROOT = Path(tempfile.mkdtemp(prefix="fuzz-docs-"))
 atexit.register(shutil.rmtree, _ROOT, True)
-
-
-def _expected(doc: object) -> None:
-    if not isinstance(doc, dict):
-        raise BundleError("expected.json: expected a JSON object keyed by stage")
 
 
 def _json_object(raw: bytes) -> dict | None:
@@ -79,7 +75,7 @@ def target(kind: int, body: bytes) -> None:
     if kind < len(_MODELS):
         _MODELS[kind].from_dict(parse_json(body, "fuzz"))
     elif kind == len(_MODELS):
-        _expected(parse_json(body, "expected.json"))
+        parse_expected(body)
     else:
         _open_dir(body)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,40 @@ class Bundle:
             self.load_payload(name)
 
 
+_FLOAT_MAX = int(sys.float_info.max)
+#: a run of digits this long may be an integer beyond float64 (~1.8e308)
+_FLOAT_DIGITS = re.compile(rb"[0-9]{309}")
+
+
+def _beyond_float(value: Any) -> int | None:
+    """The digit count of the first integer in `value` that no float64 holds, else None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is int and abs(item) > _FLOAT_MAX:
+            return len(str(abs(item)))
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+def parse_expected(raw: bytes) -> dict[str, Any]:
+    """expected.json as every reader takes it: a JSON object keyed by stage whose numbers
+    are float64s (every stage compares them as one: an integer past ~1.8e308 raised an
+    OverflowError in the stage that read it). What each stage reads from it is checked by
+    the stage (`trajstore.replay`)."""
+    expected = parse_json(raw, "expected.json")
+    if not isinstance(expected, dict):
+        raise BundleError("expected.json: expected a JSON object keyed by stage")
+    if _FLOAT_DIGITS.search(raw):
+        digits = _beyond_float(expected)
+        if digits is not None:
+            raise BundleError(f"expected.json: an integer of {digits} digits is beyond a float64")
+    return expected
+
+
 def _read_docs(path: Path) -> tuple[dict[str, bytes], Manifest, Index, dict[str, Any]]:
     raw = {name: read_bytes(path / name, name, document_limit(name)) for name in METADATA_FILES}
     manifest = Manifest.from_dict(parse_json(raw["manifest.json"], "manifest.json"))
@@ -231,9 +266,7 @@ def _read_docs(path: Path) -> tuple[dict[str, bytes], Manifest, Index, dict[str,
     parsed_index = parse_json(raw["index.json"], "index.json")
     check_sample_count(parsed_index)
     index = Index.from_dict(parsed_index)
-    expected = parse_json(raw["expected.json"], "expected.json")
-    if not isinstance(expected, dict):
-        raise BundleError("expected.json: expected a JSON object keyed by stage")
+    expected = parse_expected(raw["expected.json"])
     if manifest.bundle_id != index.bundle_id:
         raise BundleError(
             f"bundle_id differs: manifest.json {manifest.bundle_id!r}, index.json "

@@ -385,6 +385,11 @@ def stage_reward_raw(ctx: ReplayContext) -> StageOutcome:
         raise StageInputError(
             f"reward.raw.rewards_per_func rows must have {len(weights)} values (reward_weights)"
         )
+    bad = next((v for row in rows for v in row if v is not None and not is_number(v)), None)
+    if bad is not None:  # a string here raised ValueError from np.array (tests/fuzz)
+        raise StageInputError(
+            f"expected.json reward.raw.rewards_per_func holds {bad!r:.40}, not a number or null"
+        )
     table = np.array(
         [[math.nan if value is None else value for value in row] for row in rows],
         dtype=np.float32,
@@ -525,10 +530,24 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
 
 
 def _recorded_micro_batches(ctx: ReplayContext) -> Mapping[str, Mapping[str, Any]]:
+    """expected.json loss.policy.micro_batches, each entry an object whose token_normalizer
+    and aux_loss, when given, are numbers (a normalizer above 0): an entry that was not an
+    object, or a string there, raised from deep in the loss (tests/fuzz/fuzz_expected.py)."""
     record = ctx.source.expected.get(Stage.LOSS_POLICY, {})
     batches = record.get("micro_batches", {}) if isinstance(record, dict) else {}
     if not isinstance(batches, dict):
         raise StageInputError("expected.json loss.policy.micro_batches must be an object")
+    for mb_id, fields in batches.items():
+        where = f"expected.json loss.policy.micro_batches[{mb_id!r:.40}]"
+        if not isinstance(fields, dict):
+            raise StageInputError(f"{where} must be an object")
+        for name in ("token_normalizer", "aux_loss"):
+            value = fields.get(name)
+            if value is not None and not (
+                is_number(value) and math.isfinite(value) and (name == "aux_loss" or value > 0)
+            ):
+                what = "a number above 0" if name == "token_normalizer" else "a finite number"
+                raise StageInputError(f"{where}.{name} is {value!r:.40}, not {what}")
     return batches
 
 

@@ -17,7 +17,7 @@ from trajstore.replay import builtin
 from trajstore.replay.compare import Comparison
 from trajstore.replay.context import ReplayContext, StageInputError, StageMemo, StageOutcome
 from trajstore.replay.registry import StageDef, registered_stages, resolve_stage, stage_names
-from trajstore.replay.selection import Selection, SelectionRequest, select
+from trajstore.replay.selection import Selection, SelectionRequest, not_found, select
 from trajstore.replay.source import BundleSource
 from trajstore.vocab import STAGE_ORDER, Capability, StageStatus, Verdict
 
@@ -331,8 +331,13 @@ def replay_sources(
                 memo=memo,
             )
         )
-    if not found_any:
-        raise SelectionError(f"selection {selection.describe()} matches no sample in {label}")
+    if not found_any:  # no rank holds any id asked for
+        asked = [("sample", x) for x in selection.samples]
+        asked += [("group", x) for x in selection.groups]
+        asked += [("micro-batch", x) for x in selection.batches]
+        raise SelectionError(
+            not_found(asked, (s for src in sources for s in src.index.samples), label)
+        )
     if len(sources) > 1:
         _check_cohort_selection(sources, selection, label)
     return ReplayReport(label, reports, request, selection)
@@ -341,16 +346,12 @@ def replay_sources(
 def _check_cohort_selection(
     sources: list[BundleSource], request: SelectionRequest, label: str
 ) -> None:
-    ids = {s.sample_id for src in sources for s in src.index.samples}
-    groups = {
-        f"g-{s.group_index}"
-        for src in sources
-        for s in src.index.samples
-        if s.group_index is not None
-    }
-    batches = {s.micro_batch_id for src in sources for s in src.index.samples}
-    missing = [f"sample {x}" for x in request.samples if x not in ids]
-    missing += [f"group {x}" for x in request.groups if x not in groups]
-    missing += [f"micro-batch {x}" for x in request.batches if x not in batches]
+    samples = [s for src in sources for s in src.index.samples]
+    ids = {s.sample_id for s in samples}
+    groups = {f"g-{s.group_index}" for s in samples if s.group_index is not None}
+    batches = {s.micro_batch_id for s in samples}
+    missing = [("sample", x) for x in request.samples if x not in ids]
+    missing += [("group", x) for x in request.groups if x not in groups]
+    missing += [("micro-batch", x) for x in request.batches if x not in batches]
     if missing:
-        raise SelectionError(f"{', '.join(missing)} not found in {label}")
+        raise SelectionError(not_found(missing, samples, label))

@@ -9,12 +9,13 @@ never inferred from a batch size or a position.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from trajstore.errors import SelectionError
-from trajstore.schema import Index
+from trajstore.schema import Index, Sample
 
 _GROUP = re.compile(r"^g-(\d+)\Z", re.ASCII)  # not "g-1\n" nor fullwidth digits
 
@@ -46,6 +47,39 @@ class Selection:
     closure_added: list[str] = field(default_factory=list)
 
 
+#: ids of each kind a "not found" error lists (then how many there are in all)
+LISTED_IDS = 8
+_PLURAL = {"sample": "samples", "group": "groups", "micro-batch": "micro-batches"}
+
+
+def _listed(ids: list[str]) -> str:
+    """The first LISTED_IDS ids (an unprintable one as its repr: the error stays one line)."""
+    shown = ", ".join(i if i.isprintable() else repr(i) for i in ids[:LISTED_IDS])
+    return shown if len(ids) <= LISTED_IDS else f"{shown}, ... ({len(ids)} in all)"
+
+
+def _what_there_is(samples: Iterable[Sample], kinds: Iterable[str]) -> str:
+    """The ids of each kind ("sample", "group", "micro-batch") the samples hold, as
+    " (groups: g-0, g-1; ...)": an error naming an id that is not there says which are."""
+    samples = list(samples)
+    parts = []
+    for kind in dict.fromkeys(kinds):
+        if kind == "sample":
+            ids = list(dict.fromkeys(s.sample_id for s in samples))
+        elif kind == "group":
+            ids = [f"g-{g}" for g in sorted({s.group_index for s in samples} - {None})]
+        else:
+            ids = sorted({s.micro_batch_id for s in samples} - {None})
+        parts.append(f"{_PLURAL[kind]}: {_listed(ids) if ids else 'none'}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def not_found(unknown: list[tuple[str, str]], samples: Iterable[Sample], where: str) -> str:
+    """The message for ids (kind, id) that no sample of `where` has, with the ones it has."""
+    named = ", ".join(f"{kind} {_listed([name])}" for kind, name in unknown)
+    return f"{named} not found in {where}" + _what_there_is(samples, (k for k, _ in unknown))
+
+
 def parse_group(text: str) -> int:
     match = _GROUP.match(text)
     if not match:
@@ -64,19 +98,19 @@ def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> S
     samples = index.samples
     by_id = {s.sample_id: i for i, s in enumerate(samples)}
     chosen: set[int] = set()
-    unknown: list[str] = []
+    unknown: list[tuple[str, str]] = []
     for sid in request.samples:
         if sid in by_id:
             chosen.add(by_id[sid])
         else:
-            unknown.append(f"sample {sid}")
+            unknown.append(("sample", sid))
     for g in request.groups:
         gi = parse_group(g)
         members = [i for i, s in enumerate(samples) if s.group_index == gi]
         if members:
             chosen.update(members)
         else:
-            unknown.append(f"group {g}")
+            unknown.append(("group", g))
     for mb in request.batches:
         if not re.fullmatch(r"mb-\d+", mb, re.ASCII):  # re.match+"$" passed "mb-0\n"
             raise SelectionError(f"micro-batch id {mb!r} is not of the form mb-NNNN")
@@ -89,10 +123,10 @@ def select(index: Index, request: SelectionRequest, *, strict: bool = True) -> S
             )
         members = [i for i, s in enumerate(samples) if s.micro_batch_id == mb]
         if not members:
-            unknown.append(f"micro-batch {mb}")
+            unknown.append(("micro-batch", mb))
         chosen.update(members)
     if unknown and strict:
-        raise SelectionError(f"{', '.join(unknown)} not found in bundle {index.bundle_id}")
+        raise SelectionError(not_found(unknown, samples, f"bundle {index.bundle_id}"))
     if not chosen:
         return None
     # Semantic-group closure.

@@ -158,8 +158,14 @@ def compare_recorded(
             continue
         expected, actual_value = recorded[name], got[name]
         if name == "metric_error":
-            codes = [expected] if isinstance(expected, str) else list(expected or [])
-            if sorted(codes) != sorted(actual_value):
+            # codes: a string, a list of strings or null; anything else disagrees (a list
+            # holding a non-string, or a number, raised TypeError here: tests/fuzz)
+            codes = [expected] if isinstance(expected, str) else expected or []
+            if (
+                not isinstance(codes, list)
+                or not all(isinstance(code, str) for code in codes)
+                or sorted(codes) != sorted(actual_value)
+            ):
                 add(name, None, None)
         elif name == "per_layer_mismatch":
             if (
