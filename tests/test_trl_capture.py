@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import edit_json, read_json, resign_bundle
@@ -91,6 +92,16 @@ def reward_token(completions: list[str], **_: Any) -> list[float]:
     return [float(completion.count("w1")) for completion in completions]
 
 
+def reward_nearly_flat(completions: list[str], **_: Any) -> list[float]:
+    """About 3, spread by hundredths: the last float32 bit of a group's mean, divided by the
+    small std, moves every advantage of the group by ~2e-5 (issue 29, item 13)."""
+    return [3.0 + len(completion.split()) / 300 for completion in completions]
+
+
+def reward_token_thousandths(completions: list[str], **_: Any) -> list[float]:
+    return [completion.count("w1") / 1000 for completion in completions]
+
+
 class FakeEngineTrainer(GRPOTrainer):
     """Stands in for vLLM: TRL's own sampling, plus per-token sampler log-probs near the tiny
     model's (about uniform) in a fixed pattern, so TRL's IS correction has ratios inside and
@@ -154,6 +165,20 @@ RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
         False,
         False,
     ),
+    # issue 29, item 13: batch-scaled, weighted rewards whose group means TRL sums in float32
+    "batch-cispo": (
+        {
+            "loss_type": "cispo",
+            "scale_rewards": "batch",
+            "reward_funcs": [reward_nearly_flat, reward_token_thousandths],
+            "reward_weights": [1.0, 0.5],
+            "beta": 0.04,
+            "importance_sampling_level": "sequence",
+            "num_iterations": 2,
+        },
+        False,
+        False,
+    ),
     # 3 micro-batches per optimizer step, 2 per generation batch: steps span generation batches
     "span": (
         {"loss_type": "dapo", "gradient_accumulation_steps": 3, "steps_per_generation": 2},
@@ -190,6 +215,7 @@ def train(root: Path, name: str, *, capture: bool, store: bool = False) -> tuple
         for i in range(8)
     ]
     settings = {"gradient_accumulation_steps": 2, "num_iterations": 2, **overrides}
+    reward_funcs = settings.pop("reward_funcs", [reward_length, reward_token])
     args = GRPOConfig(
         output_dir=str(root / "out"),
         per_device_train_batch_size=4,
@@ -213,7 +239,7 @@ def train(root: Path, name: str, *, capture: bool, store: bool = False) -> tuple
     with _environment(env):
         trainer = (FakeEngineTrainer if fake_engine else GRPOTrainer)(
             model=model,
-            reward_funcs=[reward_length, reward_token],
+            reward_funcs=reward_funcs,
             args=args,
             train_dataset=Dataset.from_list(prompts),
             processing_class=tokenizer,
@@ -380,6 +406,55 @@ def test_vespo_is_named_unsupported_by_the_capability_matrix(run) -> None:
     outcome = stage(report, "loss.policy")
     assert (outcome.status, report.exit_code) == ("unsupported", 1)
     assert "vespo" in outcome.reason
+
+
+def _float64_advantages(rewards_per_func: list[list[float]], weights: list[float]) -> np.ndarray:
+    """TRL's batch-scaled advantages transcribed with float64 sums rounded once to float32: the
+    math replay used before issue 29 (item 13), here only to show the run is sensitive to it."""
+    per = np.array(rewards_per_func, dtype=np.float32) * np.array(weights, dtype=np.float32)
+    rewards = per.astype(np.float64).sum(axis=1).astype(np.float32)
+    means = np.repeat(rewards.reshape(-1, 4).astype(np.float64).mean(axis=1), 4)
+    std = np.float32(rewards.astype(np.float64).std(ddof=1))
+    return (rewards - means.astype(np.float32)) / (std + np.float32(1e-4))
+
+
+def test_float32_group_means_are_replayed_as_trl_summed_them(run) -> None:
+    capture_dir, _ = run("batch-cispo")
+    bundle = capture_dir / "replay-rollout-0"
+    expected = read_json(bundle / "expected.json")
+    index = read_json(bundle / "index.json")
+    trl_advantages = np.array([sample["reward"] for sample in index["samples"]])
+    rounded_once = _float64_advantages(
+        expected["reward.raw"]["rewards_per_func"], index["config"]["reward_weights"]
+    )
+    # the run is one where the group mean's float32 rounding shows (beyond atol 1e-6 +
+    # rtol 1e-5), so replay passes only by summing as torch did
+    assert (np.abs(rounded_once - trl_advantages) > 1e-6 + 1e-5 * np.abs(trl_advantages)).any()
+    assert index["config"]["reward_sum_order"] in ("torch-cpu-8", "torch-cpu-16")
+    report = replay(bundle)
+    assert statuses(report)["reward.post_process"] == "pass" and report.exit_code == 0
+    assert (
+        stage(report, "reward.post_process").max_abs_error <= 2**-22 * np.abs(trl_advantages).max()
+    )  # the std's square root: torch's vectorized float32 sqrt is 1 ulp off at times
+
+
+def test_each_divergent_sample_is_listed_once(
+    run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capture_dir, _ = run("grpo")
+    bundle = _copy(capture_dir / "replay-rollout-0", tmp_path / "b")
+    edit_json(bundle / "index.json", lambda doc: doc["config"].__setitem__("reward_std_eps", 0.1))
+    resign_bundle(bundle)
+    capsys.readouterr()
+    assert cli(["replay", str(bundle), "--stage", "reward.post_process"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if "] reward.post_process" in line)
+    listed = [
+        line.split()[1].rstrip(":") for line in lines[head + 1 :] if line.startswith(" " * 10)
+    ]
+    samples = [sample["sample_id"] for sample in read_json(bundle / "index.json")["samples"]]
+    assert "mismatch in 8 sample(s)" in lines[head]
+    assert sorted(listed) == sorted(samples)  # all 8, each once
 
 
 def test_normalize_then_sum_rewards_are_named_unsupported_and_the_loss_still_replays(

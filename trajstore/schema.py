@@ -362,6 +362,7 @@ LOSS_FAMILY_FIELDS: dict[str, tuple[tuple[type, ...], bool, bool]] = {
     "aux_loss_coef": (_NUM, True, False),
     "reward_scale": (_STR, True, False),
     "reward_std_eps": (_NUM, True, False),
+    "reward_sum_order": (_STR, True, False),
     "reward_aggregation": (_STR, True, False),
     "reward_weights": (_LIST, True, False),
 }

@@ -31,6 +31,7 @@ import torch
 import trl
 
 from trajstore.capture import CaptureManager
+from trajstore.replay.losses import CPU_SUM_ORDERS
 from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
@@ -63,6 +64,15 @@ def _pack(padded: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return _cpu(padded)[keep]
 
 
+def reward_sum_order(device: torch.device) -> str | None:
+    """How torch summed the rewards' group means and stds on ``device``: the CPU kernel's
+    SIMD width, which fixes its order of additions; None where the order is not replayed
+    (CUDA, or a CPU capability not listed in `CPU_SUM_ORDERS`)."""
+    if device.type != "cpu":
+        return None
+    return CPU_SUM_ORDERS.get(torch.backends.cpu.get_cpu_capability())
+
+
 def trl_recompute_config(trainer: trl.GRPOTrainer) -> dict[str, Any]:
     """TRL's settings that determine the math, as loss-family config keys (replay-math.md)."""
     args = trainer.args
@@ -73,6 +83,7 @@ def trl_recompute_config(trainer: trl.GRPOTrainer) -> dict[str, Any]:
         "n_samples_per_prompt": int(trainer.num_generations),
         "reward_scale": str(trainer.scale_rewards),
         "reward_std_eps": 1e-4,
+        "reward_sum_order": reward_sum_order(trainer.accelerator.device),
         "reward_aggregation": str(trainer.multi_objective_aggregation),
         "reward_weights": [float(w) for w in trainer.reward_weights.tolist()],
         "policy_loss": str(trainer.loss_type),

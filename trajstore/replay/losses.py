@@ -55,6 +55,15 @@ IS_CORRECTIONS: tuple[str, ...] = (
     "sequence_mask",
 )
 REWARD_SCALES: tuple[str, ...] = ("group", "batch", "none")
+#: ``reward_sum_order`` -> the float32 SIMD width of torch's CPU sums that made the rewards'
+#: group means and stds (replayed addition by addition; null: float64 sums, rounded once)
+REWARD_SUM_ORDERS: dict[str, int] = {"torch-cpu-8": 8, "torch-cpu-16": 16}
+#: torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``) -> its sum order
+CPU_SUM_ORDERS: dict[str, str] = {
+    "DEFAULT": "torch-cpu-8",
+    "AVX2": "torch-cpu-8",
+    "AVX512": "torch-cpu-16",
+}
 #: per-micro-batch metrics a producer may record, compared when present
 METRIC_FIELDS: tuple[str, ...] = (
     "kl",
@@ -101,6 +110,90 @@ def _nanstd(values: np.ndarray) -> float:
     if kept.size < 2:
         return math.nan
     return float(np.sqrt(np.mean((kept - kept.mean()) ** 2) * kept.size / (kept.size - 1)))
+
+
+# ---- torch's float32 CPU sums, addition by addition -----------------------------------
+#
+# Why: TRL subtracts a group mean that torch summed in float32. That mean can sit an ulp or
+# two away from the correctly rounded one, and dividing by a small std magnifies the ulp far
+# past the comparison's tolerance (issue 29, item 13: 3.4e-6 on every sample of a group).
+# Replaying the mean in float64 is then a different computation, not a more accurate one.
+# torch's CPU kernel (aten/native/cpu/SumKernel.cpp, "cascade sum") adds in a fixed order that
+# depends only on the length and the SIMD width, so it is replayed here exactly.
+
+
+def _cascade(rows: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 in 4 levels of chunks of 16 (or 2**(ceil(log2 n) / 4)) elements."""
+    size, levels = rows.shape[0], 4
+    power = max(4, (size - 1).bit_length() // levels) if size > 1 else 4
+    step, mask = 1 << power, (1 << power) - 1
+    acc = [np.zeros(rows.shape[1:], dtype=np.float32) for _ in range(levels)]
+    i = 0
+    while i + step <= size:
+        for _ in range(step):
+            acc[0] = acc[0] + rows[i]
+            i += 1
+        for j in range(1, levels):
+            acc[j], acc[j - 1] = acc[j] + acc[j - 1], np.zeros_like(acc[0])
+            if i & (mask << (j * power)):
+                break
+    for k in range(i, size):
+        acc[0] = acc[0] + rows[k]
+    for j in range(1, levels):
+        acc[0] = acc[0] + acc[j]
+    return acc[0]
+
+
+def _ilp_sum(x: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 as 4 interleaved partial sums (cascaded), the tail, then the partials."""
+    n, ilp = x.shape[0], 4
+    whole = n // ilp
+    if whole:
+        partial = list(_cascade(x[: whole * ilp].reshape((whole, ilp) + x.shape[1:])))
+    else:
+        partial = [np.zeros(x.shape[1:], dtype=np.float32) for _ in range(ilp)]
+    for k in range(whole * ilp, n):
+        partial[0] = partial[0] + x[k]
+    for k in range(1, ilp):
+        partial[0] = partial[0] + partial[k]
+    return partial[0]
+
+
+def torch_cpu_nansum(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """``torch.nansum(rows, dim=1)`` of a contiguous float32 [n, k] array on the CPU, bit for
+    bit: rows of at least ``lanes`` (the SIMD width in float32s) are summed as vectors of
+    ``lanes``, the leftover elements first and the lanes after; shorter rows as scalars."""
+    x = np.nan_to_num(np.asarray(rows, dtype=np.float32), nan=0.0)
+    n, k = x.shape
+    if k < lanes:
+        return _ilp_sum(np.ascontiguousarray(x.T))
+    vectors = k // lanes
+    lanes_sum = _ilp_sum(x[:, : vectors * lanes].reshape(n, vectors, lanes).transpose(1, 0, 2))
+    out = np.zeros(n, dtype=np.float32)
+    for column in range(vectors * lanes, k):
+        out = out + x[:, column]
+    for lane in range(lanes):
+        out = out + lanes_sum[:, lane]
+    return out
+
+
+def _torch_nanmean(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """``torch.nanmean(rows, dim=1)`` in float32 (NaN for a row of NaN only)."""
+    count = (~np.isnan(rows)).sum(axis=1).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (torch_cpu_nansum(rows, lanes) / count).astype(np.float32)
+
+
+def _torch_nanstd(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """TRL's ``nanstd(rows, dim=1)`` in float32: the NaN-mean of squared deviations from the
+    NaN-mean, times ``count / (count - 1)`` (NaN below 2 values), square-rooted."""
+    rows = np.asarray(rows, dtype=np.float32)
+    deviations = rows - _torch_nanmean(rows, lanes)[:, None]
+    variance = _torch_nanmean(deviations * deviations, lanes)
+    count = (~np.isnan(rows)).sum(axis=1).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        correction = np.where(count > 1, count / (count - np.float32(1.0)), np.float32(np.nan))
+        return np.sqrt((variance * correction.astype(np.float32)).astype(np.float32))
 
 
 @dataclass(frozen=True)
@@ -333,9 +426,13 @@ def reward_advantages(
     scale: str,
     eps: float,
     sample_ids: list[str],
+    sum_lanes: int | None = None,
 ) -> np.ndarray:
     """TRL's ``sum_then_normalize`` advantages: ``r - group mean``, divided by the group's
-    (``group``) or the whole batch's (``batch``) Bessel std plus ``eps`` unless ``none``."""
+    (``group``) or the whole batch's (``batch``) Bessel std plus ``eps`` unless ``none``.
+
+    With ``sum_lanes`` the means and stds are torch's float32 CPU sums (`torch_cpu_nansum`,
+    group members in bundle order); without, float64 sums rounded once to float32."""
     rewards = _f32(raw_rewards)
     groups: dict[int, list[int]] = {}
     for pos, group in enumerate(group_index):
@@ -350,6 +447,17 @@ def reward_advantages(
             )
     means = np.zeros_like(rewards)
     stds = np.zeros_like(rewards)
+    if sum_lanes is not None:
+        members = np.array(list(groups.values()), dtype=np.int64).reshape(-1, group_size)
+        means[members] = _torch_nanmean(rewards[members], sum_lanes)[:, None]
+        if scale == "batch":
+            stds[:] = _torch_nanstd(rewards[None, :], sum_lanes)[0] if rewards.size > 1 else 0.0
+        elif group_size > 1:
+            stds[members] = _torch_nanstd(rewards[members], sum_lanes)[:, None]
+        advantages = rewards - means
+        if scale != "none":
+            advantages = advantages / (stds + np.float32(eps))
+        return np.nan_to_num(advantages.astype(np.float32), nan=0.0)
     batch_std = np.float32(_nanstd(rewards)) if rewards.size > 1 else np.float32(0.0)
     for members in groups.values():
         values = rewards[members]
@@ -402,7 +510,10 @@ def stage_reward_raw(ctx: ReplayContext) -> StageOutcome:
         comparisons.append(
             ctx.compare(Stage.REWARD_RAW, "raw_reward", expected, actual, per_token=False)
         )
-    if all(sample.raw_reward is not None for sample in ctx.samples):
+    # each sample's recorded raw reward too, unless expected.json already failed
+    if all(c.ok for c in comparisons) and all(
+        sample.raw_reward is not None for sample in ctx.samples
+    ):
         recorded = np.array([sample.raw_reward for sample in ctx.samples], dtype=np.float64)
         comparisons.append(
             ctx.compare(Stage.REWARD_RAW, "raw_reward", recorded, actual, per_token=False)
@@ -432,6 +543,7 @@ def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
         raise StageInputError(
             "config.n_samples_per_prompt is missing; semantic group size unknown, refusing to guess"
         )
+    order = ctx.config.get("reward_sum_order")
     actual = reward_advantages(
         np.asarray(raw, dtype=np.float32),
         [sample.group_index for sample in ctx.samples],
@@ -439,13 +551,15 @@ def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
         scale,
         float(ctx.cfg("reward_std_eps", DEFAULT_REWARD_STD_EPS)),
         ctx.sample_ids,
+        sum_lanes=None if order is None else REWARD_SUM_ORDERS[order],
     )
     ctx.recomputed["rewards"] = actual
     comparisons = []
     expected = ctx.expected_per_sample(stage, "rewards")
     if expected is not None:
         comparisons.append(ctx.compare(stage, "reward", expected, actual, per_token=False))
-    if all(is_number(sample.reward) for sample in ctx.samples):
+    # each sample's recorded reward too, unless expected.json already failed (one line a sample)
+    if all(c.ok for c in comparisons) and all(is_number(sample.reward) for sample in ctx.samples):
         recorded = np.array([sample.reward for sample in ctx.samples], dtype=np.float64)
         comparisons.append(ctx.compare(stage, "reward", recorded, actual, per_token=False))
     if not comparisons:
@@ -612,6 +726,9 @@ def _unreplayable(stage: Stage, config: Mapping[str, Any]) -> str | None:
         scale = config.get("reward_scale")
         if scale is not None and scale not in REWARD_SCALES:
             return f"reward_scale {scale!r} is not one of {', '.join(REWARD_SCALES)}"
+        order = config.get("reward_sum_order")
+        if order is not None and order not in REWARD_SUM_ORDERS:
+            return f"reward_sum_order {order!r} is not one of {', '.join(REWARD_SUM_ORDERS)}"
     if stage == Stage.ADVANTAGE_KL and not config.get("use_kl_loss"):
         return "use_kl_loss is off: no loss-side KL to check"
     if stage != Stage.LOSS_POLICY:
@@ -652,6 +769,7 @@ for _stage, _run, _inputs in (
             "index.samples.group_index",
             "config.reward_scale",
             "config.reward_std_eps",
+            "config.reward_sum_order",
         ),
     ),
     (Stage.ADVANTAGE_KL, stage_loss_kl, (Payload.LOG_PROBS, Payload.REF_LOG_PROBS)),
