@@ -212,6 +212,7 @@ class LossSettings:
     top_entropy_quantile: float
     max_response_length: int | None
     accumulation: int
+    steps_per_generation: int | None
     token_normalizer: float | None
     sapo_pos: float
     sapo_neg: float
@@ -238,6 +239,7 @@ class LossSettings:
             top_entropy_quantile=float(ctx.cfg("top_entropy_quantile", 1.0)),
             max_response_length=ctx.config.get("max_response_length"),
             accumulation=int(ctx.cfg("gradient_accumulation_steps", 1)),
+            steps_per_generation=ctx.config.get("steps_per_generation"),
             token_normalizer=ctx.config.get("loss_token_normalizer"),
             sapo_pos=float(ctx.cfg("sapo_temperature_pos", 1.0)),
             sapo_neg=float(ctx.cfg("sapo_temperature_neg", 1.05)),
@@ -256,6 +258,35 @@ def k3_kl(log_probs: np.ndarray, ref_log_probs: np.ndarray) -> np.ndarray:
     """TRL's per-token KL: ``exp(ref - lp) - (ref - lp) - 1``, in float32."""
     diff = _f32(ref_log_probs) - _f32(log_probs)
     return np.exp(diff) - diff - np.float32(1.0)
+
+
+def importance_ratio(
+    log_probs: np.ndarray,
+    old_log_probs: np.ndarray,
+    mask: np.ndarray,
+    lengths: np.ndarray,
+    level: str,
+) -> np.ndarray:
+    """TRL's ``coef_1`` on every token: ``exp(lp - old)`` (``token``), or the exp of each
+    sample's masked mean of ``lp - old`` (``sequence``, GSPO), in float32."""
+    log_ratio = _f32(log_probs) - _f32(old_log_probs)
+    if level == "sequence":
+        counts = np.maximum(_row_sums(mask, lengths), 1.0).astype(np.float32)
+        per_row = _row_sums(log_ratio * mask, lengths).astype(np.float32) / counts
+        log_ratio = _per_token(per_row.astype(np.float32), lengths)
+    return np.exp(log_ratio)
+
+
+def loss_kl(
+    log_probs: np.ndarray,
+    ref_log_probs: np.ndarray,
+    ratio: np.ndarray | None,
+    bias_corrected: bool,
+) -> np.ndarray:
+    """The per-token KL TRL's loss adds (``per_token_kl``): k3, times the importance ratio
+    under ``use_bias_correction_kl`` (``use_unbiased_kl``; TRL 1.16's default)."""
+    kl = k3_kl(log_probs, ref_log_probs)
+    return (kl * ratio).astype(np.float32) if bias_corrected else kl
 
 
 def is_correction_ratio(
@@ -309,13 +340,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
     lp, adv = _f32(mb.log_probs), _f32(mb.advantages)
     ent = _f32(mb.entropy)
     counts = np.maximum(_row_sums(mask, lengths), 1.0).astype(np.float32)
-    log_ratio = lp - _f32(mb.old_log_probs)
-    if s.level == "sequence":
-        per_row = (_row_sums(log_ratio * mask, lengths).astype(np.float32)) / counts
-        log_weights = _per_token(per_row.astype(np.float32), lengths)
-    else:
-        log_weights = log_ratio
-    coef_1 = np.exp(log_weights)
+    coef_1 = importance_ratio(lp, mb.old_log_probs, mask, lengths, s.level)
     entropy_mask = None
     if s.top_entropy_quantile < 1.0:
         kept = ent[mask.astype(bool)]
@@ -330,9 +355,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
             raise StageInputError(
                 f"incomplete bundle: payload '{Payload.REF_LOG_PROBS}' is missing"
             )
-        per_token_kl = k3_kl(lp, mb.ref_log_probs)
-        if s.bias_corrected_kl:
-            per_token_kl = per_token_kl * coef_1
+        per_token_kl = loss_kl(lp, mb.ref_log_probs, coef_1, s.bias_corrected_kl)
     if s.policy_loss == "cispo":
         per_token_loss = -np.minimum(coef_1, np.float32(s.eps_high)) * adv * lp
     elif s.policy_loss == "sapo":
@@ -568,10 +591,22 @@ def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
 
 
 def stage_loss_kl(ctx: ReplayContext) -> StageOutcome:
-    """Loss-side per-token KL of log_probs against ref_log_probs, checked against payload kl."""
+    """The loss's per-token KL (k3 of log_probs against ref_log_probs, times the importance
+    ratio under use_unbiased_kl), checked against payload kl: the KL the producer's loss used."""
     stage = Stage.ADVANTAGE_KL
     expected = ctx.payload(Payload.KL)
-    actual = k3_kl(ctx.payload(Payload.LOG_PROBS), ctx.payload(Payload.REF_LOG_PROBS))
+    log_probs = ctx.payload(Payload.LOG_PROBS)
+    bias_corrected = bool(ctx.cfg("use_unbiased_kl", False))
+    ratio = None
+    if bias_corrected:
+        ratio = importance_ratio(
+            log_probs,
+            ctx.payload(Payload.OLD_LOG_PROBS),
+            _f32(ctx.mask()),
+            ctx.lengths,
+            str(ctx.cfg("importance_sampling_level", "token")),
+        )
+    actual = loss_kl(log_probs, ctx.payload(Payload.REF_LOG_PROBS), ratio, bias_corrected)
     ctx.recomputed["kl"] = actual
     comparison = ctx.compare(stage, Payload.KL, expected, actual, per_token=True)
     return outcome_of(
@@ -579,8 +614,73 @@ def stage_loss_kl(ctx: ReplayContext) -> StageOutcome:
     )
 
 
-def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
-    """The selected samples split by micro_batch_id, in order of first appearance."""
+@dataclass
+class _Inputs:
+    """What the loss read besides the payloads: recomputed where the bundle allows (and then
+    compared with the record), else the recorded value, named in ``trusted``."""
+
+    batches: list[MicroBatch]
+    comparisons: list[Any]
+    trusted: list[str]
+
+
+def generation_loss_tokens(
+    ctx: ReplayContext, order: dict[str, list[int]], steps_per_generation: int | None
+) -> dict[str, float]:
+    """Each micro-batch's generation-batch loss-token count (TRL's ``num_items_in_batch``),
+    where the bundle holds that generation batch whole.
+
+    TRL shuffles a generation batch once, splits it into ``steps_per_generation`` equal
+    micro-batches and feeds those slices in turn, ``num_iterations`` times over. So any
+    ``steps_per_generation`` consecutive micro-batches of one generation batch in which each
+    of its prompt groups appears exactly ``n_samples_per_prompt`` times are the whole batch,
+    and their loss tokens are the count of every micro-batch of that generation. A sample's
+    generation is ``group_index // (groups per generation batch)``.
+    """
+    group_size = ctx.config.get("n_samples_per_prompt")
+    sizes = {len(positions) for positions in order.values()}
+    if steps_per_generation is None or not isinstance(group_size, int) or len(sizes) != 1:
+        return {}
+    span = int(steps_per_generation)
+    generation_rows = sizes.pop() * span
+    if span < 1 or group_size < 1 or generation_rows % group_size:
+        return {}
+    groups_per_generation = generation_rows // group_size
+    tokens = _row_sums(_f32(ctx.mask()), ctx.lengths)
+    runs: list[tuple[int, list[str]]] = []  # consecutive micro-batches of one generation
+    for mb_id, positions in order.items():
+        groups = {ctx.samples[p].group_index for p in positions}
+        if not all(isinstance(g, int) and not isinstance(g, bool) for g in groups):
+            return {}
+        generations = {g // groups_per_generation for g in groups}
+        generation = generations.pop() if len(generations) == 1 else None
+        if generation is None or not runs or runs[-1][0] != generation:
+            runs.append((-1 if generation is None else generation, []))
+        runs[-1][1].append(mb_id)
+    counted: dict[int, float] = {}
+    for generation, mb_ids in runs:
+        first = generation * groups_per_generation
+        wanted = dict.fromkeys(range(first, first + groups_per_generation), group_size)
+        for start in range(len(mb_ids) - span + 1):
+            positions = [p for mb_id in mb_ids[start : start + span] for p in order[mb_id]]
+            counts: dict[int, int] = {}
+            for p in positions:
+                group = ctx.samples[p].group_index
+                counts[group] = counts.get(group, 0) + 1
+            if generation >= 0 and counts == wanted:
+                counted[generation] = float(tokens[positions].sum())
+                break
+    return {
+        mb_id: counted[generation]
+        for generation, mb_ids in runs
+        if generation in counted
+        for mb_id in mb_ids
+    }
+
+
+def _micro_batches(ctx: ReplayContext, s: LossSettings) -> _Inputs:
+    """The selected samples split by micro_batch_id, in order of first appearance, with the
+    recorded per-micro-batch inputs recomputed where the bundle allows."""
     order: dict[str, list[int]] = {}
     for pos, sample in enumerate(ctx.samples):
         order.setdefault(sample.micro_batch_id or "mb-0000", []).append(pos)
@@ -603,7 +703,9 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
     if needs_sampling:
         columns["sampling_log_probs"] = ctx.payload(Payload.ROLLOUT_LOG_PROBS)
     recorded = _recorded_micro_batches(ctx)
-    out = []
+    token_normalized = s.policy_loss in ("dapo", "cispo")
+    counted = generation_loss_tokens(ctx, order, s.steps_per_generation) if token_normalized else {}
+    inputs = _Inputs([], [], [])
     for mb_id, positions in order.items():
         index = np.concatenate(
             [np.arange(ctx.offsets[p], ctx.offsets[p + 1]) for p in positions]
@@ -611,9 +713,13 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
         parts = {name: values[index] for name, values in columns.items()}
         lengths = ctx.lengths[positions]
         record = recorded.get(mb_id, {})
-        normalizer = record.get("token_normalizer", s.token_normalizer)
-        if normalizer is None and s.policy_loss in ("dapo", "cispo"):
-            normalizer = max(float(columns["mask"].sum()), 1.0)
+        normalizer = None
+        if token_normalized:
+            normalizer = _token_normalizer(ctx, s, mb_id, record, counted, inputs)
+            if normalizer is None:
+                normalizer = max(float(columns["mask"].sum()), 1.0)
+        if s.aux_coef != 0.0 and is_number(record.get("aux_loss")):
+            inputs.trusted.append(f"{mb_id}.aux_loss")  # needs the loss forward's router logits
         is_ratio = None
         if s.is_correction is not None:
             is_ratio = is_correction_ratio(
@@ -625,7 +731,7 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
                 s.is_clip_min,
                 s.is_clip_max,
             )
-        out.append(
+        inputs.batches.append(
             MicroBatch(
                 micro_batch_id=mb_id,
                 lengths=lengths,
@@ -635,7 +741,46 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
                 **parts,
             )
         )
-    return out
+    return inputs
+
+
+def _token_normalizer(
+    ctx: ReplayContext,
+    s: LossSettings,
+    mb_id: str,
+    record: Mapping[str, Any],
+    counted: Mapping[str, float],
+    inputs: _Inputs,
+) -> float | None:
+    """A dapo/cispo micro-batch's divisor, TRL's ``num_items_in_batch * G / steps_per_generation``
+    (one process): the count recomputed from the bundle when it holds the generation batch
+    whole (compared with the recorded one), else the recorded count or divisor, on trust; the
+    config's ``loss_token_normalizer``; None: the bundle's loss tokens."""
+    recorded = record.get("generation_loss_tokens")
+    tokens = counted.get(mb_id)
+    if tokens is not None and is_number(recorded):
+        atol, rtol = ctx.tolerance(Stage.LOSS_POLICY)
+        inputs.comparisons.append(
+            compare_arrays(
+                Stage.LOSS_POLICY,
+                f"{mb_id}.generation_loss_tokens",
+                np.array([float(recorded)]),
+                np.array([tokens]),
+                atol=atol,
+                rtol=rtol,
+            )
+        )
+    elif tokens is None and is_number(recorded) and s.steps_per_generation is not None:
+        tokens = float(recorded)
+        inputs.trusted.append(f"{mb_id}.generation_loss_tokens")
+    if tokens is not None and s.steps_per_generation is not None:
+        accumulation = np.float32(s.accumulation)
+        count = np.float32(max(tokens, 1.0))
+        return float(count * accumulation / np.float32(s.steps_per_generation))
+    if is_number(record.get("token_normalizer")):
+        inputs.trusted.append(f"{mb_id}.token_normalizer")
+        return float(record["token_normalizer"])
+    return s.token_normalizer
 
 
 def _recorded_micro_batches(ctx: ReplayContext) -> Mapping[str, Mapping[str, Any]]:
@@ -653,9 +798,8 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
     if not isinstance(recorded, dict) or not is_number(recorded.get("loss")):
         raise StageInputError(f"incomplete bundle: expected.json {stage}.loss is missing")
     settings = LossSettings.of(ctx)
-    results = {
-        mb.micro_batch_id: micro_batch_loss(mb, settings) for mb in _micro_batches(ctx, settings)
-    }
+    inputs = _micro_batches(ctx, settings)
+    results = {mb.micro_batch_id: micro_batch_loss(mb, settings) for mb in inputs.batches}
     atol, rtol = ctx.tolerance(stage)
     exact = ctx.source.manifest.exact_fields
 
@@ -671,7 +815,7 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
         )
 
     total = math.fsum(result["loss"] for result in results.values())
-    comparisons = [compare("loss", float(recorded["loss"]), total)]
+    comparisons = [*inputs.comparisons, compare("loss", float(recorded["loss"]), total)]
     for mb_id, fields in _recorded_micro_batches(ctx).items():
         if mb_id not in results:
             raise StageInputError(f"expected.json {stage}.micro_batches names unknown {mb_id}")
@@ -680,7 +824,9 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
             if is_number(value) and name in results[mb_id]:
                 comparisons.append(compare(f"{mb_id}.{name}", float(value), results[mb_id][name]))
     mismatched = [c.divergences[0].field for c in comparisons if not c.ok]
-    return outcome_of(stage, comparisons, f"{stage} mismatch in " + ", ".join(mismatched[:5]))
+    outcome = outcome_of(stage, comparisons, f"{stage} mismatch in " + ", ".join(mismatched[:5]))
+    outcome.trusted = inputs.trusted
+    return outcome
 
 
 # --------------------------------------------------------------------------- capability
@@ -772,7 +918,18 @@ for _stage, _run, _inputs in (
             "config.reward_sum_order",
         ),
     ),
-    (Stage.ADVANTAGE_KL, stage_loss_kl, (Payload.LOG_PROBS, Payload.REF_LOG_PROBS)),
+    (
+        Stage.ADVANTAGE_KL,
+        stage_loss_kl,
+        (
+            Payload.LOG_PROBS,
+            Payload.REF_LOG_PROBS,
+            Payload.OLD_LOG_PROBS,
+            "index.samples.loss_mask",
+            "config.use_unbiased_kl",
+            "config.importance_sampling_level",
+        ),
+    ),
     (
         Stage.ADVANTAGE_ESTIMATE,
         v1.stage_advantage_estimate,
