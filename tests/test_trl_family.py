@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import edit_json, make_contents, resign_bundle
@@ -205,3 +206,20 @@ def test_a_second_variant_of_the_same_name_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="registered twice"):
         register_variant(dataclasses.replace(original))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_replayed_float32_sums_are_torchs_bit_for_bit(rows: int) -> None:
+    """TRL's group means are torch's float32 sums; replay adds in torch's order (its CPU
+    cascade, with the SIMD width the capture records), so every length gives torch's bits."""
+    from trajstore.replay.losses import CPU_SUM_ORDERS, REWARD_SUM_ORDERS, torch_cpu_nansum
+
+    lanes = REWARD_SUM_ORDERS[CPU_SUM_ORDERS[torch.backends.cpu.get_cpu_capability()]]
+    generator = torch.Generator().manual_seed(rows)
+    lengths = [*range(1, 70), 100, 127, 256, 1000, 4099]
+    for length in lengths:
+        values = torch.randn(rows, length, generator=generator) * 10 + 3
+        values[0, length // 2] = float("nan")  # nansum: a NaN counts as 0
+        assert np.array_equal(
+            torch_cpu_nansum(values.numpy(), lanes), torch.nansum(values, dim=1).numpy()
+        ), length

@@ -353,6 +353,7 @@ LOSS_FAMILY_FIELDS: dict[str, tuple[tuple[type, ...], bool, bool]] = {
     "mask_truncated_completions": ((bool,), True, False),
     "max_response_length": (_INT, True, False),
     "gradient_accumulation_steps": (_INT, True, False),
+    "steps_per_generation": (_INT, True, False),
     "loss_token_normalizer": (_NUM, True, False),
     "sapo_temperature_pos": (_NUM, True, False),
     "sapo_temperature_neg": (_NUM, True, False),
@@ -363,6 +364,7 @@ LOSS_FAMILY_FIELDS: dict[str, tuple[tuple[type, ...], bool, bool]] = {
     "aux_loss_coef": (_NUM, True, False),
     "reward_scale": (_STR, True, False),
     "reward_std_eps": (_NUM, True, False),
+    "reward_sum_order": (_STR, True, False),
     "reward_aggregation": (_STR, True, False),
     "reward_weights": (_LIST, True, False),
 }

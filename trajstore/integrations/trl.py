@@ -24,6 +24,7 @@ keys of replay-math.md, so ``trajstore replay DIR`` recomputes TRL's loss.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 import trl
 
 from trajstore.capture import CaptureManager
+from trajstore.replay.losses import CPU_SUM_ORDERS
 from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
@@ -63,6 +65,40 @@ def _pack(padded: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return _cpu(padded)[keep]
 
 
+def reward_sum_order(device: torch.device) -> str | None:
+    """How torch summed the rewards' group means and stds on ``device``: the CPU kernel's
+    SIMD width, which fixes its order of additions; None where the order is not replayed
+    (CUDA, or a CPU capability not listed in `CPU_SUM_ORDERS`)."""
+    if device.type != "cpu":
+        return None
+    return CPU_SUM_ORDERS.get(torch.backends.cpu.get_cpu_capability())
+
+
+def _trl_loss_frame() -> Any:
+    """The frame of TRL's own ``GRPOTrainer._compute_loss`` that called the loss forward.
+
+    Why a frame: TRL keeps the per-token KL its loss adds in a local variable and logs only
+    its mean; reading that local after the call returns records the KL the loss used, as TRL
+    computed it (bias-corrected or not), instead of a formula of ours. Subclasses may sit
+    between (the R3 example), so the stack is searched a few frames up.
+    """
+    code = trl.GRPOTrainer._compute_loss.__code__
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _trl_local(frame: Any, name: str) -> torch.Tensor:
+    """A tensor local of TRL's finished ``_compute_loss`` frame (an error if it is not there)."""
+    value = None if frame is None else frame.f_locals.get(name)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"TRL's _compute_loss has no tensor {name!r} (TRL {trl.__version__}?)")
+    return value
+
+
 def trl_recompute_config(trainer: trl.GRPOTrainer) -> dict[str, Any]:
     """TRL's settings that determine the math, as loss-family config keys (replay-math.md)."""
     args = trainer.args
@@ -73,6 +109,7 @@ def trl_recompute_config(trainer: trl.GRPOTrainer) -> dict[str, Any]:
         "n_samples_per_prompt": int(trainer.num_generations),
         "reward_scale": str(trainer.scale_rewards),
         "reward_std_eps": 1e-4,
+        "reward_sum_order": reward_sum_order(trainer.accelerator.device),
         "reward_aggregation": str(trainer.multi_objective_aggregation),
         "reward_weights": [float(w) for w in trainer.reward_weights.tolist()],
         "policy_loss": str(trainer.loss_type),
@@ -89,6 +126,7 @@ def trl_recompute_config(trainer: trl.GRPOTrainer) -> dict[str, Any]:
         "mask_truncated_completions": bool(trainer.mask_truncated_completions),
         "max_response_length": int(trainer.max_completion_length),
         "gradient_accumulation_steps": int(trainer.current_gradient_accumulation_steps),
+        "steps_per_generation": int(args.steps_per_generation),
         "sapo_temperature_pos": float(args.sapo_temperature_pos),
         "sapo_temperature_neg": float(args.sapo_temperature_neg),
         "off_policy_mask_threshold": None
@@ -139,6 +177,8 @@ class _TrlCapture:
         self.step: _PendingStep | None = None
         self.in_loss = False
         self.forward: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        #: the frame of TRL's own ``_compute_loss`` running now (its locals are read on return)
+        self.loss_frame: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -279,6 +319,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
         result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if self._trajstore.in_loss:
+            self._trajstore.loss_frame = _trl_loss_frame()
             logps, entropies, aux_loss = result
             self._trajstore.forward = (
                 _cpu(logps),
@@ -299,7 +340,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0
             )
             recompute["entropy_coef"] = float(applied)
-        state.in_loss, state.forward = True, None
+        state.in_loss, state.forward, state.loss_frame = True, None, None
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
@@ -309,6 +350,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         except Exception:  # noqa: BLE001 - capture never raises into training
             state.step = None
             self.trajstore_capture.stats.count_error("capturing a TRL micro-batch")
+        finally:
+            state.loss_frame = None  # it holds the loss's locals: let them go now
         if self.accelerator.sync_gradients and state.step is not None:
             step, state.step = state.step, None
             try:
@@ -344,14 +387,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             for name in LOGGED_METRICS
             if name in metrics and len(metrics[name]) > before.get(name, 0)
         }
-        normalizer = None
+        per_token_kl = None
+        if self.beta != 0.0:
+            per_token_kl = _trl_local(state.loss_frame, "per_token_kl")
+        generation_tokens = None
         if self.loss_type in ("cispo", "dapo", "vespo"):
-            normalizer = (
-                (inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes)
-                * self.current_gradient_accumulation_steps
-                / self.args.steps_per_generation
-            )
-            normalizer = float(_cpu(normalizer))
+            # TRL's divisor is this count * accumulation / steps_per_generation (one process);
+            # replay recomputes the count when the step holds the generation batch whole
+            generation_tokens = float(_cpu(inputs["num_items_in_batch"]))
         state.step.micro_batches.append(
             {
                 "rows": rows,
@@ -361,13 +404,14 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "ref_log_probs": None
                 if inputs.get("ref_per_token_logps") is None
                 else _cpu(inputs["ref_per_token_logps"]),
+                "kl": None if per_token_kl is None else _cpu(per_token_kl),
                 "rollout_log_probs": None
                 if inputs.get("sampling_per_token_logps") is None
                 else _cpu(inputs["sampling_per_token_logps"]),
                 "mask": _cpu(mask),
                 "loss": float(_cpu(loss)),
                 "aux_loss": None if aux_loss is None else float(aux_loss),
-                "token_normalizer": normalizer,
+                "generation_loss_tokens": generation_tokens,
                 "logged": logged,
             }
         )
@@ -414,10 +458,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                     "loss_mask": mb["mask"][keep],
                 }
                 if mb["ref_log_probs"] is not None:
-                    ref = mb["ref_log_probs"][keep]
-                    payloads["ref_log_probs"] = ref
-                    diff = ref - payloads["log_probs"]
-                    payloads["kl"] = torch.exp(diff) - diff - 1
+                    payloads["ref_log_probs"] = mb["ref_log_probs"][keep]
+                if mb["kl"] is not None:  # TRL's own per-token KL, bias-corrected or not
+                    payloads["kl"] = mb["kl"].expand_as(mb["log_probs"])[keep]
                 extra = {}
                 if mb["rollout_log_probs"] is not None:
                     extra["rollout_log_probs"] = mb["rollout_log_probs"][keep]
@@ -425,8 +468,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 record = {"loss": mb["loss"], **mb["logged"]}
                 if mb["aux_loss"] is not None:
                     record["aux_loss"] = mb["aux_loss"]
-                if mb["token_normalizer"] is not None:
-                    record["token_normalizer"] = mb["token_normalizer"]
+                if mb["generation_loss_tokens"] is not None:
+                    record["generation_loss_tokens"] = mb["generation_loss_tokens"]
                 records[mb_id] = record
             capture.expect(
                 Stage.LOSS_POLICY,

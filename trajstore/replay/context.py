@@ -40,6 +40,9 @@ class StageOutcome:
     mismatch_count: int | None = None
     divergences: list[Divergence] = field(default_factory=list)
     version: str = ""
+    #: recorded inputs the stage used as given because the bundle cannot recompute them
+    #: (``<micro_batch>.<field>``, e.g. ``mb-0000.aux_loss``; replay-math.md)
+    trusted: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +54,7 @@ class StageOutcome:
             "max_abs_error": json_safe(self.max_abs_error),
             "mismatch_count": self.mismatch_count,
             "divergences": [divergence.to_dict() for divergence in self.divergences],
+            "trusted": list(self.trusted),
         }
 
 

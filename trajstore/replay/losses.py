@@ -55,6 +55,15 @@ IS_CORRECTIONS: tuple[str, ...] = (
     "sequence_mask",
 )
 REWARD_SCALES: tuple[str, ...] = ("group", "batch", "none")
+#: ``reward_sum_order`` -> the float32 SIMD width of torch's CPU sums that made the rewards'
+#: group means and stds (replayed addition by addition; null: float64 sums, rounded once)
+REWARD_SUM_ORDERS: dict[str, int] = {"torch-cpu-8": 8, "torch-cpu-16": 16}
+#: torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``) -> its sum order
+CPU_SUM_ORDERS: dict[str, str] = {
+    "DEFAULT": "torch-cpu-8",
+    "AVX2": "torch-cpu-8",
+    "AVX512": "torch-cpu-16",
+}
 #: per-micro-batch metrics a producer may record, compared when present
 METRIC_FIELDS: tuple[str, ...] = (
     "kl",
@@ -103,6 +112,90 @@ def _nanstd(values: np.ndarray) -> float:
     return float(np.sqrt(np.mean((kept - kept.mean()) ** 2) * kept.size / (kept.size - 1)))
 
 
+# ---- torch's float32 CPU sums, addition by addition -----------------------------------
+#
+# Why: TRL subtracts a group mean that torch summed in float32. That mean can sit an ulp or
+# two away from the correctly rounded one, and dividing by a small std magnifies the ulp far
+# past the comparison's tolerance (issue 29, item 13: 3.4e-6 on every sample of a group).
+# Replaying the mean in float64 is then a different computation, not a more accurate one.
+# torch's CPU kernel (aten/native/cpu/SumKernel.cpp, "cascade sum") adds in a fixed order that
+# depends only on the length and the SIMD width, so it is replayed here exactly.
+
+
+def _cascade(rows: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 in 4 levels of chunks of 16 (or 2**(ceil(log2 n) / 4)) elements."""
+    size, levels = rows.shape[0], 4
+    power = max(4, (size - 1).bit_length() // levels) if size > 1 else 4
+    step, mask = 1 << power, (1 << power) - 1
+    acc = [np.zeros(rows.shape[1:], dtype=np.float32) for _ in range(levels)]
+    i = 0
+    while i + step <= size:
+        for _ in range(step):
+            acc[0] = acc[0] + rows[i]
+            i += 1
+        for j in range(1, levels):
+            acc[j], acc[j - 1] = acc[j] + acc[j - 1], np.zeros_like(acc[0])
+            if i & (mask << (j * power)):
+                break
+    for k in range(i, size):
+        acc[0] = acc[0] + rows[k]
+    for j in range(1, levels):
+        acc[0] = acc[0] + acc[j]
+    return acc[0]
+
+
+def _ilp_sum(x: np.ndarray) -> np.ndarray:
+    """Sum over axis 0 as 4 interleaved partial sums (cascaded), the tail, then the partials."""
+    n, ilp = x.shape[0], 4
+    whole = n // ilp
+    if whole:
+        partial = list(_cascade(x[: whole * ilp].reshape((whole, ilp) + x.shape[1:])))
+    else:
+        partial = [np.zeros(x.shape[1:], dtype=np.float32) for _ in range(ilp)]
+    for k in range(whole * ilp, n):
+        partial[0] = partial[0] + x[k]
+    for k in range(1, ilp):
+        partial[0] = partial[0] + partial[k]
+    return partial[0]
+
+
+def torch_cpu_nansum(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """``torch.nansum(rows, dim=1)`` of a contiguous float32 [n, k] array on the CPU, bit for
+    bit: rows of at least ``lanes`` (the SIMD width in float32s) are summed as vectors of
+    ``lanes``, the leftover elements first and the lanes after; shorter rows as scalars."""
+    x = np.nan_to_num(np.asarray(rows, dtype=np.float32), nan=0.0)
+    n, k = x.shape
+    if k < lanes:
+        return _ilp_sum(np.ascontiguousarray(x.T))
+    vectors = k // lanes
+    lanes_sum = _ilp_sum(x[:, : vectors * lanes].reshape(n, vectors, lanes).transpose(1, 0, 2))
+    out = np.zeros(n, dtype=np.float32)
+    for column in range(vectors * lanes, k):
+        out = out + x[:, column]
+    for lane in range(lanes):
+        out = out + lanes_sum[:, lane]
+    return out
+
+
+def _torch_nanmean(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """``torch.nanmean(rows, dim=1)`` in float32 (NaN for a row of NaN only)."""
+    count = (~np.isnan(rows)).sum(axis=1).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (torch_cpu_nansum(rows, lanes) / count).astype(np.float32)
+
+
+def _torch_nanstd(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """TRL's ``nanstd(rows, dim=1)`` in float32: the NaN-mean of squared deviations from the
+    NaN-mean, times ``count / (count - 1)`` (NaN below 2 values), square-rooted."""
+    rows = np.asarray(rows, dtype=np.float32)
+    deviations = rows - _torch_nanmean(rows, lanes)[:, None]
+    variance = _torch_nanmean(deviations * deviations, lanes)
+    count = (~np.isnan(rows)).sum(axis=1).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        correction = np.where(count > 1, count / (count - np.float32(1.0)), np.float32(np.nan))
+        return np.sqrt((variance * correction.astype(np.float32)).astype(np.float32))
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """The config of one bundle as the family's loss reads it (replay-math.md "Loss family")."""
@@ -119,6 +212,7 @@ class LossSettings:
     top_entropy_quantile: float
     max_response_length: int | None
     accumulation: int
+    steps_per_generation: int | None
     token_normalizer: float | None
     sapo_pos: float
     sapo_neg: float
@@ -145,6 +239,7 @@ class LossSettings:
             top_entropy_quantile=float(ctx.cfg("top_entropy_quantile", 1.0)),
             max_response_length=ctx.config.get("max_response_length"),
             accumulation=int(ctx.cfg("gradient_accumulation_steps", 1)),
+            steps_per_generation=ctx.config.get("steps_per_generation"),
             token_normalizer=ctx.config.get("loss_token_normalizer"),
             sapo_pos=float(ctx.cfg("sapo_temperature_pos", 1.0)),
             sapo_neg=float(ctx.cfg("sapo_temperature_neg", 1.05)),
@@ -163,6 +258,35 @@ def k3_kl(log_probs: np.ndarray, ref_log_probs: np.ndarray) -> np.ndarray:
     """TRL's per-token KL: ``exp(ref - lp) - (ref - lp) - 1``, in float32."""
     diff = _f32(ref_log_probs) - _f32(log_probs)
     return np.exp(diff) - diff - np.float32(1.0)
+
+
+def importance_ratio(
+    log_probs: np.ndarray,
+    old_log_probs: np.ndarray,
+    mask: np.ndarray,
+    lengths: np.ndarray,
+    level: str,
+) -> np.ndarray:
+    """TRL's ``coef_1`` on every token: ``exp(lp - old)`` (``token``), or the exp of each
+    sample's masked mean of ``lp - old`` (``sequence``, GSPO), in float32."""
+    log_ratio = _f32(log_probs) - _f32(old_log_probs)
+    if level == "sequence":
+        counts = np.maximum(_row_sums(mask, lengths), 1.0).astype(np.float32)
+        per_row = _row_sums(log_ratio * mask, lengths).astype(np.float32) / counts
+        log_ratio = _per_token(per_row.astype(np.float32), lengths)
+    return np.exp(log_ratio)
+
+
+def loss_kl(
+    log_probs: np.ndarray,
+    ref_log_probs: np.ndarray,
+    ratio: np.ndarray | None,
+    bias_corrected: bool,
+) -> np.ndarray:
+    """The per-token KL TRL's loss adds (``per_token_kl``): k3, times the importance ratio
+    under ``use_bias_correction_kl`` (``use_unbiased_kl``; TRL 1.16's default)."""
+    kl = k3_kl(log_probs, ref_log_probs)
+    return (kl * ratio).astype(np.float32) if bias_corrected else kl
 
 
 def is_correction_ratio(
@@ -216,13 +340,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
     lp, adv = _f32(mb.log_probs), _f32(mb.advantages)
     ent = _f32(mb.entropy)
     counts = np.maximum(_row_sums(mask, lengths), 1.0).astype(np.float32)
-    log_ratio = lp - _f32(mb.old_log_probs)
-    if s.level == "sequence":
-        per_row = (_row_sums(log_ratio * mask, lengths).astype(np.float32)) / counts
-        log_weights = _per_token(per_row.astype(np.float32), lengths)
-    else:
-        log_weights = log_ratio
-    coef_1 = np.exp(log_weights)
+    coef_1 = importance_ratio(lp, mb.old_log_probs, mask, lengths, s.level)
     entropy_mask = None
     if s.top_entropy_quantile < 1.0:
         kept = ent[mask.astype(bool)]
@@ -237,9 +355,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
             raise StageInputError(
                 f"incomplete bundle: payload '{Payload.REF_LOG_PROBS}' is missing"
             )
-        per_token_kl = k3_kl(lp, mb.ref_log_probs)
-        if s.bias_corrected_kl:
-            per_token_kl = per_token_kl * coef_1
+        per_token_kl = loss_kl(lp, mb.ref_log_probs, coef_1, s.bias_corrected_kl)
     if s.policy_loss == "cispo":
         per_token_loss = -np.minimum(coef_1, np.float32(s.eps_high)) * adv * lp
     elif s.policy_loss == "sapo":
@@ -333,9 +449,13 @@ def reward_advantages(
     scale: str,
     eps: float,
     sample_ids: list[str],
+    sum_lanes: int | None = None,
 ) -> np.ndarray:
     """TRL's ``sum_then_normalize`` advantages: ``r - group mean``, divided by the group's
-    (``group``) or the whole batch's (``batch``) Bessel std plus ``eps`` unless ``none``."""
+    (``group``) or the whole batch's (``batch``) Bessel std plus ``eps`` unless ``none``.
+
+    With ``sum_lanes`` the means and stds are torch's float32 CPU sums (`torch_cpu_nansum`,
+    group members in bundle order); without, float64 sums rounded once to float32."""
     rewards = _f32(raw_rewards)
     groups: dict[int, list[int]] = {}
     for pos, group in enumerate(group_index):
@@ -350,6 +470,17 @@ def reward_advantages(
             )
     means = np.zeros_like(rewards)
     stds = np.zeros_like(rewards)
+    if sum_lanes is not None:
+        members = np.array(list(groups.values()), dtype=np.int64).reshape(-1, group_size)
+        means[members] = _torch_nanmean(rewards[members], sum_lanes)[:, None]
+        if scale == "batch":
+            stds[:] = _torch_nanstd(rewards[None, :], sum_lanes)[0] if rewards.size > 1 else 0.0
+        elif group_size > 1:
+            stds[members] = _torch_nanstd(rewards[members], sum_lanes)[:, None]
+        advantages = rewards - means
+        if scale != "none":
+            advantages = advantages / (stds + np.float32(eps))
+        return np.nan_to_num(advantages.astype(np.float32), nan=0.0)
     batch_std = np.float32(_nanstd(rewards)) if rewards.size > 1 else np.float32(0.0)
     for members in groups.values():
         values = rewards[members]
@@ -407,7 +538,10 @@ def stage_reward_raw(ctx: ReplayContext) -> StageOutcome:
         comparisons.append(
             ctx.compare(Stage.REWARD_RAW, "raw_reward", expected, actual, per_token=False)
         )
-    if all(sample.raw_reward is not None for sample in ctx.samples):
+    # each sample's recorded raw reward too, unless expected.json already failed
+    if all(c.ok for c in comparisons) and all(
+        sample.raw_reward is not None for sample in ctx.samples
+    ):
         recorded = np.array([sample.raw_reward for sample in ctx.samples], dtype=np.float64)
         comparisons.append(
             ctx.compare(Stage.REWARD_RAW, "raw_reward", recorded, actual, per_token=False)
@@ -437,6 +571,7 @@ def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
         raise StageInputError(
             "config.n_samples_per_prompt is missing; semantic group size unknown, refusing to guess"
         )
+    order = ctx.config.get("reward_sum_order")
     actual = reward_advantages(
         np.asarray(raw, dtype=np.float32),
         [sample.group_index for sample in ctx.samples],
@@ -444,13 +579,15 @@ def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
         scale,
         float(ctx.cfg("reward_std_eps", DEFAULT_REWARD_STD_EPS)),
         ctx.sample_ids,
+        sum_lanes=None if order is None else REWARD_SUM_ORDERS[order],
     )
     ctx.recomputed["rewards"] = actual
     comparisons = []
     expected = ctx.expected_per_sample(stage, "rewards")
     if expected is not None:
         comparisons.append(ctx.compare(stage, "reward", expected, actual, per_token=False))
-    if all(is_number(sample.reward) for sample in ctx.samples):
+    # each sample's recorded reward too, unless expected.json already failed (one line a sample)
+    if all(c.ok for c in comparisons) and all(is_number(sample.reward) for sample in ctx.samples):
         recorded = np.array([sample.reward for sample in ctx.samples], dtype=np.float64)
         comparisons.append(ctx.compare(stage, "reward", recorded, actual, per_token=False))
     if not comparisons:
@@ -459,10 +596,22 @@ def stage_reward_post_process(ctx: ReplayContext) -> StageOutcome:
 
 
 def stage_loss_kl(ctx: ReplayContext) -> StageOutcome:
-    """Loss-side per-token KL of log_probs against ref_log_probs, checked against payload kl."""
+    """The loss's per-token KL (k3 of log_probs against ref_log_probs, times the importance
+    ratio under use_unbiased_kl), checked against payload kl: the KL the producer's loss used."""
     stage = Stage.ADVANTAGE_KL
     expected = ctx.payload(Payload.KL)
-    actual = k3_kl(ctx.payload(Payload.LOG_PROBS), ctx.payload(Payload.REF_LOG_PROBS))
+    log_probs = ctx.payload(Payload.LOG_PROBS)
+    bias_corrected = bool(ctx.cfg("use_unbiased_kl", False))
+    ratio = None
+    if bias_corrected:
+        ratio = importance_ratio(
+            log_probs,
+            ctx.payload(Payload.OLD_LOG_PROBS),
+            _f32(ctx.mask()),
+            ctx.lengths,
+            str(ctx.cfg("importance_sampling_level", "token")),
+        )
+    actual = loss_kl(log_probs, ctx.payload(Payload.REF_LOG_PROBS), ratio, bias_corrected)
     ctx.recomputed["kl"] = actual
     comparison = ctx.compare(stage, Payload.KL, expected, actual, per_token=True)
     return outcome_of(
@@ -470,8 +619,73 @@ def stage_loss_kl(ctx: ReplayContext) -> StageOutcome:
     )
 
 
-def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
-    """The selected samples split by micro_batch_id, in order of first appearance."""
+@dataclass
+class _Inputs:
+    """What the loss read besides the payloads: recomputed where the bundle allows (and then
+    compared with the record), else the recorded value, named in ``trusted``."""
+
+    batches: list[MicroBatch]
+    comparisons: list[Any]
+    trusted: list[str]
+
+
+def generation_loss_tokens(
+    ctx: ReplayContext, order: dict[str, list[int]], steps_per_generation: int | None
+) -> dict[str, float]:
+    """Each micro-batch's generation-batch loss-token count (TRL's ``num_items_in_batch``),
+    where the bundle holds that generation batch whole.
+
+    TRL shuffles a generation batch once, splits it into ``steps_per_generation`` equal
+    micro-batches and feeds those slices in turn, ``num_iterations`` times over. So any
+    ``steps_per_generation`` consecutive micro-batches of one generation batch in which each
+    of its prompt groups appears exactly ``n_samples_per_prompt`` times are the whole batch,
+    and their loss tokens are the count of every micro-batch of that generation. A sample's
+    generation is ``group_index // (groups per generation batch)``.
+    """
+    group_size = ctx.config.get("n_samples_per_prompt")
+    sizes = {len(positions) for positions in order.values()}
+    if steps_per_generation is None or not isinstance(group_size, int) or len(sizes) != 1:
+        return {}
+    span = int(steps_per_generation)
+    generation_rows = sizes.pop() * span
+    if span < 1 or group_size < 1 or generation_rows % group_size:
+        return {}
+    groups_per_generation = generation_rows // group_size
+    tokens = _row_sums(_f32(ctx.mask()), ctx.lengths)
+    runs: list[tuple[int, list[str]]] = []  # consecutive micro-batches of one generation
+    for mb_id, positions in order.items():
+        groups = {ctx.samples[p].group_index for p in positions}
+        if not all(isinstance(g, int) and not isinstance(g, bool) for g in groups):
+            return {}
+        generations = {g // groups_per_generation for g in groups}
+        generation = generations.pop() if len(generations) == 1 else None
+        if generation is None or not runs or runs[-1][0] != generation:
+            runs.append((-1 if generation is None else generation, []))
+        runs[-1][1].append(mb_id)
+    counted: dict[int, float] = {}
+    for generation, mb_ids in runs:
+        first = generation * groups_per_generation
+        wanted = dict.fromkeys(range(first, first + groups_per_generation), group_size)
+        for start in range(len(mb_ids) - span + 1):
+            positions = [p for mb_id in mb_ids[start : start + span] for p in order[mb_id]]
+            counts: dict[int, int] = {}
+            for p in positions:
+                group = ctx.samples[p].group_index
+                counts[group] = counts.get(group, 0) + 1
+            if generation >= 0 and counts == wanted:
+                counted[generation] = float(tokens[positions].sum())
+                break
+    return {
+        mb_id: counted[generation]
+        for generation, mb_ids in runs
+        if generation in counted
+        for mb_id in mb_ids
+    }
+
+
+def _micro_batches(ctx: ReplayContext, s: LossSettings) -> _Inputs:
+    """The selected samples split by micro_batch_id, in order of first appearance, with the
+    recorded per-micro-batch inputs recomputed where the bundle allows."""
     order: dict[str, list[int]] = {}
     for pos, sample in enumerate(ctx.samples):
         order.setdefault(sample.micro_batch_id or "mb-0000", []).append(pos)
@@ -494,7 +708,9 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
     if needs_sampling:
         columns["sampling_log_probs"] = ctx.payload(Payload.ROLLOUT_LOG_PROBS)
     recorded = _recorded_micro_batches(ctx)
-    out = []
+    token_normalized = s.policy_loss in ("dapo", "cispo")
+    counted = generation_loss_tokens(ctx, order, s.steps_per_generation) if token_normalized else {}
+    inputs = _Inputs([], [], [])
     for mb_id, positions in order.items():
         index = np.concatenate(
             [np.arange(ctx.offsets[p], ctx.offsets[p + 1]) for p in positions]
@@ -502,9 +718,13 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
         parts = {name: values[index] for name, values in columns.items()}
         lengths = ctx.lengths[positions]
         record = recorded.get(mb_id, {})
-        normalizer = record.get("token_normalizer", s.token_normalizer)
-        if normalizer is None and s.policy_loss in ("dapo", "cispo"):
-            normalizer = max(float(columns["mask"].sum()), 1.0)
+        normalizer = None
+        if token_normalized:
+            normalizer = _token_normalizer(ctx, s, mb_id, record, counted, inputs)
+            if normalizer is None:
+                normalizer = max(float(columns["mask"].sum()), 1.0)
+        if s.aux_coef != 0.0 and is_number(record.get("aux_loss")):
+            inputs.trusted.append(f"{mb_id}.aux_loss")  # needs the loss forward's router logits
         is_ratio = None
         if s.is_correction is not None:
             is_ratio = is_correction_ratio(
@@ -516,7 +736,7 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
                 s.is_clip_min,
                 s.is_clip_max,
             )
-        out.append(
+        inputs.batches.append(
             MicroBatch(
                 micro_batch_id=mb_id,
                 lengths=lengths,
@@ -526,7 +746,46 @@ def _micro_batches(ctx: ReplayContext, s: LossSettings) -> list[MicroBatch]:
                 **parts,
             )
         )
-    return out
+    return inputs
+
+
+def _token_normalizer(
+    ctx: ReplayContext,
+    s: LossSettings,
+    mb_id: str,
+    record: Mapping[str, Any],
+    counted: Mapping[str, float],
+    inputs: _Inputs,
+) -> float | None:
+    """A dapo/cispo micro-batch's divisor, TRL's ``num_items_in_batch * G / steps_per_generation``
+    (one process): the count recomputed from the bundle when it holds the generation batch
+    whole (compared with the recorded one), else the recorded count or divisor, on trust; the
+    config's ``loss_token_normalizer``; None: the bundle's loss tokens."""
+    recorded = record.get("generation_loss_tokens")
+    tokens = counted.get(mb_id)
+    if tokens is not None and is_number(recorded):
+        atol, rtol = ctx.tolerance(Stage.LOSS_POLICY)
+        inputs.comparisons.append(
+            compare_arrays(
+                Stage.LOSS_POLICY,
+                f"{mb_id}.generation_loss_tokens",
+                np.array([float(recorded)]),
+                np.array([tokens]),
+                atol=atol,
+                rtol=rtol,
+            )
+        )
+    elif tokens is None and is_number(recorded) and s.steps_per_generation is not None:
+        tokens = float(recorded)
+        inputs.trusted.append(f"{mb_id}.generation_loss_tokens")
+    if tokens is not None and s.steps_per_generation is not None:
+        accumulation = np.float32(s.accumulation)
+        count = np.float32(max(tokens, 1.0))
+        return float(count * accumulation / np.float32(s.steps_per_generation))
+    if is_number(record.get("token_normalizer")):
+        inputs.trusted.append(f"{mb_id}.token_normalizer")
+        return float(record["token_normalizer"])
+    return s.token_normalizer
 
 
 def _recorded_micro_batches(ctx: ReplayContext) -> Mapping[str, Mapping[str, Any]]:
@@ -558,9 +817,8 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
     if not isinstance(recorded, dict) or not is_number(recorded.get("loss")):
         raise StageInputError(f"incomplete bundle: expected.json {stage}.loss is missing")
     settings = LossSettings.of(ctx)
-    results = {
-        mb.micro_batch_id: micro_batch_loss(mb, settings) for mb in _micro_batches(ctx, settings)
-    }
+    inputs = _micro_batches(ctx, settings)
+    results = {mb.micro_batch_id: micro_batch_loss(mb, settings) for mb in inputs.batches}
     atol, rtol = ctx.tolerance(stage)
     exact = ctx.source.manifest.exact_fields
 
@@ -576,7 +834,7 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
         )
 
     total = math.fsum(result["loss"] for result in results.values())
-    comparisons = [compare("loss", float(recorded["loss"]), total)]
+    comparisons = [*inputs.comparisons, compare("loss", float(recorded["loss"]), total)]
     for mb_id, fields in _recorded_micro_batches(ctx).items():
         if mb_id not in results:
             raise StageInputError(f"expected.json {stage}.micro_batches names unknown {mb_id}")
@@ -585,7 +843,9 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
             if is_number(value) and name in results[mb_id]:
                 comparisons.append(compare(f"{mb_id}.{name}", float(value), results[mb_id][name]))
     mismatched = [c.divergences[0].field for c in comparisons if not c.ok]
-    return outcome_of(stage, comparisons, f"{stage} mismatch in " + ", ".join(mismatched[:5]))
+    outcome = outcome_of(stage, comparisons, f"{stage} mismatch in " + ", ".join(mismatched[:5]))
+    outcome.trusted = inputs.trusted
+    return outcome
 
 
 # --------------------------------------------------------------------------- capability
@@ -631,6 +891,9 @@ def _unreplayable(stage: Stage, config: Mapping[str, Any]) -> str | None:
         scale = config.get("reward_scale")
         if scale is not None and scale not in REWARD_SCALES:
             return f"reward_scale {scale!r} is not one of {', '.join(REWARD_SCALES)}"
+        order = config.get("reward_sum_order")
+        if order is not None and order not in REWARD_SUM_ORDERS:
+            return f"reward_sum_order {order!r} is not one of {', '.join(REWARD_SUM_ORDERS)}"
     if stage == Stage.ADVANTAGE_KL and not config.get("use_kl_loss"):
         return "use_kl_loss is off: no loss-side KL to check"
     if stage != Stage.LOSS_POLICY:
@@ -671,9 +934,21 @@ for _stage, _run, _inputs in (
             "index.samples.group_index",
             "config.reward_scale",
             "config.reward_std_eps",
+            "config.reward_sum_order",
         ),
     ),
-    (Stage.ADVANTAGE_KL, stage_loss_kl, (Payload.LOG_PROBS, Payload.REF_LOG_PROBS)),
+    (
+        Stage.ADVANTAGE_KL,
+        stage_loss_kl,
+        (
+            Payload.LOG_PROBS,
+            Payload.REF_LOG_PROBS,
+            Payload.OLD_LOG_PROBS,
+            "index.samples.loss_mask",
+            "config.use_unbiased_kl",
+            "config.importance_sampling_level",
+        ),
+    ),
     (
         Stage.ADVANTAGE_ESTIMATE,
         v1.stage_advantage_estimate,

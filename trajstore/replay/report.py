@@ -42,6 +42,9 @@ def format_bundle(report: BundleReport, header: str) -> list[str]:
         if not outcome.requested and outcome.status in (StageStatus.PASS, StageStatus.FAIL):
             line += "  (input only)"
         lines.append(line)
+        if outcome.trusted:
+            lines.append(" " * 10 + "taken on trust (not recomputable from the bundle): ")
+            lines[-1] += ", ".join(outcome.trusted)
         for divergence in outcome.divergences:
             lines.append(" " * 10 + divergence_line(divergence))
     return lines
