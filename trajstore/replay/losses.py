@@ -58,11 +58,13 @@ REWARD_SCALES: tuple[str, ...] = ("group", "batch", "none")
 #: ``reward_sum_order`` -> the float32 SIMD width of torch's CPU sums that made the rewards'
 #: group means and stds (replayed addition by addition; null: float64 sums, rounded once)
 REWARD_SUM_ORDERS: dict[str, int] = {"torch-cpu-8": 8, "torch-cpu-16": 16}
-#: torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``) -> its sum order
+#: torch's CPU capability (``torch.backends.cpu.get_cpu_capability()``) -> its sum order.
+#: AVX512 builds still reduce float32 sums in 8-float vectors (checked against torch.nansum
+#: on an avx512f CPU with torch 2.13: the 16-lane order differed from length 8 up)
 CPU_SUM_ORDERS: dict[str, str] = {
     "DEFAULT": "torch-cpu-8",
     "AVX2": "torch-cpu-8",
-    "AVX512": "torch-cpu-16",
+    "AVX512": "torch-cpu-8",
 }
 #: per-micro-batch metrics a producer may record, compared when present
 METRIC_FIELDS: tuple[str, ...] = (
