@@ -84,6 +84,19 @@ def _start(rank: int, home: Path, env: dict[str, str], go: str = "go") -> subpro
     )
 
 
+@contextlib.contextmanager
+def _reaped(*procs: subprocess.Popen) -> Any:
+    """Kill whichever of `procs` still runs when the block ends: a failed assertion must
+    not leave a rank polling for its `go` file forever."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def _kinds_once(url: str, want: list[str], timeout_s: float = 120) -> list[str]:
     """The kinds of the published refs once they are `want` (or whatever they are at the
     timeout): a capture publishes from its writer thread, a while after the step."""
@@ -103,26 +116,27 @@ def test_two_ranks_on_two_hosts_publish_one_cohort(s3_env: Any, tmp_path: Path) 
     url = s3_env.fresh_url("capture")
     hosts = {r: _host(tmp_path, f"host-{r}", s3_env, url) for r in RANKS}
     procs = {r: _start(r, *hosts[r]) for r in RANKS}
-    # rank 0's rollout bundle is published by its capture writer, in the background
-    assert _kinds_once(url, ["rollout"]) == ["rollout"]
-    (hosts[1][0] / "go").touch()  # rank 1 first: it stores its shard, publishes nothing
-    out1, err1 = procs[1].communicate(timeout=180)
-    assert procs[1].returncode == 0, err1
-    with Store.open(url, create=False) as store:
-        assert [e.kind for e in store.refs.all()] == ["rollout"]  # rank 0's rollout only
-    (hosts[0][0] / "go").touch()
-    out0, err0 = procs[0].communicate(timeout=180)
-    assert procs[0].returncode == 0, err0
-    assert out0.split()[2] == "2" and out1.split()[2] == "0"  # rank 0 published the cohort
-    with Store.open(url, create=False) as store:
-        ranks = store.step("mr", 0, 0)
-        assert [b.rank for b in ranks] == RANKS and {b.attempt for b in ranks} == {1}
-        assert store.attempts("mr", "step", 0, 0) == [1]
-    for r in RANKS:  # nothing stayed in either host's private staging
-        assert not any((hosts[r][0] / "tmp").rglob("COMPLETE*"))
-    proc = cli("replay", "--store", url, "--run", "mr", "--step", "0:0", "--json")
-    assert proc.returncode == 0, proc.stderr
-    assert len(json.loads(proc.stdout)["bundles"]) == len(RANKS)
+    with _reaped(*procs.values()):
+        # rank 0's rollout bundle is published by its capture writer, in the background
+        assert _kinds_once(url, ["rollout"]) == ["rollout"]
+        (hosts[1][0] / "go").touch()  # rank 1 first: it stores its shard, publishes nothing
+        out1, err1 = procs[1].communicate(timeout=180)
+        assert procs[1].returncode == 0, err1
+        with Store.open(url, create=False) as store:
+            assert [e.kind for e in store.refs.all()] == ["rollout"]  # rank 0's rollout only
+        (hosts[0][0] / "go").touch()
+        out0, err0 = procs[0].communicate(timeout=180)
+        assert procs[0].returncode == 0, err0
+        assert out0.split()[2] == "2" and out1.split()[2] == "0"  # rank 0 published the cohort
+        with Store.open(url, create=False) as store:
+            ranks = store.step("mr", 0, 0)
+            assert [b.rank for b in ranks] == RANKS and {b.attempt for b in ranks} == {1}
+            assert store.attempts("mr", "step", 0, 0) == [1]
+        for r in RANKS:  # nothing stayed in either host's private staging
+            assert not any((hosts[r][0] / "tmp").rglob("COMPLETE*"))
+        proc = cli("replay", "--store", url, "--run", "mr", "--step", "0:0", "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert len(json.loads(proc.stdout)["bundles"]) == len(RANKS)
 
 
 class HoldingProxy:
@@ -196,32 +210,33 @@ def test_a_rank_killed_while_its_shard_uploads_publishes_nothing_and_a_recapture
     rank1 = _start(1, home1, {**env1, "AWS_ENDPOINT_URL": proxy.endpoint})
     rank0 = _start(0, home0, env0)
     again = _start(1, home1, env1, go="go-again")  # the re-capture, straight to the server
-    try:
-        (home1 / "go").touch()
-        held = proxy.held.wait(180)
-        os.kill(rank1.pid, signal.SIGKILL)
-        _, err1 = rank1.communicate(timeout=60)
-    finally:
-        proxy.close()
-    assert held, err1  # rank 1 was killed with its shard's pack upload in flight
-    assert rank1.returncode == -signal.SIGKILL
-    with Store.open(url, create=False) as store:
-        assert store.space.walk("capture") == []  # no shard of rank 1
-    (home0 / "go").touch()
-    out0, err0 = rank0.communicate(timeout=180)
-    assert rank0.returncode == 0, err0
-    assert out0.split()[2] == "1"  # its rollout only: the cohort waits for rank 1
-    with Store.open(url, create=False) as store:
-        assert [e.kind for e in store.refs.all()] == ["rollout"]
-        assert store.attempts("mr", "step", 0, 0) == []
-        assert [d.name for d in store.space.walk("capture")] == ["mr/step-0-0/g1/rank-0.json"]
-    (home1 / "go-again").touch()
-    out1, err1 = again.communicate(timeout=180)
-    assert again.returncode == 0, err1
-    assert out1.split()[2] == "1"  # it published the cohort
-    with Store.open(url, create=False) as store:
-        assert [b.rank for b in store.step("mr", 0, 0)] == RANKS
-        assert store.attempts("mr", "step", 0, 0) == [1]
-        assert store.space.walk("capture") == []
-        report = fsck(store)
-    assert report.ok, report.problems
+    with _reaped(rank1, rank0, again):
+        try:
+            (home1 / "go").touch()
+            held = proxy.held.wait(180)
+            os.kill(rank1.pid, signal.SIGKILL)
+            _, err1 = rank1.communicate(timeout=60)
+        finally:
+            proxy.close()
+        assert held, err1  # rank 1 was killed with its shard's pack upload in flight
+        assert rank1.returncode == -signal.SIGKILL
+        with Store.open(url, create=False) as store:
+            assert store.space.walk("capture") == []  # no shard of rank 1
+        (home0 / "go").touch()
+        out0, err0 = rank0.communicate(timeout=180)
+        assert rank0.returncode == 0, err0
+        assert out0.split()[2] == "1"  # its rollout only: the cohort waits for rank 1
+        with Store.open(url, create=False) as store:
+            assert [e.kind for e in store.refs.all()] == ["rollout"]
+            assert store.attempts("mr", "step", 0, 0) == []
+            assert [d.name for d in store.space.walk("capture")] == ["mr/step-0-0/g1/rank-0.json"]
+        (home1 / "go-again").touch()
+        out1, err1 = again.communicate(timeout=180)
+        assert again.returncode == 0, err1
+        assert out1.split()[2] == "1"  # it published the cohort
+        with Store.open(url, create=False) as store:
+            assert [b.rank for b in store.step("mr", 0, 0)] == RANKS
+            assert store.attempts("mr", "step", 0, 0) == [1]
+            assert store.space.walk("capture") == []
+            report = fsck(store)
+        assert report.ok, report.problems
