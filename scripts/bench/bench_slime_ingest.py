@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xet_baseline import isolate, require_xet, run_xet, tree_bytes
+from xet_baseline import forget_trajstore_caches, isolate, require_xet, run_xet, tree_bytes
 
 FULL = [
     "--rollouts", "3", "--prompts", "8", "--n", "8", "--prompt-len", "512",
@@ -70,6 +70,7 @@ def run_trajstore(dumps: Path, store: Path) -> dict[str, Any]:
     argv = ["ingest", "--from", "slime", str(dumps), "--store", str(store), "--run", "bench"]
     argv += ["--config", str(dumps / "args.txt"), "--json"]
     sink = io.StringIO()
+    forget_trajstore_caches()  # as a new process would start
     start = time.perf_counter()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(io.StringIO()):
         code = main(argv)

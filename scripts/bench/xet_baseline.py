@@ -47,6 +47,17 @@ def isolate(work: Path) -> None:
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
 
+def forget_trajstore_caches() -> None:
+    """Empty trajstore's per-process caches (encoded windows, decoded chunks), so an ingest
+    repeated in one process costs what `trajstore ingest` costs in a new one: the encode
+    cache would otherwise spare a repetition the compression of every window it saw."""
+    from trajstore.cas.arrays import ENCODE_CACHE
+    from trajstore.cas.chunk_cache import CHUNK_CACHE
+
+    ENCODE_CACHE.clear()
+    CHUNK_CACHE.clear()
+
+
 def tree_bytes(root: Path) -> int:
     """Bytes of every regular file under `root` (what it takes on disk, before blocks)."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
