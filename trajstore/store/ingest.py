@@ -834,8 +834,9 @@ class _Pipeline:
         """Create the refs of flushed targets (`Ingestor.publish_many`), by id.
 
         A ref create is two fsyncs (file, directory), three documents a target, and
-        most of a small target's fixed cost: the batch shares the directory fsyncs, and
-        its file fsyncs run concurrently (they share the file system's journal commits).
+        most of a small target's fixed cost: the batch's documents are fsynced in one
+        concurrent round (they share the file system's journal commits), then two
+        directory fsyncs (claims, refs) serve the whole batch (`publish_many`).
         """
         outs = self.ing.publish_many(written, self.ing.live_keys())
         return {id(w): o for w, o in zip(written, outs, strict=True)}
