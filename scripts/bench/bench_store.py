@@ -177,9 +177,12 @@ def figures_of(
     targets: tuple[float, float],
     reps: int,
     phys: int,
+    full: bool,
 ) -> list[dict[str, Any]]:
-    """The two figures of one workload: speed vs Xet and the store's physical / logical."""
+    """The two figures of one workload: speed vs Xet and the store's physical / logical.
+    A run smaller than the one the target names (`full` false) meets nothing."""
     speed_t, bytes_t = targets
+    note = "" if full else "smaller than the target's run, not measured: "
     ratio = res["ratio"]
     lo, hi = min(res["ratios"]), max(res["ratios"])
     mbps_t = logical / res["ts_median_s"] / 1e6
@@ -191,9 +194,9 @@ def figures_of(
             "target": f">= {speed_t}x",
             "value": round(ratio, 3),
             "unit": "x",
-            "met": ratio >= speed_t,
+            "met": full and ratio >= speed_t,
             "detail": (
-                f"{label}: `trajstore ingest` (fsync on, whole gate) of {bundles} bundles, "
+                f"{note}{label}: `trajstore ingest` (fsync on, whole gate) of {bundles} bundles, "
                 f"{logical / 1e6:.0f} MB ({shape}): {mbps_t:.0f} MB/s vs Xet local CAS "
                 f"{mbps_x:.0f} MB/s; median of {reps} per-rep ratios, range {lo:.3f}-{hi:.3f}; "
                 f"CPU s (all threads, medians) trajstore {res['ts_cpu_median_s']:.2f}, "
@@ -205,9 +208,9 @@ def figures_of(
             "target": f"<= {bytes_t}",
             "value": round(dir_ratio, 4),
             "unit": "",
-            "met": dir_ratio <= bytes_t,
+            "met": full and dir_ratio <= bytes_t,
             "detail": (
-                f"{label}: store directory {res['store_dir_bytes']:,} B / {logical:,} B of "
+                f"{note}{label}: store directory {res['store_dir_bytes']:,} B / {logical:,} B of "
                 f"bundle files (objects the refs reach: {phys / logical:.4f}); Xet's CAS "
                 f"directory {res['xet_cas_bytes'] / logical:.4f}"
             ),
@@ -342,6 +345,7 @@ def routed_run(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
         (ROUTED_TARGET, ROUTED_BYTES_TARGET),
         args.reps,
         phys,
+        logical >= 571e6,  # issue 33's routed run: 571 MB
     )
 
 
@@ -392,6 +396,7 @@ def small_run(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
         (SMALL_TARGET, SMALL_BYTES_TARGET),
         args.reps,
         phys,
+        bundles >= 31 and logical >= 40e6,  # issue 33's: 31 bundles, 40 MB
     )
 
 
