@@ -55,7 +55,7 @@ from trajstore.bundle.reader import (
 )
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.errors import BundleError, StoreError, TrajstoreError
-from trajstore.jsonio import read_bytes, sha256_bytes
+from trajstore.jsonio import dumps_sorted_indent1, read_bytes, sha256_bytes
 from trajstore.pools import SharedPool
 from trajstore.refspace import RefSpace
 from trajstore.store import gclock
@@ -520,7 +520,7 @@ class Ingestor:
                 continue
             ahead_keys.add(key)
             doc = {**p.doc, "key": key, "attempt": 1, "published_at": _now()}
-            data = json.dumps(doc, sort_keys=True, indent=1).encode()
+            data = dumps_sorted_indent1(doc)
             name = new_doc_name()
             ahead[i] = (key, data, len(staged))
             staged.append((f"{CLAIMS_KEY}/{_key_hash(key)}.ref1", name.encode()))
@@ -563,7 +563,7 @@ class Ingestor:
                 todo.append((w, key, ahead[i][1]))
                 continue
             p.doc.update(key=key, attempt=attempt, published_at=_now())
-            todo.append((w, key, json.dumps(p.doc, sort_keys=True, indent=1).encode()))
+            todo.append((w, key, dumps_sorted_indent1(p.doc)))
         mine = [new_doc_name() for _ in todo]
         guards = [f"{CLAIMS_KEY}/{_key_hash(key)}.ref1" for _, key, _ in todo]
         held = self.space.create_many_if_absent(
