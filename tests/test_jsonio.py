@@ -250,11 +250,11 @@ _REF_LIKE = st.recursive(
         | st.dictionaries(st.text(max_size=5), children, max_size=5)
         | st.tuples(children, children)
     ),
-    max_leaves=40,
+    max_leaves=20,
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_REF_LIKE)
 def test_dumps_sorted_indent1_is_the_stdlibs_bytes(value: object) -> None:
     assert dumps_sorted_indent1(value) == json.dumps(value, sort_keys=True, indent=1).encode()
