@@ -96,3 +96,45 @@ def test_a_kill_right_after_a_write_leaves_whole_or_absent_bundles(
         assert [store.attempts("default", "step", 7, s) for s in (0, 1)] == [[1], [1]]
         assert fsck(store).ok
     assert visible_bundles(store_url, targets, tmp_path) == len(targets)
+
+
+#: (write, n, steps visible after the kill) in a batch of four single bundles, steps 0-3:
+#: the batch's objects go to one pack whose flush precedes every ref of the batch, and its
+#: refs are created in target order, so a kill leaves a prefix of the targets whole
+BATCH_POINTS = [
+    ("pack body", 1, []),
+    ("pack index", 1, []),
+    ("ref guard", 4, []),
+    ("ref", 2, [0, 1]),
+]
+
+
+@pytest.mark.parametrize(
+    ("write", "nth", "steps"),
+    BATCH_POINTS,
+    ids=[f"{w.replace(' ', '-')}-{n}" for w, n, _ in BATCH_POINTS],
+)
+def test_a_kill_inside_a_batch_leaves_a_prefix_of_whole_bundles(
+    tmp_path: Path, write: str, nth: int, steps: list[int]
+) -> None:
+    store_dir = tmp_path / "store"
+    targets = _capture(tmp_path / "cap", [0, 1, 2, 3], tokens=300)
+    Store.open(store_dir).close()
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH_AFTER, WRITES[write], str(nth)]
+        + ["ingest", "--store", str(store_dir), str(tmp_path / "cap")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with Store.open(store_dir, create=False) as store:
+        assert fsck(store).ok
+        live = sorted(e.step_id for e in store.refs.live().values())
+    assert live == steps
+    assert visible_bundles(store_dir, targets, tmp_path) == len(steps)  # whole, byte for byte
+    with Store.open(store_dir) as store:
+        assert {o.status for o in store.ingest([tmp_path / "cap"])} <= {"published", "unchanged"}
+        assert [store.attempts("default", "step", 7, s) for s in range(4)] == [[1]] * 4
+        assert fsck(store).ok
+    assert visible_bundles(store_dir, targets, tmp_path) == 4

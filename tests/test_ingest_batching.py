@@ -38,6 +38,29 @@ def test_create_many_of_one_or_none(tmp_path: Path) -> None:
     assert space.read("k") == b"v"
 
 
+def test_staged_documents_are_created_only_when_asked_and_never_replace(tmp_path: Path) -> None:
+    space = LocalRefSpace(tmp_path)
+    assert space.create_if_absent("refs/claims/b", b"old")
+    items = [
+        ("refs/claims/a", b"1"),
+        ("refs/claims/b", b"new"),  # exists: left as it is
+        ("refs/bundles/x.json", b"{}"),  # a directory not there yet
+        ("refs/bundles/y.json", b"[]"),  # never asked for: never created
+    ]
+    with space.staged(items) as st:
+        assert not space.exists("refs/claims/a")  # staged is not created
+        assert [st.create(0), st.create(1)] == [True, False]
+        st.sync()
+        assert st.create(2)
+        st.sync()
+    assert space.read("refs/claims/a") == b"1"
+    assert space.read("refs/claims/b") == b"old"
+    assert space.read("refs/bundles/x.json") == b"{}"
+    assert not space.exists("refs/bundles/y.json")
+    for d in ("refs/claims", "refs/bundles"):  # no temp file is left behind
+        assert sorted(os.listdir(tmp_path / d)) == sorted(e.name for e in space.list(d))
+
+
 def test_objects_put_while_a_flush_writes_its_pack_are_readable_and_flushed(
     tmp_path: Path,
 ) -> None:

@@ -22,7 +22,12 @@ from hypothesis import strategies as st
 from trajstore.bundle.checks import sample_record_problems
 from trajstore.bundle.ptfile import read_pt_bytes
 from trajstore.errors import BundleError
-from trajstore.jsonio import _parse_stdlib, is_binary_int_list, parse_json
+from trajstore.jsonio import (
+    _parse_stdlib,
+    dumps_sorted_indent1,
+    is_binary_int_list,
+    parse_json,
+)
 from trajstore.schema import Sample
 
 
@@ -230,3 +235,39 @@ def test_an_opened_bundle_keeps_the_bytes_its_gate_checked(target: str) -> None:
             assert data == (b.path / name).read_bytes()
         b.release()  # with the payloads: a cohort's ingest keeps one rank in memory
         assert b.files == {}
+
+
+#: what a ref document holds, and the text each writer might write differently
+_REF_LIKE = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.characters(max_codepoint=0x2FF), max_size=8)
+    | st.sampled_from(["", "\x7f", "a\nb", '"\\/', "\u00e9", "0" * 64]),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.text(max_size=5), children, max_size=5)
+        | st.tuples(children, children)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_REF_LIKE)
+def test_dumps_sorted_indent1_is_the_stdlibs_bytes(value: object) -> None:
+    assert dumps_sorted_indent1(value) == json.dumps(value, sort_keys=True, indent=1).encode()
+
+
+def test_dumps_sorted_indent1_of_a_ref_is_the_stdlibs_bytes() -> None:
+    ref = {
+        "attempt": 1,
+        "cohort_ranks": None,
+        "documents": {"index": "ab" * 32, "manifest": "cd" * 32},
+        "payloads": {"log_probs": {"file": {"span": [64, 4096]}, "rows": "response"}},
+        "rank": None,
+        "run": "r-1.x",
+        "sentinels": {},
+    }
+    assert dumps_sorted_indent1(ref) == json.dumps(ref, sort_keys=True, indent=1).encode()

@@ -28,6 +28,7 @@ __all__ = [
     "DocRef",
     "LocalRefSpace",
     "RefSpace",
+    "StagedDocs",
     "listing_margin_s",
 ]
 
@@ -79,6 +80,12 @@ class RefSpace(ABC):
         """
         return [self.create_if_absent(k, d) for k, d in items]
 
+    def staged(self, items: list[tuple[str, bytes]]) -> StagedDocs:
+        """Documents written ahead of their creation, to be created later, some or all, in
+        an order the caller decides as it goes (`StagedDocs`). This default creates each
+        one, durable, when asked (what a backend without a cheaper batch does)."""
+        return StagedDocs(self, items)
+
     @abstractmethod
     def read(self, key: str) -> bytes:
         """The bytes of `key`; NotFoundError if absent, StoreError if unreadable."""
@@ -113,6 +120,40 @@ class RefSpace(ABC):
         """Whether `folder` may hold documents not listed since `stamps` (the caller's
         memory) was last updated; True when the backend cannot tell cheaply."""
         return True
+
+
+class StagedDocs:
+    """Documents of one batch, staged: `create(i)` creates item i (create-if-absent, the
+    commit point; False if its key exists), `sync()` makes every item created so far
+    durable, `close()` (or leaving the `with`) drops what was not created.
+
+    Why: a batch's attempt claims, ref guards and refs are each a durable create, and on
+    a local store each costs an fsync of its content before its name may exist. Staged,
+    the contents of the whole batch are written and fsynced in one round, before any of
+    them is created; which ones are then created depends on the creates before them
+    (a claim another capture holds means no guard or ref of that attempt).
+    This default (any backend) creates and makes durable each item when asked.
+    """
+
+    def __init__(self, space: RefSpace, items: list[tuple[str, bytes]]) -> None:
+        self.space = space
+        self.items = items
+
+    def create(self, i: int) -> bool:
+        key, data = self.items[i]
+        return self.space.create_if_absent(key, data)
+
+    def sync(self) -> None:
+        """Every item created so far is durable on return."""
+
+    def close(self) -> None:
+        """Drop what was staged and not created."""
+
+    def __enter__(self) -> StagedDocs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -202,6 +243,9 @@ class LocalRefSpace(RefSpace):
             for tmp in tmps:
                 tmp.unlink(missing_ok=True)
 
+    def staged(self, items: list[tuple[str, bytes]]) -> StagedDocs:
+        return _LocalStaged(self, items)
+
     def read(self, key: str) -> bytes:
         path = self.root / key
         try:
@@ -259,3 +303,56 @@ class LocalRefSpace(RefSpace):
         if time.time_ns() - stamp > self.RACY_NS:
             stamps[folder] = stamp
         return True
+
+
+class _LocalStaged(StagedDocs):
+    """Staged documents of a `LocalRefSpace`: every temp file written and fsynced at once
+    (one round on a few threads), each linked to its name when created (create-if-absent),
+    and each directory linked into fsynced once per `sync`."""
+
+    def __init__(self, space: LocalRefSpace, items: list[tuple[str, bytes]]) -> None:
+        super().__init__(space, items)
+        self.root = space.root
+        self.durable = space.durable
+        self.paths = [space.root / key for key, _ in items]
+        self.tmps: list[Path | None] = []
+        self._dirty: set[Path] = set()
+        try:
+            for d in {p.parent for p in self.paths}:
+                d.mkdir(parents=True, exist_ok=True)
+            for path, (_, data) in zip(self.paths, items, strict=True):
+                tmp = temp_sibling(path)
+                self.tmps.append(tmp)
+                with open(tmp, "wb") as f:
+                    f.write(data)
+            if self.durable:
+                _fsync_all([t for t in self.tmps if t is not None])
+        except BaseException:
+            self.close()
+            raise
+
+    def create(self, i: int) -> bool:
+        tmp, path = self.tmps[i], self.paths[i]
+        if tmp is None:
+            raise StoreError(f"{path}: staged document already used")
+        self.tmps[i] = None
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._dirty.add(path.parent)
+        return True
+
+    def sync(self) -> None:
+        if self.durable:
+            for d in sorted(self._dirty):
+                fsync_path(d)
+        self._dirty.clear()
+
+    def close(self) -> None:
+        for i, tmp in enumerate(self.tmps):
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+                self.tmps[i] = None

@@ -10,7 +10,7 @@ other for the cores:
 
 | script | figures |
 |---|---|
-| `bench_store.py` | ingest (routed long run, small bundles), ratio to FastCDC + zstd |
+| `bench_store.py` | ingest (routed long run, small bundles), ratio to Hugging Face Xet, bytes |
 | `bench_dedup.py` | physical/logical bytes, routed long run and dense run |
 | `bench_cli.py` | `trajstore query`/`sql`/`ls` whole command wall time |
 | `bench_store_replay.py` | replay of a step from the store, ratio to its exported directory |

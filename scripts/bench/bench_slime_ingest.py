@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -44,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from xet_baseline import forget_trajstore_caches, isolate, require_xet, run_xet, tree_bytes
 
 FULL = [
     "--rollouts", "3", "--prompts", "8", "--n", "8", "--prompt-len", "512",
@@ -55,10 +56,6 @@ QUICK = [
     "--response-len", "128", "--layers", "48", "--topk", "8", "--experts", "128",
     "--dp", "2", "--steps", "1", "--micro-batch", "2",
 ]  # fmt: skip
-
-
-def tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def dump_files(root: Path) -> list[Path]:
@@ -73,6 +70,7 @@ def run_trajstore(dumps: Path, store: Path) -> dict[str, Any]:
     argv = ["ingest", "--from", "slime", str(dumps), "--store", str(store), "--run", "bench"]
     argv += ["--config", str(dumps / "args.txt"), "--json"]
     sink = io.StringIO()
+    forget_trajstore_caches()  # as a new process would start
     start = time.perf_counter()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(io.StringIO()):
         code = main(argv)
@@ -111,32 +109,6 @@ def phases(dumps: Path, store: Path) -> dict[str, float]:
     }
 
 
-def run_xet(files: list[Path], cas: Path) -> dict[str, Any]:
-    import hf_xet
-
-    start = time.perf_counter()
-    session = hf_xet.XetSession()
-    commit = session.new_upload_commit(endpoint=f"local://{cas}")
-    for path in files:
-        commit.start_upload_file(str(path), sha256=hf_xet.SKIP_SHA256)
-    report = commit.wait_to_finish()
-    wall = time.perf_counter() - start
-    m = report.dedup_metrics
-    metrics = {
-        name: getattr(m, name)
-        for name in (
-            "total_bytes",
-            "new_bytes",
-            "deduped_bytes",
-            "xorb_bytes_uploaded",
-            "shard_bytes_uploaded",
-            "total_chunks",
-            "deduped_chunks",
-        )
-    }
-    return {"wall_s": wall, "cas_dir_bytes": tree_bytes(cas), "dedup_metrics": metrics}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny run, 2 repetitions")
@@ -144,16 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     ap.add_argument("--workdir", type=Path, default=None, help="where to generate (a temp dir)")
     args = ap.parse_args(argv)
-    try:
-        import hf_xet  # noqa: F401
-    except ImportError:
-        raise SystemExit(
-            "hf_xet is not installed: pip install hf_xet (the dev extra has it)"
-        ) from None
+    require_xet()
     reps = args.reps or (2 if args.quick else 5)
     work = Path(tempfile.mkdtemp(prefix="bench-slime-", dir=args.workdir))
-    os.environ["HF_XET_CACHE"] = str(work / "xet-cache")  # never the user's cache
-    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    isolate(work)  # Xet's cache in the temp dir, never the user's
     try:
         from trajstore.examples import slime_dumps
 
@@ -171,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
                 if side == "trajstore":
                     got = run_trajstore(dumps, target)
                 else:
-                    target.mkdir()
                     got = run_xet(files, target)
                 shutil.rmtree(target, ignore_errors=True)
                 if rep:

@@ -55,7 +55,7 @@ from trajstore.bundle.reader import (
 )
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.errors import BundleError, StoreError, TrajstoreError
-from trajstore.jsonio import read_bytes, sha256_bytes
+from trajstore.jsonio import dumps_sorted_indent1, read_bytes, sha256_bytes
 from trajstore.pools import SharedPool
 from trajstore.refspace import RefSpace
 from trajstore.store import gclock
@@ -486,54 +486,100 @@ class Ingestor:
 
     def publish_many(self, writtens: list[_Written], live: set[str]) -> list[IngestOutcome]:
         """Create the refs of written targets whose objects are durable (flushed), in order;
-        `live` holds the keys already live (this call adds the ones it publishes). The
-        documents of all of them are created in three batches
-        (`RefSpace.create_many_if_absent`: one fsync per directory, not per document):
-        the attempt claims, then the ref guards, then the refs, each batch durable before
-        the next starts (the module docstring's order, for the whole batch). Anything but
-        the first try of each (a claim held by another capture, a ref already there) takes
-        the one-by-one path (`_claim_attempt`, `_publish`), so attempts and keys are those
-        of publishing the targets one at a time.
+        `live` holds the keys already live (this call adds the ones it publishes).
+
+        The common case, a first capture of each anchor, costs one round of fsyncs for the
+        whole batch (`RefSpace.staged`): every anchor's attempt-1 claim, and the ref guard
+        and ref it leads to, are written and fsynced before any of them is created; then
+        the claims are created, then the guards of the claims this call made, the claims
+        directory is fsynced once, then the refs of the guards this call made, and the refs
+        directory is fsynced once. So each ref is created only after its claim and guard
+        are durable (the module docstring's order). Anything but that first try (a claim
+        held by another capture, a guard held by another writer, the second capture of an
+        anchor in the batch) takes the one-by-one path (`_claim_attempt`, `_publish`), so
+        attempts and keys are those of publishing the targets one at a time.
         """
         items = [(w, p) for w in writtens for p in w.prepared]
         captures = [p.doc["cohort_sentinels"].get("COMPLETE") or p.digest for _, p in items]
         first: dict[tuple, int] = {}  # anchor -> its first item: tries attempt 1 in the batch
         for i, (_, p) in enumerate(items):
             first.setdefault(p.identity[:4], i)
-        tries = [
+        staged: list[tuple[str, bytes]] = [
             (f"{CLAIMS_KEY}/{_anchor_hash(items[i][1].identity[:4])}.a1", captures[i].encode())
             for i in first.values()
         ]
-        made = dict(zip(first.values(), self.space.create_many_if_absent(tries), strict=True))
+        # attempt 1's guard and ref of each item of the same capture as its anchor's first
+        # try (a cohort's ranks share it) whose key is not live: staged with the claims,
+        # used only if this call makes that claim (else attempt 1 may be another capture)
+        ahead: dict[int, tuple[str, bytes, int]] = {}  # item -> key, ref data, staged index
+        ahead_keys: set[str] = set()
+        for i, (_, p) in enumerate(items):
+            f = first[p.identity[:4]]
+            key = bundle_key(*p.identity, 1)
+            if captures[i] != captures[f] or key in live or key in ahead_keys:
+                continue
+            ahead_keys.add(key)
+            doc = {**p.doc, "key": key, "attempt": 1, "published_at": _now()}
+            data = dumps_sorted_indent1(doc)
+            name = new_doc_name()
+            ahead[i] = (key, data, len(staged))
+            staged.append((f"{CLAIMS_KEY}/{_key_hash(key)}.ref1", name.encode()))
+            staged.append((f"{BUNDLE_REFS_KEY}/{name}.json", data))
+        made: dict[int, bool] = {}
+        created: set[int] = set()  # items whose ref this call created ahead
+        by_guard: list[int] = []  # items whose guard this call created
+        with self.space.staged(staged) as st:
+            for k, i in enumerate(first.values()):
+                made[i] = st.create(k)
+            for i, (_, _, g) in ahead.items():
+                if made[first[items[i][1].identity[:4]]] and st.create(g):
+                    by_guard.append(i)
+            st.sync()  # the claims and guards made are durable before any ref exists
+            for i in by_guard:
+                if st.create(ahead[i][2] + 1):
+                    created.add(i)
+            st.sync()
+        if created:
+            with self._refs_lock:
+                self.refs.invalidate()
         # every anchor's attempt-1 claim exists now: the others start by reading it
         todo: list[tuple[_Written, str, bytes]] = []
         keys: dict[int, list[str]] = {id(w): [] for w in writtens}
+        published: set[int] = set()
         for i, (w, p) in enumerate(items):
-            attempt = 1 if made.get(i) else self._claim_attempt(p.identity[:4], captures[i], 1)
+            anchor = p.identity[:4]
+            ours = made[first[anchor]] and captures[i] == captures[first[anchor]]
+            attempt = 1 if ours else self._claim_attempt(anchor, captures[i], 1)
             key = bundle_key(*p.identity, attempt)
             keys[id(w)].append(key)
+            if i in created:
+                published.add(id(w))
+                live.add(key)
+                continue
             if key in live:
                 continue
-            p.doc.update(key=key, attempt=attempt, published_at=_now())
-            todo.append((w, key, json.dumps(p.doc, sort_keys=True, indent=1).encode()))
             live.add(key)
+            if ours and i in ahead:  # its guard was there already: the batch path below
+                todo.append((w, key, ahead[i][1]))
+                continue
+            p.doc.update(key=key, attempt=attempt, published_at=_now())
+            todo.append((w, key, dumps_sorted_indent1(p.doc)))
         mine = [new_doc_name() for _ in todo]
         guards = [f"{CLAIMS_KEY}/{_key_hash(key)}.ref1" for _, key, _ in todo]
         held = self.space.create_many_if_absent(
             [(g, m.encode()) for g, m in zip(guards, mine, strict=True)]
         )
         names = [m if h else self._held(g) for g, m, h in zip(guards, mine, held, strict=True)]
-        created = self.space.create_many_if_absent(
+        done = self.space.create_many_if_absent(
             [
                 (f"{BUNDLE_REFS_KEY}/{n}.json", data)
                 for n, (_, _, data) in zip(names, todo, strict=True)
             ]
         )
-        if any(created):
+        if any(done):
             with self._refs_lock:
                 self.refs.invalidate()
-        published: set[int] = set()
-        for (w, key, data), ok in zip(todo, created, strict=True):
+        for (w, key, data), ok in zip(todo, done, strict=True):
             if ok or self._publish(key, data):
                 published.add(id(w))
         return [
@@ -788,8 +834,9 @@ class _Pipeline:
         """Create the refs of flushed targets (`Ingestor.publish_many`), by id.
 
         A ref create is two fsyncs (file, directory), three documents a target, and
-        most of a small target's fixed cost: the batch shares the directory fsyncs, and
-        its file fsyncs run concurrently (they share the file system's journal commits).
+        most of a small target's fixed cost: the batch's documents are fsynced in one
+        concurrent round (they share the file system's journal commits), then two
+        directory fsyncs (claims, refs) serve the whole batch (`publish_many`).
         """
         outs = self.ing.publish_many(written, self.ing.live_keys())
         return {id(w): o for w, o in zip(written, outs, strict=True)}
