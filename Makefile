@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv test demo lint bench clean chromium
+.PHONY: venv test test-fast demo lint bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ chromium:
 
 test: $(STAMP) chromium
 	$(PY) -m pytest
+
+# The edit-run loop: unit tests only (no servers, browsers, trainers or child processes).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m unit
 
 LINT_PATHS := trajstore api migrations examples tests scripts
 

@@ -326,3 +326,23 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
         text=True,
     )
     return DemoRun(cwd, proc.returncode, proc.stdout)
+
+
+SIDES = ("unit", "integration")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test names its side of the `make test-fast` split (a file's `pytestmark`), so a
+    new file cannot slip a server or a trainer into the fast loop unnoticed."""
+    unmarked = sorted(
+        {
+            item.nodeid.split("::")[0]
+            for item in items
+            if not any(item.iter_markers(s) for s in SIDES) and "tests/fuzz" not in str(item.path)
+        }
+    )
+    if unmarked:
+        raise pytest.UsageError(
+            "test files without `pytestmark = pytest.mark.unit` or `.integration`: "
+            + ", ".join(unmarked)
+        )

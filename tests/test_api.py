@@ -39,6 +39,8 @@ from trajstore.api.app import create_app
 from trajstore.bundle.writer import write_bundle
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 STEP_DIR = CAPTURE_DIR / "replay-120-0"
 EXAMPLE = FIXTURES / "example_bundle"
 DIVERGENT = FIXTURES / "example_bundle_divergent"

@@ -25,6 +25,8 @@ from trajstore.api import web
 from trajstore.api.app import create_app
 from trajstore.api.routes import ROUTERS
 
+pytestmark = pytest.mark.integration
+
 TOKEN = "walk-the-spec-0123456789"
 #: a real value for each path parameter, so the right token gets a real answer
 PARAMS = {

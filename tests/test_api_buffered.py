@@ -24,6 +24,8 @@ from test_api_hostile import KEY, PAYLOAD, assert_json_error, raw_request, serve
 
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 #: the stored log_probs of KEY: 10 float32 = 40 raw bytes, its .pt file 1,591 bytes
 PT_FILE = CAPTURE_DIR / "replay-120-0" / "rank-0" / "payloads" / "log_probs.pt"
 TIGHT_LIMIT = 32

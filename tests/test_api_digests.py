@@ -20,6 +20,8 @@ from trajstore.catalog.queries import samples_of
 from trajstore.errors import IntegrityError
 from trajstore.store import Store
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -34,6 +34,8 @@ from trajstore.api.limits import QueueLimitedLock
 from trajstore.cas.objects import LocalObjectStore
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 KEY = "cap/step-120-0/rank-0/a1"
 PAYLOAD = f"/v1/bundles/{KEY}/payloads/log_probs"
 #: the deadline the tests give a client to send one whole request (the default is 30 s)

@@ -27,6 +27,8 @@ from test_api_hostile import KEY, served, store  # noqa: F401  (the module's sto
 
 from trajstore.bundle.writer import write_bundle
 
+pytestmark = pytest.mark.integration
+
 LIVE_BUNDLES = 12
 THREADS = 6
 #: how long the clients keep going after the ingest started (at least until it ends)

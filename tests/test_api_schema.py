@@ -20,6 +20,8 @@ from test_api import serve
 
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 CHECKS = (
     "not_a_server_error,status_code_conformance,"
     "response_schema_conformance,content_type_conformance"

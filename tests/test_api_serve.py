@@ -30,6 +30,8 @@ from trajstore.bundle.writer import write_bundle
 from trajstore.cas.arrays import load_record
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 #: tokens per sample: 4 samples of bf16 log-probs span two decode batches
 LONG = (streaming.BATCH_BYTES // 2) // 4 + 5000
 

@@ -26,6 +26,8 @@ from trajstore.schema import (
     format_major,
 )
 
+pytestmark = pytest.mark.unit
+
 V2_BUNDLE_DIRS = [FIXTURES / n for n in FIXTURE_BUNDLES] + [
     CAPTURE_DIR / "replay-120-0" / "rank-0",
     CAPTURE_DIR / "replay-120-0" / "rank-1",

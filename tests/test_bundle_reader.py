@@ -30,6 +30,8 @@ from trajstore.bundle.validate import validate_path
 from trajstore.bundle.writer import write_bundle
 from trajstore.errors import BundleError, UsageError
 
+pytestmark = pytest.mark.unit
+
 
 def _problems(path: Path) -> list[str]:
     report = validate_path(path)

@@ -17,6 +17,8 @@ from trajstore.bundle.writer import try_finalize, write_bundle, write_rank
 from trajstore.errors import BundleError
 from trajstore.jsonio import canonical_dumps
 
+pytestmark = pytest.mark.unit
+
 
 def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name)

@@ -16,6 +16,8 @@ from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
 from trajstore.capture.manager import NULL_STEP
 from trajstore.store.api import Store
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "sk-live-Zq9XWv3SECRETb7Tn"
 

@@ -22,6 +22,8 @@ from trajstore.bundle.reader import is_cohort_dir
 from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
 from trajstore.capture.manager import NULL_STEP
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 5  # one_step's two samples: 3 + 2 response tokens
 SAMPLES = [

@@ -21,11 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_store import cli
 
 from trajstore.errors import StoreError
 from trajstore.store import Store
 from trajstore.store.maintenance import fsck
+
+pytestmark = pytest.mark.integration
 
 RANKS = [0, 1]
 

@@ -25,6 +25,8 @@ from trajstore.cas import (
 from trajstore.cas.arrays import decode_chunks
 from trajstore.errors import IntegrityError, NotFoundError, StoreError, UsageError
 
+pytestmark = pytest.mark.unit
+
 
 def _store(root: Path, **kw) -> LocalObjectStore:
     return LocalObjectStore(root, durable=False, **kw)

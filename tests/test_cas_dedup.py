@@ -20,6 +20,8 @@ from trajstore.cas import (
 )
 from trajstore.errors import IntegrityError, UsageError
 
+pytestmark = pytest.mark.unit
+
 FIXTURE_STORE = Path(__file__).parent / "fixtures" / "store-format1"
 
 

@@ -19,6 +19,8 @@ from trajstore.cas.arrays import ENCODE_CACHE, ZSTD_LEVEL
 from trajstore.cas.lru import BytesLRU
 from trajstore.cas.objects import LocalObjectStore, object_hash
 
+pytestmark = pytest.mark.unit
+
 
 def _payload(routes: bool) -> tuple[np.ndarray, list[int], list[int]]:
     rng = np.random.default_rng(21)

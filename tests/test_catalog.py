@@ -49,6 +49,8 @@ from trajstore.errors import StoreError, UsageError
 from trajstore.replay.from_store import write_result
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = FIXTURES / "example_bundle"
 

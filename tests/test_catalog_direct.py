@@ -33,6 +33,8 @@ from trajstore.cli._catalog import PagedReader
 from trajstore.errors import UsageError
 from trajstore.vocab import STEP_STATUSES
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLES = 1100  # more than one 1000-row page of bundles and of steps
 

@@ -40,6 +40,8 @@ from trajstore.catalog import tables as t
 from trajstore.errors import UsageError
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = FIXTURES / "example_bundle"
 

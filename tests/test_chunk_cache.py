@@ -22,6 +22,8 @@ from trajstore.errors import IntegrityError
 from trajstore.replay.from_store import Target, replay_stored
 from trajstore.store import Store
 
+pytestmark = pytest.mark.unit
+
 #: rows of one chunk each, more than two pool batches (the parallel path)
 ROWS = 2 * BATCH + 7
 

@@ -13,6 +13,8 @@ from conftest import CAPTURE_DIR, FIXTURE_BUNDLES, FIXTURES, copy_fixture, make_
 
 from trajstore.bundle.writer import write_bundle
 
+pytestmark = pytest.mark.integration
+
 
 def run(*args: str | Path) -> subprocess.CompletedProcess:
     return subprocess.run(

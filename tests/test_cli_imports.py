@@ -24,6 +24,8 @@ from trajstore.errors import StoreError
 from trajstore.store import Store
 from trajstore.store.layout import StoreLayout
 
+pytestmark = pytest.mark.integration
+
 #: top-level packages (and trajstore modules) a catalog-only command must not import
 HEAVY = ("torch", "numpy", "zarr", "fastapi", "uvicorn", "pandas", "matplotlib", "pyarrow")
 #: ... nor, on a catalog in step with the refs, the full catalog stack

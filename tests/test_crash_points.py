@@ -24,6 +24,8 @@ from test_store_crash import _capture
 from trajstore.store import Store
 from trajstore.store.maintenance import fsck
 
+pytestmark = pytest.mark.integration
+
 #: kills the ingest it runs (argv[3:], the CLI's arguments) right after the argv[2]-th
 #: write to a name matching argv[1] (a regular expression) has returned
 CRASH_AFTER = r"""

@@ -8,7 +8,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import DemoRun, user_env
+
+pytestmark = pytest.mark.integration
 
 #: a demo's command, a check and a failing command, through the demo's own printing
 SCRIPT = """

@@ -36,6 +36,8 @@ from trajstore.store import Store
 from trajstore.store.ingest import Ingestor, ingest_paths
 from trajstore.store.maintenance import fsck
 
+pytestmark = pytest.mark.integration
+
 STEPS = range(3)
 
 

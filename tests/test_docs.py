@@ -46,6 +46,8 @@ from conftest import DemoRun, user_env
 from trajstore.capture.config import ENV_VARS
 from trajstore.cli import build_parser
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 TUTORIAL = DOCS / "tutorial.md"

@@ -38,6 +38,8 @@ from trajstore.integrations.engines import (
     rollout_routes,
 )
 
+pytestmark = pytest.mark.unit
+
 E, L, K = 8, 4, 2
 ROUTER = RouterSpec(num_experts=E, num_layers=L, top_k=K)
 PROMPT = [101, 102, 103, 104, 105]

@@ -39,6 +39,8 @@ from trajstore.bundle.writer import write_bundle
 from trajstore.catalog import tables
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 ROLLOUTS, STEPS, FAULTY = 4, 2, 2
 RAY_TOKEN = secrets.token_hex(32)  # this session's cluster token
 RAY_ENV = {

@@ -17,6 +17,8 @@ from trajstore.errors import UsageError
 from trajstore.executors import LOCAL_MAX_WORKERS, ExecutorSpec
 from trajstore.store import Store
 
+pytestmark = pytest.mark.unit
+
 CAP = max(LOCAL_MAX_WORKERS, os.cpu_count() or 1)
 
 

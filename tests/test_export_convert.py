@@ -14,6 +14,8 @@ from trajstore.examples.replay_builders import write_consistent
 from trajstore.bundle.reader import open_target
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(

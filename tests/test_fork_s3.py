@@ -27,6 +27,8 @@ from trajstore.examples.replay_builders import write_consistent
 
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 #: how long a command may take before it is taken to hang (minutes of margin: the old
 #: code parked its workers for good)
 HANG_S = 300

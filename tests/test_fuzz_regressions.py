@@ -26,6 +26,8 @@ from trajstore.jsonio import parse_json
 from trajstore.replay.context import StageOutcome
 from trajstore.schema import CohortComplete
 
+pytestmark = pytest.mark.unit
+
 CRASHES = Path(__file__).resolve().parent / "fuzz" / "crashes"
 PT_FIXTURE = Path(__file__).resolve().parent / "fixtures/relax-v2/example_bundle/payloads/kl.pt"
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 FUZZ = Path(__file__).resolve().parent / "fuzz"
 
 #: harness -> inputs; sized so the four together stay well under the 40 s test budget

@@ -25,6 +25,8 @@ from trajstore.integrations.hf_moe import (
     unpack_routes,
 )
 
+pytestmark = pytest.mark.integration
+
 VOCAB, LAYERS, EXPERTS, TOP_K = 32, 2, 8, 2
 SIZES = {
     "vocab_size": VOCAB,

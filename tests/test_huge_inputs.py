@@ -55,9 +55,13 @@ MIDDLE = 10_000
 #: the tiny bundle measured against
 TINY = 64
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="peak RSS is read from Linux process accounting"
-)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"),
+        reason="peak RSS is read from Linux process accounting",
+    ),
+]
 
 
 def _bench():  # noqa: ANN202 - the module

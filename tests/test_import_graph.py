@@ -15,6 +15,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "trajstore"
 DYNAMIC_IMPORTERS = {"import_module", "__import__"}
 

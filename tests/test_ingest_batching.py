@@ -6,8 +6,12 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
+
 from trajstore.cas import LocalObjectStore
 from trajstore.refspace import LocalRefSpace
+
+pytestmark = pytest.mark.unit
 
 
 def test_create_many_creates_in_order_and_never_replaces(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from trajstore.store import Store, export_bundles
 from trajstore.store.ingest import IngestOutcome, _Recorder
 from trajstore.store.maintenance import fsck
 
+pytestmark = pytest.mark.unit
+
 
 def _steps(root: Path, steps: range, *, seed: int = 0, tokens: int = 300) -> list[Path]:
     out = []

@@ -30,6 +30,8 @@ from trajstore.jsonio import (
 )
 from trajstore.schema import Sample
 
+pytestmark = pytest.mark.unit
+
 
 def _outcome(fn, data: bytes) -> tuple[str, str]:  # noqa: ANN001
     try:

@@ -34,6 +34,8 @@ from trajstore.replay.kernels import (
     sum_of_sample_mean,
 )
 
+pytestmark = pytest.mark.integration
+
 FIXTURE = FIXTURES / "example_bundle"
 ATOL, RTOL = 1e-6, 1e-5
 E = math.e

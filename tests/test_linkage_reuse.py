@@ -30,6 +30,8 @@ from trajstore.replay.runner import StageRequest, replay_sources
 from trajstore.replay.selection import Selection
 from trajstore.store import Store
 
+pytestmark = pytest.mark.unit
+
 
 def estimating_step(step_id: int, faults: Faults | None = None) -> BundleContents:
     """A step bundle declaring every stage but the reward ones: its advantage.estimate runs

@@ -12,6 +12,8 @@ from trajstore.examples.moe_grpo import ToyConfig, dir_sink, run_into_store, run
 
 from trajstore.cli import main
 
+pytestmark = pytest.mark.integration
+
 STEPS = 3
 
 

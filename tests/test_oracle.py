@@ -24,6 +24,8 @@ from conftest import FIXTURES
 from trajstore.examples import oracle
 from trajstore.examples.replay_builders import replay, statuses, write_consistent
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 ATOL, RTOL = 1e-6, 1e-5
 RECOMPUTED = (

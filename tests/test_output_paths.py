@@ -16,6 +16,8 @@ from trajstore.examples.demo import DEMO_MARK, own_dirs
 from trajstore.bundle.writer import write_bundle
 from trajstore.store import Store
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import filecmp
 from pathlib import Path
 
+import pytest
 import tomllib
 from conftest import DemoRun
 
 from trajstore.catalog.db import migrations_dir
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 #: repository folder -> the package name it installs as

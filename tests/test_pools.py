@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from trajstore.pools import SharedPool
+
+pytestmark = pytest.mark.unit
 
 
 def test_the_same_pool_is_returned_within_a_process() -> None:

@@ -21,6 +21,8 @@ from trajstore.errors import NotFoundError, UsageError
 from trajstore.store import Store
 from trajstore.vocab import STAGE_ORDER
 
+pytestmark = pytest.mark.unit
+
 RUNS = "runs: default, gone"
 
 

@@ -18,6 +18,8 @@ from trajstore.cli import query_cmds
 from trajstore.errors import UsageError
 from trajstore.store import Store
 
+pytestmark = pytest.mark.unit
+
 STEPS = (0, 1, 2)
 REPLAYED = 1
 DIVERGENT = FIXTURES / "example_bundle_divergent"

@@ -27,6 +27,8 @@ from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.store import Store
 from trajstore.store.maintenance import fsck, gc
 
+pytestmark = pytest.mark.integration
+
 #: a loop of CLI passes in one process (`trajstore.cli.main`, no interpreter start per
 #: pass) up to a pass that began after the stop file appeared; writes
 #: "<passes> <bad exits> <objects dropped by gc, or bundles replayed>"

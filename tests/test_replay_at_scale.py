@@ -22,6 +22,8 @@ from trajstore.examples.replay_builders import Faults, consistent_contents
 from trajstore.bundle.writer import BundleContents, write_bundle
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 ROLLOUTS, STEPS = 250, 8
 FAULTY = {17, 120, 201}
 

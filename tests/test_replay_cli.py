@@ -18,6 +18,8 @@ from trajstore.examples.replay_builders import Faults, consistent_contents, writ
 from trajstore.bundle.writer import write_bundle
 from trajstore.cli import main
 
+pytestmark = pytest.mark.integration
+
 CAPTURE = FIXTURES / "example_capture_dir"
 TRAJSTORE = Path(sys.executable).parent / "trajstore"
 STAGE_KEYS = {

@@ -27,6 +27,8 @@ from trajstore.bundle.capture_dir import resolve_target
 from trajstore.bundle.writer import write_bundle
 from trajstore.errors import SelectionError
 
+pytestmark = pytest.mark.unit
+
 RECOMPUTED = (
     "sample",
     "reward.raw",

@@ -10,8 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from trajstore.examples import oracle
 from trajstore.examples.replay_builders import Faults, replay, stage, statuses, write_consistent
+
+pytestmark = pytest.mark.unit
 
 BEFORE_LOSS = ("sample", "reward.raw", "reward.post_process", "advantage.kl", "advantage.estimate")
 

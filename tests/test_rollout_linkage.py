@@ -25,6 +25,8 @@ from trajstore.replay.runner import replay_sources
 from trajstore.store import Store
 from trajstore.vocab import StageStatus
 
+pytestmark = pytest.mark.integration
+
 RUN = "x"
 ROLLOUT = 7
 SEED = 3

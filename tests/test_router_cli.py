@@ -15,6 +15,8 @@ from test_router_stage import routed_contents
 from trajstore.bundle.writer import BundleContents, write_bundle
 from trajstore.cli import main
 
+pytestmark = pytest.mark.unit
+
 
 def _write_step(root, name, rollout_id, *, same_routes=False, run_mode="baseline"):
     c = routed_contents()

@@ -17,6 +17,8 @@ from trajstore.router.metrics import (
     compute_router_metrics,
 )
 
+pytestmark = pytest.mark.unit
+
 E, L, K = 8, 2, 2
 
 

@@ -14,6 +14,8 @@ from trajstore.replay.stages import ReplayContext
 from trajstore.router.metrics import compute_router_metrics
 from trajstore.router.stage import router_capability, stage_router_consistency
 
+pytestmark = pytest.mark.unit
+
 E, L, K = 8, 2, 2
 TOTAL, RESP, N = 6, 3, 2
 ROUTER = {"num_experts": E, "num_layers": L, "top_k": K, "mode": "baseline"}

@@ -31,6 +31,8 @@ from trajstore.examples import slime_dumps
 from trajstore.cli import main
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 # --------------------------------------------------------------------------- slime, transcribed
 
 

@@ -11,6 +11,8 @@ from trajstore.replay import builtin  # noqa: F401  (registers the built-in stag
 from trajstore.replay.registry import get_stage, register_stage, registered_stages
 from trajstore.vocab import STAGE_ORDER, Stage
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_router_stage_is_registered_by_its_own_module() -> None:
     assert get_stage("router.consistency").run.__module__ == "trajstore.router.stage"

@@ -22,6 +22,8 @@ from trajstore.store import Store, export_bundles
 from trajstore.store.maintenance import fsck, gc, stats
 from trajstore.store.stored_bundle import get_json_blob, put_blob
 
+pytestmark = pytest.mark.integration
+
 FIXTURE_TARGETS = [
     FIXTURES / "example_bundle",
     FIXTURES / "example_bundle_divergent",

@@ -23,6 +23,8 @@ from test_store import cli
 from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 
 def _capture(
     root: Path, steps: list[int], *, cohort_step: int | None = None, tokens: int = 4000

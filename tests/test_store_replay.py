@@ -17,6 +17,8 @@ from trajstore.bundle.writer import write_bundle
 from trajstore.replay.from_store import Target, replay_stored
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(

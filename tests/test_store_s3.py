@@ -21,6 +21,8 @@ from trajstore.bundle.writer import write_bundle
 from trajstore.cas.s3 import S3RefSpace, parse_s3_url, s3_client
 from trajstore.store import Store
 
+pytestmark = pytest.mark.integration
+
 RACERS = 4
 #: creators of one key released together by one barrier, and how many keys they race for
 CREATORS, ROUNDS = 6, 5

@@ -19,6 +19,8 @@ from trajstore.store import Store
 from trajstore.store.api import REF_CACHE, store_cache_dir
 from trajstore.store.maintenance import fsck, gc
 
+pytestmark = pytest.mark.integration
+
 #: steps published before the command under test
 N = 5
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import make_contents
 from store_checks import tree_equal
 
@@ -11,6 +12,8 @@ from trajstore.bundle.writer import write_rank
 from trajstore.store import Store, export_bundles
 from trajstore.store.maintenance import fsck, gc
 from trajstore.store.shards import store_rank_shard
+
+pytestmark = pytest.mark.integration
 
 RANKS = [0, 1]
 

@@ -24,6 +24,8 @@ from trajstore.capture.writer import STAGING
 from trajstore.errors import NotFoundError
 from trajstore.store import Store
 
+pytestmark = pytest.mark.unit
+
 
 def flip_a_data_byte(pt: Path) -> None:
     """Flip the first byte of the tensor storage inside a torch.save file, in place."""

@@ -38,6 +38,8 @@ from trl import GRPOConfig
 from trajstore.cli import main as cli
 from trajstore.integrations.trl import GRPOTrainer
 
+pytestmark = pytest.mark.integration
+
 VOCAB = 16
 STEPS = 2
 

@@ -18,6 +18,8 @@ from trajstore.examples.replay_builders import replay, statuses
 
 from trajstore.bundle.writer import write_bundle
 
+pytestmark = pytest.mark.unit
+
 EPS_REWARD = 1e-4
 
 #: estimator -> the config keys a Relax-style producer sets (docs/integrations.md)

@@ -14,12 +14,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from trajstore.examples.replay_builders import consistent_contents
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.replay.compare import Divergence, compare_arrays
 from trajstore.replay.report import divergence_line
 from trajstore.store import Store
+
+pytestmark = pytest.mark.integration
 
 
 def one_divergence(expected: np.ndarray, actual: np.ndarray) -> Divergence:

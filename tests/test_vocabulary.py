@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from trajstore.jsonio import json_safe
 from trajstore.vocab import (
@@ -20,6 +21,8 @@ from trajstore.vocab import (
     Verdict,
     required_loss_fields,
 )
+
+pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = REPO / "trajstore" / "vocab.py"

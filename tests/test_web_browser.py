@@ -30,6 +30,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from trajstore.examples.demo import FAULT_ROLLOUTS
 
+pytestmark = pytest.mark.integration
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 TOKEN = "web-browser-s3cret"

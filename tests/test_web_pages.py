@@ -17,6 +17,8 @@ from trajstore.api import web
 
 from trajstore.vocab import STEP_STATUSES
 
+pytestmark = pytest.mark.integration
+
 PAGES = ("/", "/runs/synthetic", "/runs/synthetic/steps/3:0", "/routes", "/diff?a=x&b=y")
 TOKEN = "web-s3cret-token"
 
