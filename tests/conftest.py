@@ -338,7 +338,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         {
             item.nodeid.split("::")[0]
             for item in items
-            if not any(item.iter_markers(s) for s in SIDES) and "tests/fuzz" not in str(item.path)
+            if not any(item.get_closest_marker(side) for side in SIDES)
         }
     )
     if unmarked:
