@@ -334,7 +334,8 @@ def test_every_loss_mode_and_aggregation_replays_verls_loss(tmp_path, mode, agg)
 
 def test_clip_cov_is_unsupported_by_name(tmp_path):
     out, _ = run_case(tmp_path, actor__loss_mode="clip_cov")
-    stage = next(s for s in replay(out / "replay-1-0").bundles[0].stages if s.stage == "loss.policy")
+    report = replay(out / "replay-1-0", "loss.policy")  # requested: unsupported, not skipped
+    stage = next(s for s in report.bundles[0].stages if s.stage == "loss.policy")
     assert stage.status == "unsupported"
     assert "clip_cov" in stage.reason and "randperm" in stage.reason
 
@@ -342,7 +343,7 @@ def test_clip_cov_is_unsupported_by_name(tmp_path):
 def test_rollout_is_weights_are_recomputed(tmp_path):
     cfg = trainer_config()
     batch, metrics = run_driver(make_batch(), cfg)
-    correction = {"rollout_is": "sequence", "rollout_is_threshold": 1.2}
+    correction = {"rollout_is": "sequence", "rollout_is_threshold": 1.02}
     batch, _ = compute_rollout_correction_and_add_to_batch(batch, OmegaConf.create(correction))
     cfg.algorithm.rollout_correction = correction
     out = capture(tmp_path, batch, cfg, metrics, run_actor(batch, cfg))
@@ -350,7 +351,7 @@ def test_rollout_is_weights_are_recomputed(tmp_path):
     assert stage.status == "pass" and not stage.trusted, stage.reason
     # the weights are truncated somewhere: the threshold is exercised
     weights = batch.batch["rollout_is_weights"]
-    assert (weights == 1.2).any() and (weights < 1.2).any()
+    assert (weights == 1.02).any() and ((weights < 1.02) & (weights > 0)).any()
 
 
 # ---- faults: named by stage, sample and token ---------------------------------------
