@@ -122,7 +122,7 @@ def linkage_unsupported(config: Mapping[str, Any]) -> str | None:
     if isinstance(config.get(KEY), dict):
         return (
             "verl: a step's advantages are not its rollout's rewards on every token; "
-            "advantage.estimate replays them in the rollout bundle"
+            f"{Stage.ADVANTAGE_ESTIMATE} replays them in the rollout bundle"
         )
     return None
 

@@ -36,6 +36,8 @@ from trajstore.integrations.verl.records import (
     verl_version,
 )
 
+from trajstore.vocab import Stage
+
 logger = logging.getLogger("trajstore.capture")
 
 #: the install hint of every ImportError this integration raises
@@ -143,7 +145,7 @@ def write_steps(manager: Any, steps: Sequence[StepRecord]) -> int:
                 continue
             for mb in step.micro_batches:
                 capture.add(mb["mb_id"], samples=mb["samples"], **mb["payloads"])
-            capture.expect("loss.policy", step.expected_loss)
+            capture.expect(Stage.LOSS_POLICY, step.expected_loss)
         queued += 1
     return queued
 

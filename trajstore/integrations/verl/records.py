@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trajstore.vocab import Stage
+
 #: the config key of a verl bundle (index.json ``config.verl``) and the records' version
 KEY = "verl"
 CONTRACT_VERSION = "verl-records-v1"
@@ -320,19 +322,12 @@ def rollout_record(
         real = real[:, : experts.shape[1]]
         routes["rollout_routed_experts"] = experts[real].to(torch.int32)
     expected: dict[str, dict[str, Any]] = {}
-    extra: dict[str, Any] = {}
-    if "reward_baselines" in t:
-        extra["reward_baselines"] = [float(x) for x in _cpu(t["reward_baselines"]).reshape(-1)]
-    if "actor/reward_kl_penalty" in metrics:
-        extra["reward_kl_penalty"] = float(metrics["actor/reward_kl_penalty"])
-    if extra:
-        expected["advantage.estimate" if "reward_baselines" in extra else "advantage.kl"] = {}
-        if "reward_baselines" in extra:
-            expected["advantage.estimate"]["reward_baselines"] = extra["reward_baselines"]
-        if "reward_kl_penalty" in extra:
-            expected.setdefault("advantage.kl", {})["reward_kl_penalty"] = extra[
-                "reward_kl_penalty"
-            ]
+    if "reward_baselines" in t:  # remax's greedy-response rewards: an input, kept per sample
+        baselines = [float(x) for x in _cpu(t["reward_baselines"]).reshape(-1)]
+        expected[Stage.ADVANTAGE_ESTIMATE] = {"reward_baselines": baselines}
+    if "actor/reward_kl_penalty" in metrics:  # the KL apply_kl_penalty measured
+        measured = float(metrics["actor/reward_kl_penalty"])
+        expected[Stage.ADVANTAGE_KL] = {"reward_kl_penalty": measured}
     return RolloutRecord(
         step=int(step),
         samples=samples,
