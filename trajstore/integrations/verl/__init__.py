@@ -35,7 +35,6 @@ from trajstore.integrations.verl.records import (
     step_records,
     verl_version,
 )
-
 from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")

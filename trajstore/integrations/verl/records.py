@@ -76,7 +76,12 @@ POLICY_LOSS_DEFAULTS: dict[str, Any] = {
     "dro_beta": None,
 }
 #: the global batch info verl's ``agg_loss`` divides by (``config.global_batch_info``)
-BATCH_INFO: tuple[str, ...] = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+BATCH_INFO: tuple[str, ...] = (
+    "dp_size",
+    "batch_num_tokens",
+    "global_batch_size",
+    "loss_scale_factor",
+)
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -119,9 +124,7 @@ def _get(node: Any, path: str, default: Any = None) -> Any:
     for part in path.split("."):
         if node is None:
             return default
-        if isinstance(node, Mapping):
-            node = node.get(part)
-        elif hasattr(node, "get") and not dataclasses.is_dataclass(node):
+        if isinstance(node, Mapping) or hasattr(node, "get") and not dataclasses.is_dataclass(node):
             node = node.get(part)
         else:
             node = getattr(node, part, None)
@@ -139,7 +142,8 @@ class BatchView:
     @classmethod
     def of(cls, batch: Any) -> BatchView:
         if hasattr(batch, "batch") and hasattr(batch, "non_tensor_batch"):
-            tensors = {} if batch.batch is None else {k: batch.batch[k] for k in batch.batch.keys()}
+            keys = [] if batch.batch is None else list(batch.batch.keys())  # a TensorDict
+            tensors = {k: batch.batch[k] for k in keys}
             return cls(tensors, dict(batch.non_tensor_batch), dict(batch.meta_info or {}))
         if isinstance(batch, Mapping):
             tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
@@ -411,7 +415,9 @@ def _metrics(record: MicroBatchRecord) -> dict[str, float]:
 
 def _micro_batch(record: MicroBatchRecord, number: int, seen: dict[int, int]) -> dict[str, Any]:
     """One record as ``StepCapture.add`` arguments plus its expected values."""
-    rows = [int(r) for r in (record.rows.tolist() if hasattr(record.rows, "tolist") else record.rows)]
+    rows = [
+        int(r) for r in (record.rows.tolist() if hasattr(record.rows, "tolist") else record.rows)
+    ]
     mask = _cpu(record.response_mask)
     horizon = int(mask.shape[-1])
     if record.response_lengths is not None:
