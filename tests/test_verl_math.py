@@ -538,3 +538,16 @@ def test_capture_is_complete_at_exit_without_importing_verl(tmp_path):
     assert [s["response_length"] for s in samples] == [2, 1]
     assert [s["total_length"] for s in samples] == [3, 3]
     assert cli(["validate", str(bundle)]) == 0
+
+
+def test_a_micro_batch_without_groups_is_refused_not_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAJSTORE_CAPTURE", "1")
+    monkeypatch.setenv("TRAJSTORE_CAPTURE_DIR", str(tmp_path / "cap"))
+    tv.close()
+    cfg = trainer_config()
+    batch, _ = run_driver(make_batch(), cfg)
+    records = run_actor(batch, cfg)
+    records[0].groups = None
+    assert tv.capture_micro_batches(records, cfg, step=1) == 0
+    assert tv.close().errors == 1
+    assert not (tmp_path / "cap").exists() or not any((tmp_path / "cap").iterdir())
