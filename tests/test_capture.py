@@ -374,7 +374,10 @@ def test_bad_input_to_add_is_counted_not_raised(tmp_path):
 
 def test_interpreter_exit_flushes_the_queue(tmp_path):
     code = (
-        "from tests.test_capture import one_step;"
+        # tests/ as a path entry, not the `tests` package: verl installs a top-level `tests`
+        # package into site-packages that would shadow this directory (a namespace package)
+        "import sys; sys.path.insert(0, 'tests');"
+        "from test_capture import one_step;"
         "from trajstore.capture import CaptureManager;"
         "cap = CaptureManager.from_env();"
         "[one_step(cap, 0, s) for s in range(5)]"  # no close(): atexit must flush

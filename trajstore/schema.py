@@ -395,6 +395,9 @@ class Config(Doc):
         "router": (_DICT, True, False),
         #: slime's arguments, for bundles made from its dumps (trajstore/replay/slime_math.py)
         "slime": (_DICT, True, False),
+        #: verl's settings, for bundles its capture writes (trajstore/integrations/verl/records.py
+        #: `algorithm_config`; replayed by trajstore/replay/verl_math.py)
+        "verl": (_DICT, True, False),
         **LOSS_FAMILY_FIELDS,
     }
     WHERE: ClassVar[str] = "index.json config"

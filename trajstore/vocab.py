@@ -102,6 +102,12 @@ class Payload(_Word):
     ROLLOUT_ROUTED_EXPERTS = "rollout_routed_experts"
     TRAIN_ROUTED_EXPERTS = "train_routed_experts"
     TRAIN_NATURAL_ROUTED_EXPERTS = "train_natural_routed_experts"
+    #: verl's driver batch (trajstore.integrations.verl): scores before and rewards after the
+    #: KL in reward, the critic's values, the rollout importance-sampling weights
+    TOKEN_LEVEL_SCORES = "token_level_scores"
+    TOKEN_LEVEL_REWARDS = "token_level_rewards"
+    VALUES = "values"
+    ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 
 
 #: the trainer's loss metrics that ``loss.policy`` records and recomputes

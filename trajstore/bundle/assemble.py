@@ -197,7 +197,9 @@ def _prune_contracts(contracts: dict, records: list[dict], payloads: dict, confi
         record["group_index"] is None for record in records
     ):
         drop.add(Stage.REWARD_POST_PROCESS)
-    if "entropy" not in have and Stage.LOSS_POLICY in contracts:
+    # verl computes no entropy when entropy_coeff is 0; its loss replays without it
+    verl = isinstance(config.get("verl"), dict)
+    if "entropy" not in have and Stage.LOSS_POLICY in contracts and not verl:
         drop.add(Stage.LOSS_POLICY)
     if config.get("use_kl_loss") and "ref_log_probs" not in have:
         drop.add(Stage.LOSS_POLICY)

@@ -29,6 +29,11 @@ PER_TOKEN_PAYLOADS = frozenset(
         "rollout_log_probs",
         "train_log_probs",
         "loss_mask",
+        # verl (trajstore.integrations.verl)
+        "token_level_scores",
+        "token_level_rewards",
+        "values",
+        "rollout_is_weights",
     }
 )
 #: Payloads laid out over every token (prompt + response) of every sample.

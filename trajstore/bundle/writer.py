@@ -76,7 +76,9 @@ def default_stage_contracts(
         Stage.SAMPLE: True,
         Stage.REWARD_RAW: has_raw and Stage.REWARD_RAW in expected,
         Stage.REWARD_POST_PROCESS: has_raw and Stage.REWARD_POST_PROCESS in expected,
-        Stage.ADVANTAGE_KL: {Payload.KL} <= payloads,
+        # verl records the rewards before and after its KL in reward, not the KL itself
+        Stage.ADVANTAGE_KL: {Payload.KL} <= payloads
+        or {Payload.TOKEN_LEVEL_SCORES, Payload.TOKEN_LEVEL_REWARDS} <= payloads,
         Stage.ADVANTAGE_ESTIMATE: {Payload.ADVANTAGES} <= payloads,
         Stage.LOSS_POLICY: {Payload.OLD_LOG_PROBS, Payload.LOG_PROBS, Payload.ADVANTAGES}
         <= payloads

@@ -59,7 +59,15 @@ SAMPLE_KEYS: frozenset[str] = frozenset(
     | set(TEXT_FIELDS)
     | set(LOCATOR_FIELDS)
 )
-OPTIONAL_TOKEN_PAYLOADS: tuple[str, ...] = ("rollout_log_probs", "train_log_probs")
+OPTIONAL_TOKEN_PAYLOADS: tuple[str, ...] = (
+    "rollout_log_probs",
+    "train_log_probs",
+    # verl's driver batch and loss inputs (trajstore.integrations.verl)
+    "token_level_scores",
+    "token_level_rewards",
+    "values",
+    "rollout_is_weights",
+)
 #: a micro-batch id as ``trajstore replay --batch`` selects it
 MICRO_BATCH_ID = re.compile(r"mb-\d+", re.ASCII)
 
@@ -452,11 +460,13 @@ class CaptureManager:
         weight_lineage: Mapping[str, Any] | None = None,
         rollout_partition_ids: Sequence[str] | None = None,
         expected: Mapping[str, Mapping[str, Any]] | None = None,
+        **token_payloads: Any,
     ) -> bool:
         """Enqueue a rollout-level bundle (reward -> advantage). True when queued.
 
         ``raw_rewards``/``rewards`` are per sample (before/after group
-        normalization); the other tensors are flat over response tokens.
+        normalization); the other tensors are flat over response tokens, as are
+        ``token_payloads`` (`OPTIONAL_TOKEN_PAYLOADS` only).
         ``expected``: other expected values by stage (JSON-able), merged into expected.json.
         """
         if not self.enabled:
@@ -470,6 +480,9 @@ class CaptureManager:
             self.stats.skipped += 1
             return False
         try:
+            unknown = sorted(set(token_payloads) - set(OPTIONAL_TOKEN_PAYLOADS))
+            if unknown:
+                raise TypeError(f"unknown payload(s) {', '.join(unknown)}")
             snaps = []
             for i, sample in enumerate(samples):
                 snap = _snapshot_sample(sample, self.stats)
@@ -484,6 +497,7 @@ class CaptureManager:
                 "kl": kl,
                 "returns": returns,
                 "loss_mask": loss_mask,
+                **token_payloads,
                 **{name: value for name, value in (routes or {}).items() if name in ROUTE_PAYLOADS},
             }
             payloads = {
