@@ -52,7 +52,7 @@ from trajstore.store.ingest import (
     content_digest,
     identity_of,
 )
-from trajstore.store.stored_bundle import put_blob
+from trajstore.store.stored_bundle import put_blob_added
 
 SHARDS_KEY = "capture"
 SHARD_VERSION = 1
@@ -101,7 +101,7 @@ def _store_rank_shard(
     shard["relpath"] = f"rank-{rank}"  # as bundle.writer.write_rank writes the cohort shard
     shard_bytes = canonical_bytes(shard)
     expected = sorted(int(r) for r in b.complete.expected_ranks)
-    body, physical = _write_bundle_objects(store.objs, b, {f"COMPLETE.{rank}": shard_bytes})
+    body, nbytes = _write_bundle_objects(store.objs, b, {f"COMPLETE.{rank}": shard_bytes})
     store.objs.flush()  # every object is durable before the shard names it
     run_, kind, rollout_id, step_id, _ = identity_of(run, b)
     ref = {
@@ -114,7 +114,8 @@ def _store_rank_shard(
         "cohort_ranks": expected,
         "bundle_id": b.bundle_id,
         "format_version": b.manifest.format_version,
-        "physical_bytes": physical,
+        "physical_bytes": nbytes.referenced,
+        "added_bytes": nbytes.added,
         **body,
     }
     doc = {"shard_version": SHARD_VERSION, "rank": rank, "shard": shard, "ref": ref}
@@ -183,13 +184,15 @@ def _try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[
         raise BundleError(f"{store.space.where(folder)}: shards disagree on the anchor")
     cohort = {"ranks": expected, "shards": {str(r): shards[r].raw for r in expected}}
     CohortComplete.from_dict(cohort)
-    whole = put_blob(store.objs, canonical_bytes(cohort))
+    whole, whole_added = put_blob_added(store.objs, canonical_bytes(cohort))
     store.objs.flush()
     ing = Ingestor(store.space, store.objs, store.refs)
     keys = []
     live = store.refs.live()
     for r in expected:
         ref = dict(docs[r]["ref"])
+        if r == expected[0] and ref.get("added_bytes") is not None:
+            ref["added_bytes"] += whole_added  # the cohort COMPLETE, stored here once
         ref["cohort_sentinels"] = {**ref["cohort_sentinels"], "COMPLETE": whole}
         ref["content_digest"] = content_digest(ref["documents"], ref["cohort_sentinels"])
         identity = (ref["run"], ref["kind"], ref["rollout_id"], ref["step_id"])
