@@ -258,7 +258,7 @@ async function runsPage() {
           ),
           h("td", {}, histogram(s.first_divergent_stage_histogram)),
           h("td", { class: "num" }, bytes(s.logical_bytes)),
-          h("td", { class: "num", "data-field": "stored" }, s.physical_bytes === null ? "not recorded" : bytes(s.physical_bytes)),
+          h("td", { class: "num", "data-field": "stored", "data-bytes": s.physical_bytes ?? "" }, s.physical_bytes === null ? "not recorded" : bytes(s.physical_bytes)),
           h("td", { class: "num", "data-field": "dedup" }, s.physical_bytes === null ? "not recorded" : s.dedup_ratio === null ? "null" : `${s.dedup_ratio}x`),
         ];
         cell.replaceWith(...cells);
