@@ -293,7 +293,9 @@ def f(x: float | None, spec: str = ".2f") -> str:
 
 def med(v: Verdict, unit: str = "", spec: str = ".2f") -> str:
     """`; median of N runs X` when the verdict came from more than one run."""
-    return "" if v.median is None else f"; median of the runs {format(v.median, spec)}{unit}"
+    if v.median is None or v.runs < 2:
+        return ""
+    return f"; median of {v.runs} runs {format(v.median, spec)}{unit}"
 
 
 def verdict(v: Verdict, *runs: Run) -> str:

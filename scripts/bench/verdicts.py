@@ -50,6 +50,7 @@ class Verdict:
     status: str
     reason: str = ""
     median: float | None = None
+    runs: int = 0  # repetitions the median is over
 
     def cell(self) -> str:
         """The verdict column's text: missed in bold, the reason of an undecided one."""
@@ -81,10 +82,10 @@ def decide(
         return Verdict(NOT_MEASURED, f"measured on {got}, target at {_num(target.workload)}{unit}")
     median = statistics.median(values)
     if exact:
-        return Verdict(MET if target.holds(median) else MISSED, "", median)
+        return Verdict(MET if target.holds(median) else MISSED, "", median, len(values))
     if len(values) < MIN_REPS:
         n = len(values)
-        return Verdict(INCONCLUSIVE, f"{n} run{'s' if n > 1 else ''}, need {MIN_REPS}", median)
+        return Verdict(INCONCLUSIVE, f"{n} run{'s' if n > 1 else ''}, need {MIN_REPS}", median, n)
     spread = max(values) - min(values)
     margin = abs(median - target.bound)
     if spread >= margin:
@@ -92,5 +93,6 @@ def decide(
             INCONCLUSIVE,
             f"spread {_num(min(values))}-{_num(max(values))} >= margin {_num(margin)}",
             median,
+            len(values),
         )
-    return Verdict(MET if target.holds(median) else MISSED, "", median)
+    return Verdict(MET if target.holds(median) else MISSED, "", median, len(values))
