@@ -193,3 +193,22 @@ def test_upgrading_a_0004_catalog_backfills_added_bytes(
         with st.catalog() as cat:
             got = {run: run_summary(cat, run)["physical_bytes"] for run in ("a", "b")}
     assert got == {run: r["physical_bytes"] for run, r in _runs(stats).items()}
+
+
+@pytest.mark.parametrize("session", [None, "s1"])
+def test_a_rank_stored_again_is_the_same_shard(tmp_path: Path, session: str | None) -> None:
+    """A rank's shard stored twice (a retry) is one shard whatever the second write added
+    (nothing: its objects are there), and the cohort's added bytes are still on disk."""
+    ranks = [0, 1]
+    members = {}
+    for r in ranks:
+        contents = make_contents(rank=r, world=2, lengths=20, bundle_id="c")
+        dest = tmp_path / f"host-{r}" / "replay-7-0"
+        members[r] = write_rank(dest, contents, rank=r, expected_ranks=ranks)
+    with Store.open(tmp_path / "store") as st:
+        first = store_rank_shard(st, members[1], "r", session=session)
+        again = store_rank_shard(st, members[1], "r", session=session)
+        assert again.shard == first.shard and not again.published
+        assert store_rank_shard(st, members[0], "r", session=session).published
+    stats = cli_json("stats", "--store", str(tmp_path / "store"), "--json")
+    assert stats["runs"][0]["physical_bytes"] == object_bytes_on_disk(tmp_path / "store")
