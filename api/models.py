@@ -200,8 +200,12 @@ class RunSummary(BaseModel):
     first_divergent_stage_histogram: dict[str, int]
     bundles: int
     logical_bytes: int
-    physical_bytes: int = Field(description="bytes the run's bundles added to the store")
-    dedup_ratio: float | None
+    physical_bytes: int | None = Field(
+        description="bytes the run's bundles added to the store at ingest (objects already "
+        "stored count for the bundle that stored them); null: not recorded (bundles "
+        "ingested before trajstore recorded it)"
+    )
+    dedup_ratio: float | None = Field(description="logical / physical; null when unknown")
 
 
 class StripBin(Open):

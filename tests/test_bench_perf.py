@@ -96,6 +96,8 @@ def perf(bench: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProces
             str(bench),
             "--workdir",
             str(tmp_path / "work"),
+            "--reps",
+            "3",
             *extra,
         ],
         capture_output=True,
@@ -134,3 +136,37 @@ def test_doc_rewrites_only_its_block(bench: Path, tmp_path: Path) -> None:
     outside = [t.split("<!-- perf: begin -->")[0] for t in (first, second)]
     assert outside[0] == outside[1]
     assert first.split("<!-- perf: end -->")[1] == second.split("<!-- perf: end -->")[1]
+
+
+NOISY = """import json, sys
+from pathlib import Path
+out = sys.argv[sys.argv.index("--json") + 1]
+count = Path(out).with_suffix(".count")
+n = int(count.read_text()) if count.exists() else 0
+count.write_text(str(n + 1))
+value = [0.95, 1.30, 0.60][n % 3]
+figure = {{"name": "lookups", "target": ">= 0.8x", "value": value, "unit": "x", "met": True}}
+{extra}
+open(out, "w").write(json.dumps({{"figures": [figure], "command": "bench"}}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "cell"),
+    [
+        ("", "inconclusive (spread 0.6-1.3 >= margin 0.15)"),
+        ('figure.update(workload=120, target_workload=10000, unit="x")', "not measured"),
+    ],
+)
+def test_the_verdict_is_the_rule_over_the_runs_not_the_scripts_met(
+    tmp_path: Path, extra: str, cell: str
+) -> None:
+    """A script that calls each run met, while its runs spread over the margin (or ran
+    on a smaller workload than the target names), is not met in the table."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "bench_rest.py").write_text(NOISY.format(extra=extra))
+    out = perf(bench, tmp_path, "--only", "rest")
+    assert out.returncode == 0, out.stderr
+    row = next(x for x in out.stdout.splitlines() if x.startswith("lookups"))
+    assert cell in row and " met " not in row

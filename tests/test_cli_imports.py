@@ -198,8 +198,11 @@ def set_revision(store: Path, revision: str, *, drop_listing: bool = False) -> N
 
     con = duckdb.connect(str(store / "catalog.duckdb"))
     try:
-        if drop_listing:  # the schema of 0003
+        if drop_listing:  # the schema of 0003: without 0004's listing and 0005's added_bytes
             con.execute("ALTER TABLE sync_state DROP COLUMN listing")
+            con.execute("DROP INDEX ix_bundles_step")  # DuckDB drops no column under an index
+            con.execute("ALTER TABLE bundles DROP COLUMN added_bytes")
+            con.execute("CREATE INDEX ix_bundles_step ON bundles (run, rollout_id, step_id)")
         con.execute("UPDATE alembic_version SET version_num = ?", [revision])
     finally:
         con.close()

@@ -79,7 +79,8 @@ def test_a_second_ingest_of_the_same_targets_changes_nothing(tmp_path: Path) -> 
 
 def test_windows_remembered_from_another_store_are_written_to_this_one(tmp_path: Path) -> None:
     """The encode cache remembers object names per process; a store that lacks them gets
-    every object (`has_cached` is per store), and a bundle's physical bytes count them."""
+    every object (`has_cached` is per store), and a bundle's physical and added bytes
+    count them."""
     _steps(tmp_path / "cap", range(3), tokens=5000)
     docs = []
     for name in ("a", "b"):
@@ -87,8 +88,11 @@ def test_windows_remembered_from_another_store_are_written_to_this_one(tmp_path:
             store.ingest([tmp_path / "cap"], run="r")
             docs.append(
                 sorted(
-                    json.loads(p.read_bytes())["physical_bytes"]
-                    for p in (tmp_path / name / "refs" / "bundles").iterdir()
+                    (doc["physical_bytes"], doc["added_bytes"])
+                    for doc in (
+                        json.loads(p.read_bytes())
+                        for p in (tmp_path / name / "refs" / "bundles").iterdir()
+                    )
                 )
             )
             assert not fsck(store).problems

@@ -29,6 +29,8 @@ from trajstore.capture.config import CaptureConfig
 from trajstore.cli import main as cli
 from trajstore.integrations import verl as tv
 
+pytestmark = pytest.mark.integration
+
 try:
     from omegaconf import OmegaConf
     from verl import DataProto

@@ -140,6 +140,26 @@ def test_runs_page_lists_the_demo_runs(
     shoot(browser, shots, "runs")
 
 
+def test_runs_page_stored_bytes_are_what_trajstore_stats_says(
+    browser: WebDriver, base: str, store: Path
+) -> None:
+    """The bytes each run added to the store (issue 29 item 10), as `trajstore stats`
+    counts them from the refs; the page draws them from the REST run summary."""
+    code, stats = cli_json("stats", "--store", str(store), "--json")
+    assert code == 0
+    want = {r["run"]: r["physical_bytes"] for r in stats["runs"]}
+    assert all(isinstance(n, int) and n > 0 for n in want.values()), want
+    browser.get(f"{base}/")
+    wait_for(browser, lambda d: len(elements(d, "td[data-field=stored]")) == len(web_demo.RUNS))
+    got = {
+        row.get_attribute("data-run"): int(
+            row.find_element(By.CSS_SELECTOR, "td[data-field=stored]").get_attribute("data-bytes")
+        )
+        for row in elements(browser, "#runs tr[data-run]")
+    }
+    assert got == want
+
+
 def test_filtering_by_first_divergent_stage_shows_exactly_the_faulty_rollouts_steps(
     browser: WebDriver, base: str, store: Path, shots: Path
 ) -> None:

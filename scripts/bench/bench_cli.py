@@ -138,6 +138,9 @@ def main() -> None:
                 "value": round(med[name], 4),
                 "unit": "s",
                 "met": med[name] <= TARGET_S and n_steps >= 10_000,
+                "reps": [round(t, 4) for t in times[name]],
+                "workload": n_steps,
+                "target_workload": 10_000,
                 "detail": (
                     f"median of {runs} fresh processes on {n_steps} steps (p90 "
                     f"{p90(times[name]):.3f} s); baseline in the same rounds: python -c pass "

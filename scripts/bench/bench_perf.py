@@ -17,10 +17,17 @@ other for the cores:
 | `bench_rest.py` | REST step lookups (wrk) and the first payload download |
 
 Each script writes `{"figures": [{name, target, value, unit, met, detail}],
-"command": str, "load": [before, after]}` and decides `met` itself from what it
-measured. This script prints one table (figure, target, value, met or
-missed, command, load). A script that is missing, fails, times out or writes
-no valid figures is a row of its own saying so; the others still run.
+"command": str, "load": [before, after]}`; a figure may add `reps` (its values
+over the script's own repetitions), `exact` (bytes: the same every run),
+`workload` and `target_workload` (the size measured, the size the target
+names). Each script runs `--reps` times (default 3, `--quick` 1) and the
+verdict of a figure is decided here by scripts/bench/verdicts.py from its
+values over those runs (or its `reps`), never from the script's own `met`:
+met/missed only when its spread is under the margin and the target's workload
+was measured, else inconclusive / not measured. This script prints one table
+(figure, target, value, verdict, command, load). A script that is missing,
+fails, times out or writes no valid figures is a row of its own saying so; the
+others still run.
 
 `--doc` rewrites the block between `<!-- perf: begin -->` and
 `<!-- perf: end -->` in docs/benchmarks.md (creating its section, "Performance
@@ -37,6 +44,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -47,6 +55,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verdicts import NOT_MEASURED, Target, Verdict, decide  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(__file__).resolve().parent
@@ -77,6 +88,23 @@ class Result:
     figures: list[dict[str, Any]] = field(default_factory=list)
     load: tuple[float | None, float | None] = (None, None)
     seconds: float = 0.0
+    #: the later runs of the same script (`--reps`)
+    reps: list[Result] = field(default_factory=list)
+
+    def verdict(self, f: dict[str, Any]) -> Verdict:
+        """Figure `f`'s verdict over every run of the script (verdicts.decide)."""
+        m = re.match(r"\s*(<=|>=)\s*([\d.,]+)", f["target"])
+        if m is None:
+            return Verdict(NOT_MEASURED, f"target {f['target']!r} is not a bound")
+        target = Target(float(m[2].replace(",", "")), m[1], workload=f.get("target_workload"))
+        same = [g for r in [self, *self.reps] for g in r.figures if g["name"] == f["name"]]
+        if all(isinstance(g.get("reps"), list) for g in same):
+            values = [float(x) for g in same for x in g["reps"]]
+        else:
+            values = [float(g["value"]) for g in same]
+        sizes = [g.get("workload") for g in same]
+        workload = None if None in sizes else min(sizes)
+        return decide(values, target, workload=workload, exact=bool(f.get("exact")))
 
 
 def load1() -> float:
@@ -192,11 +220,10 @@ def rows(results: list[Result]) -> list[list[str]]:
                 [f"({r.script})", "-", "-", f"**{r.problem}**", r.command, _fmt_load(r.load)]
             )
             continue
+        loads = ", ".join(_fmt_load(x.load) for x in [r, *r.reps])
         for f in r.figures:
-            verdict = "met" if f["met"] else "**missed**"
-            out.append(
-                [f["name"], f["target"], _fmt_value(f), verdict, r.command, _fmt_load(r.load)]
-            )
+            verdict = r.verdict(f).cell()
+            out.append([f["name"], f["target"], _fmt_value(f), verdict, r.command, loads])
     return out
 
 
@@ -245,7 +272,7 @@ def machine() -> str:
 
 def block(results: list[Result], command: str, started: datetime, seconds: float) -> str:
     """The measured block of docs/benchmarks.md (between the perf markers)."""
-    met = sum(f["met"] for r in results for f in r.figures)
+    met = sum(r.verdict(f).status == "met" for r in results for f in r.figures)
     total = sum(len(r.figures) for r in results)
     bad = [r.script for r in results if r.problem]
     details = "\n".join(
@@ -308,6 +335,9 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, help="keep each script's JSON and log here")
     ap.add_argument("--only", help="comma list of names or scripts to run (default: all)")
     ap.add_argument("--timeout", type=float, help="seconds per script (900 quick, 7200 full)")
+    ap.add_argument(
+        "--reps", type=int, help="runs of each script, for the verdicts (default 3, quick 1)"
+    )
     args = ap.parse_args()
     chosen = SCRIPTS
     if args.only:
@@ -328,12 +358,22 @@ def main() -> int:
         work = (args.workdir or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
         results = []
+        reps = args.reps or (1 if args.quick else 3)
         for name, script in chosen:
-            print(f"[{name}] {script} ...", flush=True)
-            r = run_script(name, script, args.quick, work, timeout, sys.executable, args.bench_dir)
-            state = r.problem or f"{sum(f['met'] for f in r.figures)}/{len(r.figures)} met"
-            print(f"[{name}] {r.seconds:.0f} s, load {_fmt_load(r.load)}: {state}", flush=True)
-            results.append(r)
+            first: Result | None = None
+            for i in range(reps):
+                print(f"[{name}] {script} (run {i + 1} of {reps}) ...", flush=True)
+                r = run_script(
+                    name, script, args.quick, work, timeout, sys.executable, args.bench_dir
+                )
+                state = r.problem or f"{len(r.figures)} figures"
+                print(f"[{name}] {r.seconds:.0f} s, load {_fmt_load(r.load)}: {state}", flush=True)
+                if first is None:
+                    first = r
+                elif not r.problem:
+                    first.reps.append(r)
+            assert first is not None
+            results.append(first)
     seconds = time.perf_counter() - t0
     command = shlex.join([".venv/bin/python", "scripts/bench/bench_perf.py", *sys.argv[1:]])
     print()

@@ -104,6 +104,22 @@ class ObjectStore(ABC):
     def put_many(self, datas: Iterable[bytes]) -> list[str]:
         return [self.put(d) for d in datas]
 
+    def put_many_added(self, datas: Iterable[bytes]) -> list[tuple[str, bool]]:
+        """Store each of `datas` if absent: (hash, whether this call stored it) per item.
+
+        What ingest records as the bytes a bundle *added* (the rest it references were
+        already stored). Backends answer under the lock that decides the write; this
+        default asks `has` first (two writers racing may both count an object).
+        """
+        out: list[tuple[str, bool]] = []
+        seen: set[str] = set()
+        for d in datas:
+            h = object_hash(d)
+            new = h not in seen and not self.has(h)
+            seen.add(h)
+            out.append((self.put(d), new))
+        return out
+
     @abstractmethod
     def get(self, h: str) -> bytes:
         """Bytes of object `h`, verified. NotFoundError if absent, IntegrityError if corrupt."""
@@ -184,11 +200,18 @@ class MemoryObjectStore(ObjectStore):
         self._mtime: dict[str, float] = {}
 
     def put(self, data: bytes) -> str:
-        h = object_hash(data)
-        if h not in self.data:
-            self.data[h] = bytes(data)
-            self._mtime[h] = time.time()
-        return h
+        return self.put_many_added([data])[0][0]
+
+    def put_many_added(self, datas: Iterable[bytes]) -> list[tuple[str, bool]]:
+        out = []
+        for data in datas:
+            h = object_hash(data)
+            new = h not in self.data
+            if new:
+                self.data[h] = bytes(data)
+                self._mtime[h] = time.time()
+            out.append((h, new))
+        return out
 
     def get(self, h: str) -> bytes:
         try:
@@ -327,12 +350,16 @@ class LocalObjectStore(ObjectStore):
         return self.put_many([data])[0]
 
     def put_many(self, datas: Iterable[bytes]) -> list[str]:
+        return [h for h, _ in self.put_many_added(datas)]
+
+    def put_many_added(self, datas: Iterable[bytes]) -> list[tuple[str, bool]]:
         # Hashed before taking the lock: concurrent writers hash at once (BLAKE3 releases
         # the GIL); the buffer is sealed into a pack outside the lock too (`flush`).
         named = [(object_hash(d), d) for d in datas]
+        added: list[bool] = []
         for h, d in named:
             with self._lock:
-                self._put(h, d)
+                added.append(self._put(h, d))
                 # buffered and being sealed together stay within pack_max_bytes (+ an
                 # object per writer): a writer past it waits for the seal in flight
                 full = self._pending_bytes + self._sealing_bytes >= self.pack_max_bytes
@@ -342,16 +369,17 @@ class LocalObjectStore(ObjectStore):
                         over = self._pending_bytes >= self.pack_max_bytes
                     if over:
                         self._seal()
-        return [h for h, _ in named]
+        return [(h, a) for (h, _), a in zip(named, added, strict=True)]
 
-    def _put(self, h: str, data: bytes) -> None:
+    def _put(self, h: str, data: bytes) -> bool:
+        """Buffer or write `h` unless held; whether it was stored here (caller locks)."""
         if self._holds(h):
-            return
+            return False
         if len(data) >= self.pack_threshold:
-            self._write_loose(h, data)
-        else:
-            self._pending[h] = bytes(data)
-            self._pending_bytes += len(data)
+            return self._write_loose(h, data)
+        self._pending[h] = bytes(data)
+        self._pending_bytes += len(data)
+        return True
 
     def _buffered(self, h: str) -> bytes | None:
         """The bytes of `h` if buffered or being sealed (caller locks)."""
@@ -391,13 +419,16 @@ class LocalObjectStore(ObjectStore):
             finally:
                 os.close(fd)
 
-    def _write_loose(self, h: str, data: bytes) -> None:
+    def _write_loose(self, h: str, data: bytes) -> bool:
+        """Write loose object `h` unless its file exists; whether it was written."""
         path = self._loose_path(h)
-        if not path.exists():
+        written = not path.exists()
+        if written:
             path.parent.mkdir(exist_ok=True)
             self._write_file(path, [data])
             self._fsync_dir(path.parent)
         self._loose.add(h)
+        return written
 
     def flush(self) -> None:
         """Seal buffered small objects into one pack (no-op when nothing is buffered).

@@ -379,19 +379,26 @@ class S3ObjectStore(ObjectStore):
 
     def put(self, data: bytes) -> str:
         with self._lock:
-            return self._put(data)
+            return self._put(data)[0]
 
     def put_many(self, datas: Iterable[bytes]) -> list[str]:
         with self._lock:
+            return [self._put(d)[0] for d in datas]
+
+    def put_many_added(self, datas: Iterable[bytes]) -> list[tuple[str, bool]]:
+        with self._lock:
             return [self._put(d) for d in datas]
 
-    def _put(self, data: bytes) -> str:
+    def _put(self, data: bytes) -> tuple[str, bool]:
+        """Buffer or upload `data` unless held; (its hash, whether it was stored here)."""
         h = object_hash(data)
         if h in self._pending or self._indexed(h) or h in self._loose:
-            return h
+            return h, False
+        added = True
         if len(data) >= self.pack_threshold:
             key = self._loose_key(h)
-            if self._head(key) is None:
+            added = self._head(key) is None
+            if added:
                 self._put_raw(key, bytes(data))
             self._loose.add(h)
         else:
@@ -399,7 +406,7 @@ class S3ObjectStore(ObjectStore):
             self._pending_bytes += len(data)
             if self._pending_bytes >= self.pack_max_bytes:
                 self._flush()
-        return h
+        return h, added
 
     def flush(self) -> None:
         """Seal buffered small objects into one pack (no-op when nothing is buffered)."""

@@ -69,6 +69,7 @@ def run_summary(catalog: Catalog, run: str) -> dict[str, Any]:
             stage = row.first_divergent_stage
             histogram[stage] = histogram.get(stage, 0) + row.n
     sizes = stats(catalog, run=run)
+    # physical: what the run's bundles added to the store (null: not recorded at ingest)
     logical, physical = sizes["logical_bytes"], sizes["physical_bytes"]
     return {
         "run": run,

@@ -806,10 +806,19 @@ def _total(column, *where):  # noqa: ANN001, ANN202
 
 
 def stats(catalog: Catalog, run: str | None = None) -> dict:
-    """Counts and sizes over the catalog (or one run)."""
+    """Counts and sizes over the catalog (or one run).
+
+    Sizes are over the bundles the store still holds (not removed; superseded attempts
+    included), as `trajstore stats` counts them from the refs: `logical_bytes` what
+    they hold, `physical_bytes` what their ingests added to the object store (each
+    object once, by the bundle that stored it; not the column `physical_bytes`, every
+    object each bundle references, shared ones once per bundle). Null ("not recorded")
+    when any of them was ingested before trajstore recorded added bytes.
+    """
     bundles, results = _B, tables.replay_results
     run_filter = [bundles.c.run == run] if run is not None else []
     visible = bundles.c.is_latest
+    held = bundles.c.removed_at.is_(None)
     with catalog.connect() as conn:
         row = conn.execute(
             sa.select(
@@ -825,11 +834,14 @@ def stats(catalog: Catalog, run: str | None = None) -> dict:
                 .label("superseded_bundles"),
                 _total(bundles.c.num_samples, visible).label("samples"),
                 _total(bundles.c.num_tokens, visible).label("num_tokens"),
-                _total(bundles.c.logical_bytes).label("logical_bytes"),
-                _total(bundles.c.physical_bytes).label("physical_bytes"),
+                _total(bundles.c.logical_bytes, held).label("logical_bytes"),
+                _total(bundles.c.added_bytes, held).label("physical_bytes"),
+                sa.func.count().filter(held, bundles.c.added_bytes.is_(None)).label("unrecorded"),
             ).where(*run_filter)
         ).one()
         out = _row(row)
+        if out.pop("unrecorded"):
+            out["physical_bytes"] = None
         rq = sa.select(results.c.status, sa.func.count()).group_by(results.c.status)
         if run is not None:
             rq = rq.where(results.c.run == run)

@@ -335,6 +335,7 @@ def _bundle_row(ref_name: str, doc: dict, manifest: dict, index: dict, samples: 
             int(payload.get("logical_bytes") or 0) for payload in ref_payloads.values()
         ),
         "physical_bytes": _int(doc.get("physical_bytes")),
+        "added_bytes": _int(doc.get("added_bytes")),
         "rollout_weight": _str(lineage.get("rollout_weight")),
         "actor_weight": _str(lineage.get("actor_weight")),
         "dp_size": _int(world.get("dp")),

@@ -58,7 +58,8 @@ bundles = sa.Table(
     sa.Column("num_tokens", sa.BigInteger),  # sum of total_length
     sa.Column("num_response_tokens", sa.BigInteger),  # sum of response_length
     sa.Column("logical_bytes", sa.BigInteger),
-    sa.Column("physical_bytes", sa.BigInteger),
+    sa.Column("physical_bytes", sa.BigInteger),  # bytes of every object it references
+    sa.Column("added_bytes", sa.BigInteger),  # bytes its ingest stored (0005); null: not recorded
     sa.Column("rollout_weight", sa.String),
     sa.Column("actor_weight", sa.String),
     sa.Column("dp_size", sa.Integer),

@@ -344,19 +344,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print_json(s)
         return 0
     print(
-        f"{'run':20} {'bundles':>7} {'logical':>11} {'physical':>11} {'dedup':>6} "
+        f"{'run':20} {'bundles':>7} {'logical':>11} {'physical':>12} {'dedup':>6} "
         f"{'route B/tok-layer':>17}"
     )
     for r in s["runs"]:
         rb = r.get("route_bytes_per_token_layer")
+        # physical: what the run's bundles added at ingest; unknown for older refs
+        unknown = r["physical_bytes"] is None
+        phys = "not recorded" if unknown else _human(r["physical_bytes"])
+        dedup = "-" if unknown else f"{r['dedup_ratio'] or 0:.2f}"
         print(
             f"{r['run']:20} {r['bundles']:>7} {_human(r['logical_bytes']):>11} "
-            f"{_human(r['physical_bytes']):>11} "
-            f"{r['dedup_ratio'] or 0:>6.2f} {'-' if rb is None else f'{rb:.3f}':>17}"
+            f"{phys:>12} {dedup:>6} {'-' if rb is None else f'{rb:.3f}':>17}"
         )
     print(
         f"{'(store)':20} {s['bundles']:>7} {_human(s['logical_bytes']):>11} "
-        f"{_human(s['physical_bytes']):>11} "
+        f"{_human(s['physical_bytes']):>12} "
         f"{s['dedup_ratio'] or 0:>6.2f}   objects {s['objects']}, stored "
         f"{_human(s['stored_bytes'])}, "
         f"garbage {_human(s['garbage_bytes'])}"

@@ -92,24 +92,29 @@ class IngestOutcome:
 
 
 class _Recorder(ObjectStore):
-    """Delegates to the real store and remembers the size of every object put
-    (a bundle's closure)."""
+    """Delegates to the real store and remembers the size of every object put (a
+    bundle's closure: `sizes`) and of those this bundle's writes stored (`added`: not
+    held before; what the bundle cost the store, its ref's `added_bytes`)."""
 
     def __init__(self, inner: ObjectStore) -> None:
         self.inner = inner
         self.sizes: dict[str, int] = {}
+        self.added: dict[str, int] = {}
 
     def put(self, data: bytes) -> str:
-        h = self.inner.put(data)
-        self.sizes[h] = len(data)
-        return h
+        return self.put_many([data])[0]
 
     def put_many(self, datas: Iterable[bytes]) -> list[str]:
+        return [h for h, _ in self.put_many_added(datas)]
+
+    def put_many_added(self, datas: Iterable[bytes]) -> list[tuple[str, bool]]:
         datas = list(datas)
-        hs = self.inner.put_many(datas)
-        for h, d in zip(hs, datas, strict=True):
+        out = self.inner.put_many_added(datas)
+        for (h, new), d in zip(out, datas, strict=True):
             self.sizes[h] = len(d)
-        return hs
+            if new:
+                self.added[h] = len(d)
+        return out
 
     def get(self, h: str) -> bytes:
         return self.inner.get(h)
@@ -321,9 +326,17 @@ def _gated_doc(b: Bundle, name: str, read: Callable[[], bytes]) -> bytes:
     return data if data is not None else _as_gated(b, name, read())
 
 
+@dataclass(frozen=True)
+class WrittenBytes:
+    """Bytes of one bundle's objects: all it references, and those its write stored."""
+
+    referenced: int
+    added: int
+
+
 def _write_bundle_objects(
     objs: ObjectStore, b: Bundle, cohort_sentinels: dict[str, bytes]
-) -> tuple[dict, int]:
+) -> tuple[dict, WrittenBytes]:
     rec = _Recorder(objs)
     docs = {
         k: put_blob(rec, _gated_doc(b, f"{k}.json", lambda k=k: _read_doc(b.path / f"{k}.json")))
@@ -382,7 +395,7 @@ def _write_bundle_objects(
         "cohort_sentinels": csent,
         "payloads": payloads,
     }
-    return out, sum(rec.sizes.values())
+    return out, WrittenBytes(sum(rec.sizes.values()), sum(rec.added.values()))
 
 
 def content_digest(documents: dict[str, str], cohort_sentinels: dict[str, str]) -> str:
@@ -463,7 +476,7 @@ class Ingestor:
         ranks = [b.rank for b in bundles] if gated.bset.is_cohort else None
         while bundles:
             b = bundles.pop(0)
-            body, physical = _write_bundle_objects(self.objs, b, gated.cohort_files.get(b.rank, {}))
+            body, nbytes = _write_bundle_objects(self.objs, b, gated.cohort_files.get(b.rank, {}))
             identity = identity_of(run, b)
             ident = b.index.identity
             doc = {
@@ -477,7 +490,8 @@ class Ingestor:
                 "bundle_id": b.bundle_id,
                 "format_version": b.manifest.format_version,
                 "content_digest": content_digest(body["documents"], body["cohort_sentinels"]),
-                "physical_bytes": physical,
+                "physical_bytes": nbytes.referenced,
+                "added_bytes": nbytes.added,
                 **body,
             }
             logical += sum(p["logical_bytes"] for p in body["payloads"].values())

@@ -228,7 +228,15 @@ def gc(store: Store, grace_s: float = 3600.0) -> dict[str, Any]:
 
 
 def stats(store: Store) -> dict[str, Any]:
-    """Logical vs physical bytes, dedup ratio, objects, per run; route bytes per token-layer."""
+    """Logical vs physical bytes, dedup ratio, objects, per run; route bytes per token-layer.
+
+    A run's `physical_bytes` is what its bundles added to the object store at ingest
+    (each ref's `added_bytes`: an object counts for the bundle that stored it, so the
+    runs' figures add up to the store's), null ("not recorded") when a bundle was
+    ingested before trajstore recorded it; `referenced_bytes` is every distinct object
+    its bundles reference, shared ones included. The REST run summary and the web view
+    give the same `physical_bytes` from the catalog.
+    """
     sizes: dict[str, int] = {}
     for info in store.objs.iter_objects():
         sizes.setdefault(info.hash, info.size)
@@ -239,11 +247,18 @@ def stats(store: Store) -> dict[str, Any]:
     all_reach: set[str] = set()
     for e in store.refs.live().values():
         ref = store.refs.read(e.name)
-        r = per_run.setdefault(e.run, {"run": e.run, "bundles": 0, "logical_bytes": 0})
+        r = per_run.setdefault(
+            e.run, {"run": e.run, "bundles": 0, "logical_bytes": 0, "physical_bytes": 0}
+        )
         r["bundles"] += 1
         r["logical_bytes"] += sum(
             int(p.get("logical_bytes") or 0) for p in ref["payloads"].values()
         )
+        added = ref.get("added_bytes")
+        if not isinstance(added, int) or isinstance(added, bool) or r["physical_bytes"] is None:
+            r["physical_bytes"] = None  # not recorded for at least one of its bundles
+        else:
+            r["physical_bytes"] += added
         closure = set(ref_closure(store, ref))
         reach[e.run] |= closure
         all_reach |= closure
@@ -256,9 +271,9 @@ def stats(store: Store) -> dict[str, Any]:
                 route_units[e.run] += p["shape"][0] * p["shape"][1]
     runs = []
     for run, r in sorted(per_run.items()):
-        phys = sum(sizes.get(h, 0) for h in reach[run])
-        r["physical_bytes"] = phys
+        phys = r["physical_bytes"]
         r["dedup_ratio"] = round(r["logical_bytes"] / phys, 3) if phys else None
+        r["referenced_bytes"] = sum(sizes.get(h, 0) for h in reach[run])
         r["objects"] = len(reach[run])
         if route_units[run]:
             rb = sum(sizes.get(h, 0) for h in route_objs[run])
@@ -268,11 +283,15 @@ def stats(store: Store) -> dict[str, Any]:
     logical = sum(r["logical_bytes"] for r in runs)
     physical = sum(sizes.get(h, 0) for h in all_reach)
     stored = sum(sizes.values())
+    added = [r["physical_bytes"] for r in runs]
     return {
         "runs": runs,
         "bundles": sum(r["bundles"] for r in runs),
         "logical_bytes": logical,
         "physical_bytes": physical,
+        # the runs' added bytes: equals physical_bytes unless objects outlived the bundle
+        # that stored them (rm + gc) or an interrupted ingest stored them first
+        "added_bytes": None if None in added else sum(added),
         "dedup_ratio": round(logical / physical, 3) if physical else None,
         "objects": len(sizes),
         "stored_bytes": stored,

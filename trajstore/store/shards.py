@@ -52,7 +52,7 @@ from trajstore.store.ingest import (
     content_digest,
     identity_of,
 )
-from trajstore.store.stored_bundle import put_blob
+from trajstore.store.stored_bundle import put_blob_added
 
 SHARDS_KEY = "capture"
 SHARD_VERSION = 1
@@ -101,7 +101,7 @@ def _store_rank_shard(
     shard["relpath"] = f"rank-{rank}"  # as bundle.writer.write_rank writes the cohort shard
     shard_bytes = canonical_bytes(shard)
     expected = sorted(int(r) for r in b.complete.expected_ranks)
-    body, physical = _write_bundle_objects(store.objs, b, {f"COMPLETE.{rank}": shard_bytes})
+    body, nbytes = _write_bundle_objects(store.objs, b, {f"COMPLETE.{rank}": shard_bytes})
     store.objs.flush()  # every object is durable before the shard names it
     run_, kind, rollout_id, step_id, _ = identity_of(run, b)
     ref = {
@@ -114,7 +114,8 @@ def _store_rank_shard(
         "cohort_ranks": expected,
         "bundle_id": b.bundle_id,
         "format_version": b.manifest.format_version,
-        "physical_bytes": physical,
+        "physical_bytes": nbytes.referenced,
+        "added_bytes": nbytes.added,
         **body,
     }
     doc = {"shard_version": SHARD_VERSION, "rank": rank, "shard": shard, "ref": ref}
@@ -123,7 +124,9 @@ def _store_rank_shard(
     if session is not None:
         slot = f"{folder}/s-{session}"
         key = f"{slot}/rank-{rank}.json"
-        if not store.space.create_if_absent(key, data) and store.space.read(key) != data:
+        if not store.space.create_if_absent(key, data) and not _same_shard(
+            store.space.read(key), doc
+        ):
             raise StoreError(
                 f"{store.space.where(key)}: session {session!r} already stored other content "
                 f"for rank {rank}; a new capture needs a new TRAJSTORE_CAPTURE_SESSION"
@@ -136,7 +139,7 @@ def _store_rank_shard(
             if store.space.create_if_absent(key, data):
                 break
             try:
-                if store.space.read(key) == data:
+                if _same_shard(store.space.read(key), doc):
                     break
             except NotFoundError:
                 continue  # removed just now (its cohort was published): try the slot again
@@ -146,6 +149,22 @@ def _store_rank_shard(
     if keys is not None:
         outcome.published, outcome.keys = True, keys
     return outcome
+
+
+def _same_shard(stored: bytes, doc: dict[str, Any]) -> bool:
+    """Whether a stored shard document is `doc` but for `ref.added_bytes`: a retry finds
+    its objects stored already and adds nothing, so the first write's count stands."""
+
+    def content(d: Any) -> Any:
+        if not isinstance(d, dict) or not isinstance(d.get("ref"), dict):
+            return d
+        return {**d, "ref": {k: v for k, v in d["ref"].items() if k != "added_bytes"}}
+
+    try:
+        other = json.loads(stored)
+    except ValueError:
+        return False
+    return content(other) == content(doc)
 
 
 def _read_shards(store: Store, folder: str) -> dict[int, dict[str, Any]]:
@@ -183,13 +202,15 @@ def _try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[
         raise BundleError(f"{store.space.where(folder)}: shards disagree on the anchor")
     cohort = {"ranks": expected, "shards": {str(r): shards[r].raw for r in expected}}
     CohortComplete.from_dict(cohort)
-    whole = put_blob(store.objs, canonical_bytes(cohort))
+    whole, whole_added = put_blob_added(store.objs, canonical_bytes(cohort))
     store.objs.flush()
     ing = Ingestor(store.space, store.objs, store.refs)
     keys = []
     live = store.refs.live()
     for r in expected:
         ref = dict(docs[r]["ref"])
+        if r == expected[0] and ref.get("added_bytes") is not None:
+            ref["added_bytes"] += whole_added  # the cohort COMPLETE, stored here once
         ref["cohort_sentinels"] = {**ref["cohort_sentinels"], "COMPLETE": whole}
         ref["content_digest"] = content_digest(ref["documents"], ref["cohort_sentinels"])
         identity = (ref["run"], ref["kind"], ref["rollout_id"], ref["step_id"])

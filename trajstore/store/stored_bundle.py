@@ -58,6 +58,13 @@ def put_blob(objs: ObjectStore, data: bytes) -> str:
     return objs.put(_cctx().compress(data))
 
 
+def put_blob_added(objs: ObjectStore, data: bytes) -> tuple[str, int]:
+    """`put_blob`, and the bytes this call stored (0 when the object was held already)."""
+    packed = _cctx().compress(data)
+    ((h, new),) = objs.put_many_added([packed])
+    return h, len(packed) if new else 0
+
+
 def get_blob(objs: ObjectStore, h: str) -> bytes:
     """The bytes of blob `h` (the object is verified against its hash by `get`)."""
     return _decode_blob(h, objs.get(h))

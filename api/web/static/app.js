@@ -242,7 +242,7 @@ async function runsPage() {
       rows,
       { id: "runs" },
     ),
-    h("p", { class: "muted" }, "Counts are actor steps (latest attempt) by their latest recorded verdict; stored bytes are what the run's bundles added to the store."),
+    h("p", { class: "muted" }, "Counts are actor steps (latest attempt) by their latest recorded verdict; stored bytes are what the run's bundles added to the store when ingested (not recorded for bundles ingested before trajstore recorded it)."),
     h("h2", {}, "Route consistency"),
     picker,
   );
@@ -258,8 +258,8 @@ async function runsPage() {
           ),
           h("td", {}, histogram(s.first_divergent_stage_histogram)),
           h("td", { class: "num" }, bytes(s.logical_bytes)),
-          h("td", { class: "num" }, bytes(s.physical_bytes)),
-          h("td", { class: "num", "data-field": "dedup" }, s.dedup_ratio === null ? "null" : `${s.dedup_ratio}x`),
+          h("td", { class: "num", "data-field": "stored", "data-bytes": s.physical_bytes ?? "" }, s.physical_bytes === null ? "not recorded" : bytes(s.physical_bytes)),
+          h("td", { class: "num", "data-field": "dedup" }, s.physical_bytes === null ? "not recorded" : s.dedup_ratio === null ? "null" : `${s.dedup_ratio}x`),
         ];
         cell.replaceWith(...cells);
       } catch (error) {
