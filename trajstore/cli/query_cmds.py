@@ -15,14 +15,17 @@ from trajstore.cli._common import (
     print_json,
     rollout_id,
 )
+from trajstore.cli.mismatch_cmd import add_args as add_mismatch_args
 from trajstore.vocab import STEP_STATUSES
 
 FORMATS = ("table", "json", "csv")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("query", help="steps, bundles, divergences or routes across a store")
-    p.add_argument("what", choices=["steps", "bundles", "divergences", "routes"])
+    p = sub.add_parser(
+        "query", help="steps, bundles, divergences, routes or mismatch across a store"
+    )
+    p.add_argument("what", choices=["steps", "bundles", "divergences", "routes", "mismatch"])
     p.add_argument(
         "--store",
         metavar="DIR",
@@ -31,8 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_catalog_arg(p)
     p.add_argument("--run", help="only this run")
-    p.add_argument("--rollout-from", type=rollout_id, metavar="R")
-    p.add_argument("--rollout-to", type=rollout_id, metavar="R")
+    p.add_argument("--rollout-from", "--from", type=rollout_id, metavar="R")
+    p.add_argument("--rollout-to", "--to", type=rollout_id, metavar="R")
     p.add_argument(
         "--first-divergent-stage",
         metavar="S",
@@ -57,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--limit", type=int, help="at most this many rows")
     p.add_argument("--format", choices=FORMATS, default="table")
+    add_mismatch_args(p)
     p.set_defaults(func=cmd_query)
 
     p = sub.add_parser(
@@ -226,6 +230,10 @@ def cmd_query(args: argparse.Namespace) -> int:
     projected = args.format != "json"
     with _catalog_reader(args) as cat:
         check_run(cat, args.run)
+        if args.what == "mismatch":
+            from trajstore.cli.mismatch_cmd import cmd_mismatch
+
+            return cmd_mismatch(args, cat)
         if args.what == "steps":
             rows = cat.steps(
                 columns=tuple(STEP_COLUMNS) if projected else None,
