@@ -437,3 +437,72 @@ def test_reindex_recomputes_a_ref_stored_without_sums(tmp_path):
         store.reindex()
     rows = step_values(store_dir, "old", ["old_kl_k3"])
     assert_close(rows["old_kl_k3"]["value"], oracle_logprob([c], "old_log_probs")["kl_k3"], "k3")
+
+
+def test_the_demo_runs_baseline_drifts_and_r3_is_exactly_zero(demo_run):
+    """The demo's MoE runs: baseline routes disagree on some steps, R3's never; the
+    alert exits 1 on the baseline and 0 on R3 (docs/tutorial.md's drift section)."""
+    import subprocess
+    import sys
+
+    from conftest import user_env
+
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    store = str(demo_run.cwd / "demo-store")
+
+    def query(run: str, *more: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "trajstore", "query", "mismatch", "--store", store,
+             "--run", run, *more],
+            capture_output=True, text=True, env=user_env(), timeout=120,
+        )  # fmt: skip
+
+    base = json.loads(query("baseline", "--json").stdout)
+    r3 = json.loads(query("r3", "--json").stdout)
+    assert base and len(base) == len(r3)
+    assert sum(row["value"] for row in base) > 0
+    assert all(row["value"] == 0.0 and row["reason"] is None for row in r3)
+    assert query("baseline", "--fail-above", "0").returncode == 1
+    assert query("r3", "--fail-above", "0").returncode == 0
+
+
+@pytest.fixture
+def compared_store(tmp_path):
+    from test_router_cli import _write_step
+
+    for run, same in (("base", False), ("fix", True)):
+        for r in (1, 2):
+            _write_step(tmp_path / run, run, r, same_routes=same)
+    store_dir = tmp_path / "store"
+    with Store.open(store_dir) as store:
+        for run in ("base", "fix"):
+            store.ingest([tmp_path / run], run=run)
+    return store_dir
+
+
+def test_router_compare_reads_the_stored_sums_and_recompute_agrees(compared_store, capsys):
+    argv = ["router", "compare", "--store", str(compared_store), "--run", "base", "--run", "fix"]
+    code, out, _ = cli(capsys, *argv, "--json")
+    assert code == 0
+    stored = json.loads(out)
+    code, out, err = cli(capsys, *argv, "--json", "--recompute")
+    assert code == 0, err
+    assert json.loads(out) == stored
+    # the stored sums are what compare reads: change one ref's count, rebuild the catalog
+    ref = next(
+        p
+        for p in (compared_store / "refs" / "bundles").glob("*.json")
+        if json.loads(p.read_text())["run"] == "base"
+        and json.loads(p.read_text())["rollout_id"] == 1
+    )
+    doc = json.loads(ref.read_text())
+    doc["mismatch"]["routes"]["mismatches"] += 1
+    ref.write_text(json.dumps(doc))
+    with Store.open(compared_store, create=False) as store:
+        store.reindex()
+    code, out, _ = cli(capsys, *argv, "--json")
+    step = json.loads(out)["steps"][0]["runs"]["base"]
+    assert step["route_mismatch_rate"] == pytest.approx(4 / 12)  # 3 of 12 differ in truth
+    code, _, err = cli(capsys, *argv, "--recompute")
+    assert code == 1
+    assert "run base step 1:0: route_mismatch_rate stored" in err

@@ -136,10 +136,14 @@ def compute_mismatch(
     clip_c = clip_cap(config)
     entry: dict[str, Any] = {"version": MISMATCH_VERSION, "pairs": {}, "worst": {}}
     document: dict[str, Any] = {"version": MISMATCH_VERSION, "worst_per_sample": {}}
-    rollout, rollout_error = _checked_logprobs(payloads(ROLLOUT_PAYLOAD), r_total, ROLLOUT_PAYLOAD)
+    rollout_raw = payloads(ROLLOUT_PAYLOAD)
+    rollout, rollout_error = _checked_logprobs(rollout_raw, r_total, ROLLOUT_PAYLOAD)
     for pair, name in PAIRS:
-        trainer, error = _checked_logprobs(payloads(name), r_total, name)
+        raw = payloads(name)
+        trainer, error = _checked_logprobs(raw, r_total, name)
         error = rollout_error or error
+        if raw is None and rollout_raw is None:  # not measured at all (router-metrics.md)
+            error = f"missing_logprob: the bundle has neither {ROLLOUT_PAYLOAD} nor {name}"
         if error is None and not valid_r.size:
             error = "empty_response_mask: no masked-in response token"
         if error is None and not (
