@@ -409,6 +409,12 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
         assert words in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_mismatch_options_are_refused_by_the_other_listings(tmp_path, capsys):
+    store_dir = stored(tmp_path, "other", contents())
+    code, _, err = cli(capsys, "query", "steps", "--store", str(store_dir), "--metric", "kl_k3")
+    assert code == 2 and "--metric applies to query mismatch only" in err
+
+
 def test_cli_table_and_plot(tmp_path, capsys):
     store_dir = stored(tmp_path, "t", contents(seed=1), contents(seed=2, rollout_id=2))
     png = tmp_path / "m.png"

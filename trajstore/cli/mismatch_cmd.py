@@ -49,6 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plot", metavar="FILE.png", help="mismatch: draw the values over steps")
     p.add_argument("--json", action="store_true", help="same as --format json")
+    # (refused with any other `query` listing: cmd_query)
 
 
 def _worst_cell(w: dict[str, Any] | None) -> str:
@@ -89,7 +90,7 @@ def cmd_mismatch(args: argparse.Namespace, cat: Any) -> int:
     failed = args.fail_above is not None and any(
         r["value"] is not None and r["value"] > args.fail_above for r in rows
     )
-    if args.format == "json" or args.json:
+    if args.format == "json":
         from trajstore.cli._common import print_json
 
         print_json(rows)

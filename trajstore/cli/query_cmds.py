@@ -34,8 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_catalog_arg(p)
     p.add_argument("--run", help="only this run")
-    p.add_argument("--rollout-from", "--from", type=rollout_id, metavar="R")
-    p.add_argument("--rollout-to", "--to", type=rollout_id, metavar="R")
+    p.add_argument("--rollout-from", type=rollout_id, metavar="R")
+    p.add_argument("--rollout-to", type=rollout_id, metavar="R")
+    p.add_argument(
+        "--from", dest="rollout_from", type=rollout_id, metavar="R", help="= --rollout-from"
+    )
+    p.add_argument("--to", dest="rollout_to", type=rollout_id, metavar="R", help="= --rollout-to")
     p.add_argument(
         "--first-divergent-stage",
         metavar="S",
@@ -225,6 +229,13 @@ def cmd_query(args: argparse.Namespace) -> int:
         and args.rollout_from > args.rollout_to
     ):
         raise UsageError("--rollout-from is after --rollout-to")
+    if args.json:
+        args.format = "json"
+    if args.what != "mismatch":
+        for name in ("metric", "above", "top", "layer", "first_above", "fail_above", "plot"):
+            if getattr(args, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} applies to query mismatch only")
     rng = {"rollout_from": args.rollout_from, "rollout_to": args.rollout_to}
     # table and csv print only their columns; json prints whole rows
     projected = args.format != "json"
