@@ -81,18 +81,22 @@ def _worst_per_sample(
     valid_r: np.ndarray,
     sample_ids: Sequence[str],
 ) -> list[dict[str, Any]]:
-    """Per sample with a masked-in token: its token of largest |d| (first on ties)."""
-    rl = np.asarray(response_lengths, dtype=np.int64)
-    starts = np.cumsum(rl) - rl
-    owner = np.searchsorted(np.cumsum(rl), valid_r, side="right")
-    a = np.abs(trainer[valid_r] - rollout[valid_r])
-    out = []
+    """Per sample with a masked-in token: its token of largest |d| (first on ties).
+
+    `valid_r` is increasing, so each sample's valid tokens are one contiguous run."""
     if not valid_r.size:
-        return out
-    # first maximum per owner: stable sort by (owner, -|d|)
-    order = np.lexsort((-a, owner))
-    firsts = order[np.r_[True, owner[order][1:] != owner[order][:-1]]]
-    for i in firsts:
+        return []
+    rl = np.asarray(response_lengths, dtype=np.int64)
+    ends = np.cumsum(rl)
+    starts = ends - rl
+    owner = np.searchsorted(ends, valid_r, side="right")
+    a = np.abs(trainer[valid_r] - rollout[valid_r])
+    first = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    best = np.maximum.reduceat(a, first)
+    hit = np.flatnonzero(a == np.repeat(best, np.diff(np.r_[first, a.size])))
+    _, at = np.unique(owner[hit], return_index=True)  # the first maximum of each sample
+    out = []
+    for i in hit[at].tolist():
         s, r = int(owner[i]), int(valid_r[i])
         out.append(
             {
