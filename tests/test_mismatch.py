@@ -512,3 +512,26 @@ def test_router_compare_reads_the_stored_sums_and_recompute_agrees(compared_stor
     code, _, err = cli(capsys, *argv, "--recompute")
     assert code == 1
     assert "run base step 1:0: route_mismatch_rate stored" in err
+
+
+def test_ranks_storing_their_own_shards_carry_the_sums(tmp_path):
+    """Capture from hosts without a shared file system (trajstore.store.shards): each rank
+    stores its own bundle; the published cohort's step adds up like an ingested one."""
+    from trajstore.store.shards import store_rank_shard
+
+    parts = [contents(seed=6, rank=r, world=2) for r in range(2)]
+    cohort = tmp_path / "cohort"
+    for r, part in enumerate(parts):
+        write_rank(cohort, part, rank=r, expected_ranks=[0, 1])
+    store_dir = tmp_path / "store"
+    with Store.open(store_dir) as store:
+        assert not store_rank_shard(store, cohort / "rank-1", "shards").published
+        assert store_rank_shard(store, cohort / "rank-0", "shards").published
+    rows = step_values(store_dir, "shards", ["old_kl_k3", "route_mismatch_rate"])
+    assert rows["old_kl_k3"]["ranks"] == 2
+    assert_close(rows["old_kl_k3"]["value"], oracle_logprob(parts, "old_log_probs")["kl_k3"], "k3")
+    assert_close(
+        rows["route_mismatch_rate"]["value"],
+        oracle_routes(parts)["route_mismatch_rate"],
+        "route_mismatch_rate",
+    )
