@@ -64,7 +64,9 @@ def _step(row: dict[str, Any]) -> str:
     return f"{row['rollout_id']}:{row['step_id']}"
 
 
-def cmd_mismatch(args: argparse.Namespace, cat: Any) -> int:
+def cmd_mismatch(args: argparse.Namespace, cat: Any, emit_rows: Any) -> int:
+    """`query mismatch` over an open catalog reader; `emit_rows` is query's table/csv
+    writer (passed in: query_cmds imports this module)."""
     from trajstore.errors import UsageError
     from trajstore.mismatch.metrics import DEFAULT_METRIC
     from trajstore.mismatch.query import MismatchQuery
@@ -97,7 +99,7 @@ def cmd_mismatch(args: argparse.Namespace, cat: Any) -> int:
     elif args.first_above is not None and not rows:
         print(f"no step of run {args.run} has {q.metric} > {args.first_above:g}")
     else:
-        _table(rows, q.metric, args.format)
+        _table(rows, q.metric, args.format, emit_rows)
     if plot is not None:
         _plot(rows, q, plot)
     if failed:
@@ -110,9 +112,7 @@ def cmd_mismatch(args: argparse.Namespace, cat: Any) -> int:
     return 0
 
 
-def _table(rows: list[dict[str, Any]], metric: str, fmt: str) -> None:
-    from trajstore.cli.query_cmds import emit_rows
-
+def _table(rows: list[dict[str, Any]], metric: str, fmt: str, emit_rows: Any) -> None:
     shown = [
         {
             "step": _step(r),

@@ -244,7 +244,7 @@ def cmd_query(args: argparse.Namespace) -> int:
         if args.what == "mismatch":
             from trajstore.cli.mismatch_cmd import cmd_mismatch
 
-            return cmd_mismatch(args, cat)
+            return cmd_mismatch(args, cat, emit_rows)
         if args.what == "steps":
             rows = cat.steps(
                 columns=tuple(STEP_COLUMNS) if projected else None,
