@@ -24,6 +24,8 @@ BUNDLE = ("get", "/v1/bundles/{key}")
 SAMPLES = ("get", "/v1/bundles/{key}/samples")
 PAYLOAD = ("get", "/v1/bundles/{key}/payloads/{name}")
 REPLAY = ("post", "/v1/replay")
+MISMATCH = ("get", "/v1/runs/{run}/mismatch")
+MISMATCH_LAYERS = ("get", "/v1/runs/{run}/mismatch/layers")
 
 _FIRST_RUN = "$response.body#/items/0/run"
 _FIRST_STEP = {
@@ -38,6 +40,16 @@ LINKS: tuple[tuple[tuple[str, str], str, tuple[str, str], dict[str, str], Any], 
     (RUNS, "RunSummary", SUMMARY, {"run": _FIRST_RUN}, None),
     (RUNS, "RunStrip", STRIP, {"run": _FIRST_RUN}, None),
     (RUNS, "RunSteps", STEPS, {"run": _FIRST_RUN}, None),
+    (RUNS, "RunMismatch", MISMATCH, {"run": _FIRST_RUN}, None),
+    (RUNS, "RunMismatchLayers", MISMATCH_LAYERS, {"run": _FIRST_RUN}, None),
+    (MISMATCH, "MismatchStep", STEP, _FIRST_STEP, None),
+    (
+        MISMATCH,
+        "WorstTokenBundle",
+        BUNDLE,
+        {"key": "$response.body#/items/0/worst/bundle_key"},
+        None,
+    ),
     (STEPS, "Step", STEP, _FIRST_STEP, None),
     (STEPS, "StepResult", RESULT, _FIRST_STEP, None),
     (

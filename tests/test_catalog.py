@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sqlalchemy as sa
 from conftest import FIXTURES, make_contents
@@ -91,14 +92,22 @@ class StoreWriter:
         run: str = "default",
         router: dict | None = None,
         consistency: dict | None = None,
+        routes: bool = False,
     ) -> str:
         """A new single-producer bundle of step rollout_id:step_id (None: the
-        rollout bundle); new content each call, so again is the next attempt."""
+        rollout bundle); new content each call, so again is the next attempt.
+        `routes`: with `router`, identical rollout and train routes (a MoE bundle)."""
         seed = next(self.seeds)
         kind = "rollout" if step_id is None else "step"
         contents = make_contents(kind=kind, rollout_id=rollout_id, step_id=step_id or 0, seed=seed)
         if router is not None:
             contents.config["router"] = router
+        if routes:
+            tokens = sum(s["total_length"] for s in contents.samples)
+            ids = np.zeros((tokens, router["num_layers"], router["top_k"]), dtype=np.uint8)
+            ids[..., 1] = 1
+            contents.payloads["rollout_routed_experts"] = ids
+            contents.payloads["train_routed_experts"] = ids.copy()
         if consistency is not None:
             contents.expected["router.consistency"] = consistency
         (key,) = self._ingest(write_bundle(self.work / f"bundle-{seed}", contents), run)
@@ -564,7 +573,7 @@ def _filled(store: StoreWriter) -> None:
     rank0, _ = store.publish_cohort(122, 0)
     store.record(rank0, stage="loss.policy")
     router = {"num_layers": 2, "top_k": 2, "num_experts": 4}
-    store.publish(123, 0, router=router, consistency={"route_mismatch_rate": 0.01})
+    store.publish(123, 0, router=router, consistency={"route_mismatch_rate": 0.01}, routes=True)
     _sync(store)
 
 

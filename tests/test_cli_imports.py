@@ -80,6 +80,9 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("query", "divergences"),
         ("query", "routes"),
         ("sql", "SELECT count(*) AS n FROM bundles"),
+        ("query", "mismatch", "--run", "r"),
+        ("query", "mismatch", "--run", "r", "--json", "--metric", "old_kl_k3", "--top", "3"),
+        ("query", "mismatch", "--run", "r", "--first-above", "0", "--fail-above", "1e9"),
     ],
 )
 def test_catalog_only_command_imports_no_heavy_module(store_dir: Path, command: tuple) -> None:
@@ -200,6 +203,8 @@ def set_revision(store: Path, revision: str, *, drop_listing: bool = False) -> N
     try:
         if drop_listing:  # the schema of 0003: without 0004's listing and 0005's added_bytes
             con.execute("ALTER TABLE sync_state DROP COLUMN listing")
+            con.execute("DROP TABLE mismatch_metrics")  # and of 0006
+            con.execute("DROP TABLE mismatch_layers")
             con.execute("DROP INDEX ix_bundles_step")  # DuckDB drops no column under an index
             con.execute("ALTER TABLE bundles DROP COLUMN added_bytes")
             con.execute("CREATE INDEX ix_bundles_step ON bundles (run, rollout_id, step_id)")

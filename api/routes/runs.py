@@ -8,11 +8,12 @@ from fastapi import APIRouter, Query
 
 from trajstore.catalog import list_runs
 from trajstore.catalog.overview import MAX_STRIP_BINS, run_summary, step_strip
+from trajstore.catalog.queries import MAX_PAGE_SIZE, query_mismatch, query_mismatch_layers
 from trajstore.jsonio import json_safe
 
 from .. import models
 from ..detail import check_range, check_run
-from ..params import OptId, RunName
+from ..params import Cursor, Limit, OptId, RunName
 from ..state import StateDep
 
 router = APIRouter()
@@ -46,3 +47,59 @@ def strip(
         state.snap.catalog, run, rollout_from=rollout_from, rollout_to=rollout_to, bins=bins
     )
     return models.Strip(**json_safe(page))
+
+
+Threshold = Annotated[float | None, Query(allow_inf_nan=False, description="a finite number")]
+
+
+@router.get("/runs/{run}/mismatch", response_model=models.Page)
+def mismatch(
+    state: StateDep,
+    run: RunName,
+    metric: Annotated[str | None, Query(max_length=100, description="docs/mismatch.md")] = None,
+    above: Threshold = None,
+    top: Annotated[int | None, Query(ge=1, le=MAX_PAGE_SIZE)] = None,
+    layer: Annotated[int | None, Query(ge=0, le=1_000_000)] = None,
+    rollout_from: OptId = None,
+    rollout_to: OptId = None,
+    first_above: Threshold = None,
+    limit: Limit = None,
+    cursor: Cursor = None,
+) -> models.Page:
+    """Training-inference mismatch per step (`trajstore query mismatch`'s filters), each
+    step with its value, token count, the reason it is null, and its worst token."""
+    check_run(state.view, run)
+    check_range(rollout_from, rollout_to)
+    page = query_mismatch(
+        state.snap.catalog,
+        run,
+        metric=metric,
+        above=above,
+        top=top,
+        layer=layer,
+        rollout_from=rollout_from,
+        rollout_to=rollout_to,
+        first_above=first_above,
+        limit=limit,
+        cursor=cursor,
+    )
+    return models.Page(**json_safe(page))
+
+
+@router.get("/runs/{run}/mismatch/layers", response_model=models.Open)
+def mismatch_layers(
+    state: StateDep,
+    run: RunName,
+    rollout_from: OptId = None,
+    rollout_to: OptId = None,
+) -> models.Open:
+    """Route mismatch per (step, layer): the web view's heat map. ``metrics``: every
+    metric name `/mismatch` takes."""
+    from trajstore.mismatch.metrics import METRICS
+
+    check_run(state.view, run)
+    check_range(rollout_from, rollout_to)
+    items = query_mismatch_layers(
+        state.snap.catalog, run, rollout_from=rollout_from, rollout_to=rollout_to
+    )
+    return models.Open(**json_safe({"items": items, "metrics": sorted(METRICS)}))

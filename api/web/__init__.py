@@ -30,7 +30,7 @@ ASSETS: dict[str, str] = {
 }
 #: page paths (the client-side router in app.js draws each); /v1, /docs, /openapi.json
 #: are not pages and keep the bearer check
-_PAGES = re.compile(r"^/(?:|runs/[^/]+|runs/[^/]+/steps/[^/]+|routes|diff)$")
+_PAGES = re.compile(r"^/(?:|runs/[^/]+|runs/[^/]+/mismatch|runs/[^/]+/steps/[^/]+|routes|diff)$")
 _ASSET = re.compile(r"^/static/([a-z]+\.(?:js|css|svg))$")
 #: the shell and assets change only with the package: let the browser revalidate, no more
 _HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
@@ -58,6 +58,11 @@ def runs_page() -> Response:
 
 @router.api_route("/runs/{run}", methods=["GET", "HEAD"])
 def steps_page(run: str) -> Response:
+    return _shell()
+
+
+@router.api_route("/runs/{run}/mismatch", methods=["GET", "HEAD"])
+def mismatch_page(run: str) -> Response:
     return _shell()
 
 

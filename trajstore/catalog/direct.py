@@ -597,6 +597,24 @@ class DirectCatalog:
         )
         return self._rows(sql + _limit(params, limit), params)
 
+    def _named(self, sql: str, params: dict) -> list[dict]:
+        """trajstore.mismatch.query's `execute`: its statement with DuckDB's marks."""
+        from trajstore.mismatch.query import duckdb_sql
+
+        return self._rows(duckdb_sql(sql), params)
+
+    def mismatch(self, q: Any, limit: int | None = None) -> list[dict]:
+        """As query_mismatch, every page."""
+        from trajstore.mismatch.query import steps
+
+        return steps(self._named, q, limit)
+
+    def mismatch_layers(self, q: Any) -> list[dict]:
+        """As query_mismatch_layers."""
+        from trajstore.mismatch.query import layers
+
+        return layers(self._named, q)
+
     def readonly_sql(
         self, sql: str, *, max_rows: int = MAX_SQL_ROWS
     ) -> tuple[list[str], list[list]]:

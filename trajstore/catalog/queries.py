@@ -884,3 +884,68 @@ def run_readonly_sql(
         finally:
             conn.rollback()
     return columns, [[jsonable("", v) for v in row] for row in rows]
+
+
+# -- training-inference mismatch (trajstore.mismatch) --------------------------------
+
+
+def mismatch_executor(catalog: Catalog):  # noqa: ANN201
+    """trajstore.mismatch.query's `execute` over any catalog (SQLAlchemy)."""
+
+    def execute(sql: str, params: dict[str, Any]) -> list[dict]:
+        with catalog.connect() as conn:
+            return [_row(r) for r in conn.execute(sa.text(sql), params)]
+
+    return execute
+
+
+def query_mismatch(
+    catalog: Catalog,
+    run: str,
+    metric: str | None = None,
+    above: float | None = None,
+    top: int | None = None,
+    layer: int | None = None,
+    rollout_from: int | None = None,
+    rollout_to: int | None = None,
+    first_above: float | None = None,
+    limit: int | None = None,
+    cursor: str | None = None,
+) -> dict:
+    """Per-step mismatch of one run (docs/mismatch.md), a page at a time: the CLI's
+    `query mismatch` filters; pages follow the listing's order (offset cursor)."""
+    from trajstore.mismatch.metrics import DEFAULT_METRIC
+    from trajstore.mismatch.query import MismatchQuery, steps
+
+    limit = _limit(limit)
+    q = MismatchQuery(
+        run=run,
+        metric=metric or DEFAULT_METRIC,
+        above=above,
+        top=top,
+        layer=layer,
+        rollout_from=rollout_from,
+        rollout_to=rollout_to,
+        first_above=first_above,
+    )
+    query = {k: v for k, v in vars(q).items()}
+    after = decode_cursor("mismatch", query, cursor, "i")
+    offset = after[0] if after else 0
+    items = steps(mismatch_executor(catalog), q, limit + 1, offset)
+    more = len(items) > limit
+    items = items[:limit]
+    nxt = encode_cursor("mismatch", query, [offset + limit]) if more else None
+    return {"items": items, "next_cursor": nxt}
+
+
+def query_mismatch_layers(
+    catalog: Catalog,
+    run: str,
+    rollout_from: int | None = None,
+    rollout_to: int | None = None,
+) -> list[dict]:
+    """Route mismatch per (step, layer) of a run: the web view's heat map."""
+    from trajstore.mismatch.query import MismatchQuery, layers
+
+    q = MismatchQuery(run=run, rollout_from=rollout_from, rollout_to=rollout_to)
+    return layers(mismatch_executor(catalog), q)

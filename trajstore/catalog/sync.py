@@ -42,6 +42,8 @@ from trajstore.refspace import DEFAULT_MARGIN_S, DocRef, LocalRefSpace, RefSpace
 from trajstore.vocab import Stage
 
 LoadDocument = Callable[[str], dict]
+#: a ref without stored mismatch sums -> its computed ``mismatch`` entry (reindex)
+MismatchOf = Callable[[dict], dict]
 Anchor = tuple  # (run, kind, rollout_id, step_id): a step or rollout, every rank
 
 REF_VERSION = 1
@@ -181,7 +183,14 @@ def _insert(conn: sa.Connection, table: sa.Table, rows: list[dict]) -> None:
 def _delete_bundles(conn: sa.Connection, keys: list[str]) -> None:
     if not keys:
         return
-    for table in (tables.samples, tables.provenance, tables.payloads, tables.router_lineage):
+    for table in (
+        tables.samples,
+        tables.provenance,
+        tables.payloads,
+        tables.router_lineage,
+        tables.mismatch_metrics,
+        tables.mismatch_layers,
+    ):
         conn.execute(table.delete().where(table.c.bundle_key.in_(keys)))
     metrics = tables.router_metrics
     conn.execute(
@@ -350,7 +359,13 @@ def _bundle_row(ref_name: str, doc: dict, manifest: dict, index: dict, samples: 
     }
 
 
-def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: dict) -> dict:
+def _bundle_rows(
+    ref_name: str,
+    doc: dict,
+    load_document: LoadDocument,
+    rows: dict,
+    mismatch_of: MismatchOf | None = None,
+) -> dict:
     """Append the rows of one bundle to `rows` (table name -> list); returns its bundle row."""
     key = doc["key"]
     documents = doc["documents"]
@@ -380,9 +395,61 @@ def _bundle_rows(ref_name: str, doc: dict, load_document: LoadDocument, rows: di
                 step_id=_int(doc.get("step_id")),
             )
         )
+    _mismatch_rows(doc, rows, mismatch_of)
     bundle = _bundle_row(ref_name, doc, manifest, index, samples)
     rows["bundles"].append(bundle)
     return bundle
+
+
+#: why a ref has no mismatch sums (one stored by a trajstore before they existed)
+NOT_COMPUTED = "not_computed: stored before trajstore computed mismatch; run trajstore reindex"
+
+
+def _mismatch_rows(doc: dict, rows: dict, mismatch_of: MismatchOf | None) -> None:
+    """The ``mismatch_metrics`` row (and ``mismatch_layers`` rows) of one ref: its stored
+    sums; a ref without them is computed by `mismatch_of` (reindex) or marked not computed."""
+    from trajstore.mismatch.metrics import PAIR_FIELDS, PAIRS
+
+    entry = doc.get("mismatch")
+    if not isinstance(entry, dict) and mismatch_of is not None:
+        entry = mismatch_of(doc)
+    if not isinstance(entry, dict):
+        entry = {}
+    row: dict[str, Any] = {
+        "bundle_key": doc["key"],
+        "run": doc["run"],
+        "kind": doc["kind"],
+        "rollout_id": doc["rollout_id"],
+        "step_id": _int(doc.get("step_id")),
+    }
+    pairs = entry.get("pairs") if isinstance(entry.get("pairs"), dict) else {}
+    for pair, _ in PAIRS:
+        sums = pairs.get(pair) if isinstance(pairs.get(pair), dict) else {"error": NOT_COMPUTED}
+        for field, kind in PAIR_FIELDS:
+            value = sums.get(field)
+            if kind == "TEXT":
+                row[f"{pair}_{field}"] = _str(value)
+            elif kind == "BIGINT":
+                row[f"{pair}_{field}"] = _int(value)
+            else:
+                row[f"{pair}_{field}"] = _float(value)
+    routes = entry.get("routes") if isinstance(entry.get("routes"), dict) else None
+    routes = routes or {"error": NOT_COMPUTED}
+    for field in ("valid_tokens", "valid_token_layers", "mismatches", "missing_slots"):
+        row[f"route_{field}"] = _int(routes.get(field))
+    row["route_mismatched_tokens"] = _int(routes.get("mismatched_tokens"))
+    row["route_top_k"] = _int(routes.get("top_k"))
+    row["route_error"] = _str(routes.get("error"))
+    row["worst"] = _json(entry.get("worst") or None)
+    row["document"] = _str(entry.get("document"))
+    rows["mismatch_metrics"].append(row)
+    if routes.get("error") is None:
+        mis = routes.get("per_layer_mismatches") or []
+        obs = routes.get("per_layer_valid_token_layers") or []
+        rows["mismatch_layers"] += [
+            {"bundle_key": doc["key"], "layer": i, "mismatches": int(m), "observations": int(o)}
+            for i, (m, o) in enumerate(zip(mis, obs, strict=False))
+        ]
 
 
 # -- latest attempt wins ------------------------------------------------------
@@ -478,7 +545,12 @@ def _tolerant(load_document: LoadDocument) -> LoadDocument:
     return load
 
 
-def apply_refs(conn: sa.Connection, items: list[tuple[str, Doc]], load_document) -> None:
+def apply_refs(
+    conn: sa.Connection,
+    items: list[tuple[str, Doc]],
+    load_document,
+    mismatch_of: MismatchOf | None = None,
+) -> None:
     """Index a batch of bundle refs (file name, path). Idempotent; for a key
     published twice the later ref (by name) wins whatever the apply order."""
     parsed: dict[str, tuple[str, dict]] = {}
@@ -509,12 +581,14 @@ def apply_refs(conn: sa.Connection, items: list[tuple[str, Doc]], load_document)
         n: [] for n in ("bundles", "samples", "provenance", "payloads", "router_lineage")
     }
     rows["router_metrics"] = []
+    rows["mismatch_metrics"] = []
+    rows["mismatch_layers"] = []
     for key in keys:
         ref_name, doc = parsed[key]
         later = [r for name, r in tombs.get(key, []) if name > ref_name]
         # gc may already have collected a removed bundle's documents
         loader = _tolerant(load_document) if later else load_document
-        bundle = _bundle_rows(ref_name, doc, loader, rows)
+        bundle = _bundle_rows(ref_name, doc, loader, rows, mismatch_of)
         if later:
             bundle["removed_at"] = min(later)
     _set_latest(conn, rows["bundles"])
@@ -783,6 +857,7 @@ def _apply_batch(
     directory: str,
     names: list[str],
     load_document: LoadDocument | None,
+    mismatch_of: MismatchOf | None = None,
 ) -> int:
     """Apply one batch of documents in one transaction; returns how many were new.
 
@@ -803,7 +878,7 @@ def _apply_batch(
         if not items:
             return 0
         if directory == "bundles":
-            apply_refs(conn, items, load_document)
+            apply_refs(conn, items, load_document, mismatch_of)
         elif directory == "tombstones":
             anchors = [apply_tombstone(conn, name, doc) for name, doc in items]
             recompute_latest(conn, (a for a in anchors if a is not None))
@@ -885,6 +960,7 @@ def sync_catalog(
     load_document: LoadDocument | None = None,
     *,
     batch_size: int = BATCH_SIZE,
+    mismatch_of: MismatchOf | None = None,
 ) -> SyncStats:
     """Apply refs, tombstones and results not yet in the catalog (a full listing).
 
@@ -907,7 +983,9 @@ def sync_catalog(
         counts[directory] = 0
         for start in range(0, len(new), batch_size):
             batch = new[start : start + batch_size]
-            counts[directory] += _apply_batch(catalog, store, directory, batch, load_document)
+            counts[directory] += _apply_batch(
+                catalog, store, directory, batch, load_document, mismatch_of
+            )
         if not catalog.is_duckdb:
             _raise_mark(catalog, directory, names)
         elif folder is not None:
@@ -1044,6 +1122,7 @@ def reindex(
     load_document: LoadDocument,
     *,
     lock_timeout: float | None = None,
+    mismatch_of: MismatchOf | None = None,
 ) -> ReindexStats:
     """Rebuild the catalog from refs and results alone.
 
@@ -1052,7 +1131,8 @@ def reindex(
     overwritten), is moved aside as `<file>.damaged-<UTC time>` (never deleted: it is the
     user's file) and the catalog is rebuilt in a new file, exactly as after deleting it.
     A held lock, a full disk, a catalog newer than this trajstore and a server catalog's
-    errors are raised, never rebuilt.
+    errors are raised, never rebuilt. `mismatch_of` computes the mismatch sums of a ref
+    stored without them (trajstore.mismatch; the CLI passes the store's).
     """
     target = str(catalog_path_or_url)
     url = target if "://" in target else f"duckdb:///{Path(target).resolve()}"
@@ -1070,17 +1150,22 @@ def reindex(
             raise StoreError(f"cannot open catalog {shown_url(url)} for reindex: {line}") from None
     else:
         try:
-            return _refill(catalog, store_dir, load_document)
+            return _refill(catalog, store_dir, load_document, mismatch_of)
         except CatalogDamagedError as exc:  # a block the open did not read
             if file is None:
                 raise
             reason = exc.reason
     aside = _move_aside(Path(file))
-    stats = _refill(open_catalog(home, url, **kwargs), store_dir, load_document)
+    stats = _refill(open_catalog(home, url, **kwargs), store_dir, load_document, mismatch_of)
     return replace(stats, moved_aside=None if aside is None else str(aside), reason=reason)
 
 
-def _refill(catalog: Catalog, store_dir: StoreSource, load_document: LoadDocument) -> ReindexStats:
+def _refill(
+    catalog: Catalog,
+    store_dir: StoreSource,
+    load_document: LoadDocument,
+    mismatch_of: MismatchOf | None = None,
+) -> ReindexStats:
     """Empty every index table of an open catalog (closed on return), then sync it."""
     with catalog:
         with catalog.begin() as conn:
@@ -1094,7 +1179,7 @@ def _refill(catalog: Catalog, store_dir: StoreSource, load_document: LoadDocumen
                 # counting, and a rebuild from a moved-aside file starts at 1)
                 for seq in (tables.REPLAY_RESULTS_ID_SEQ, tables.ROUTER_METRICS_ID_SEQ):
                     conn.exec_driver_sql(f"ALTER SEQUENCE {seq.name} RESTART WITH 1")
-        s = sync_catalog(catalog, store_dir, load_document)
+        s = sync_catalog(catalog, store_dir, load_document, mismatch_of=mismatch_of)
     return ReindexStats(s.new_refs, s.new_tombstones, s.new_results)
 
 

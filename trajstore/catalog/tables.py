@@ -23,6 +23,7 @@ import sqlalchemy as sa
 # The revisions this code knows (the last one is the head) live in revisions.py, which
 # the CLI's direct reader imports without SQLAlchemy.
 from trajstore.catalog.revisions import HEAD_REVISION, KNOWN_REVISIONS  # noqa: E402, F401
+from trajstore.mismatch.metrics import sum_columns as mismatch_sum_columns
 
 metadata = sa.MetaData()
 
@@ -241,6 +242,36 @@ router_metrics = sa.Table(
     sa.Index("ix_router_metrics_bundle", "bundle_key"),
 )
 
+# Added in 0006. One row per bundle ref: the training-inference mismatch sums the store
+# computed when it stored the bundle (ref key "mismatch", docs/mismatch.md); per-step
+# values are derived from them by trajstore.mismatch.metrics. `worst`: JSON, per log-prob
+# pair the few tokens of largest |d|; `document`: the digest of the per-sample document.
+_SQL_TYPES = {"BIGINT": sa.BigInteger, "DOUBLE": sa.Double, "TEXT": sa.Text}
+
+mismatch_metrics = sa.Table(
+    "mismatch_metrics",
+    metadata,
+    sa.Column("bundle_key", sa.String, primary_key=True),
+    sa.Column("run", sa.String, nullable=False),
+    sa.Column("kind", sa.String, nullable=False),
+    sa.Column("rollout_id", sa.BigInteger, nullable=False),
+    sa.Column("step_id", sa.BigInteger),
+    *(sa.Column(name, _SQL_TYPES[kind]()) for name, kind in mismatch_sum_columns()),
+    sa.Column("worst", sa.Text),
+    sa.Column("document", sa.String),
+    sa.Index("ix_mismatch_metrics_step", "run", "rollout_id", "step_id"),
+)
+
+# Added in 0006: route mismatches per MoE layer of each bundle (numerator, denominator).
+mismatch_layers = sa.Table(
+    "mismatch_layers",
+    metadata,
+    sa.Column("bundle_key", sa.String, primary_key=True),
+    sa.Column("layer", sa.Integer, primary_key=True),
+    sa.Column("mismatches", sa.BigInteger, nullable=False),
+    sa.Column("observations", sa.BigInteger, nullable=False),
+)
+
 synced_documents = sa.Table(
     "synced_documents",
     metadata,
@@ -279,5 +310,7 @@ INDEX_TABLES = (
     stage_results,
     divergences,
     router_metrics,
+    mismatch_metrics,
+    mismatch_layers,
     synced_documents,
 )

@@ -130,6 +130,18 @@ class PagedReader:
     def router_metrics(self, limit: int | None = None, **kw: Any) -> list[dict]:
         return self._pages("query_router_metrics", limit, **kw)
 
+    def mismatch(self, q: Any, limit: int | None = None) -> list[dict]:
+        from trajstore.catalog.queries import mismatch_executor
+        from trajstore.mismatch.query import steps
+
+        return steps(mismatch_executor(self.catalog), q, limit)
+
+    def mismatch_layers(self, q: Any) -> list[dict]:
+        from trajstore.catalog.queries import mismatch_executor
+        from trajstore.mismatch.query import layers
+
+        return layers(mismatch_executor(self.catalog), q)
+
     def readonly_sql(self, sql: str) -> tuple[list[str], list[list]]:
         from trajstore.catalog.queries import run_readonly_sql
 

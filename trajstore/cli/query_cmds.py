@@ -15,14 +15,17 @@ from trajstore.cli._common import (
     print_json,
     rollout_id,
 )
+from trajstore.cli.mismatch_cmd import add_args as add_mismatch_args
 from trajstore.vocab import STEP_STATUSES
 
 FORMATS = ("table", "json", "csv")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("query", help="steps, bundles, divergences or routes across a store")
-    p.add_argument("what", choices=["steps", "bundles", "divergences", "routes"])
+    p = sub.add_parser(
+        "query", help="steps, bundles, divergences, routes or mismatch across a store"
+    )
+    p.add_argument("what", choices=["steps", "bundles", "divergences", "routes", "mismatch"])
     p.add_argument(
         "--store",
         metavar="DIR",
@@ -33,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", help="only this run")
     p.add_argument("--rollout-from", type=rollout_id, metavar="R")
     p.add_argument("--rollout-to", type=rollout_id, metavar="R")
+    p.add_argument(
+        "--from", dest="rollout_from", type=rollout_id, metavar="R", help="= --rollout-from"
+    )
+    p.add_argument("--to", dest="rollout_to", type=rollout_id, metavar="R", help="= --rollout-to")
     p.add_argument(
         "--first-divergent-stage",
         metavar="S",
@@ -57,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--limit", type=int, help="at most this many rows")
     p.add_argument("--format", choices=FORMATS, default="table")
+    add_mismatch_args(p)
     p.set_defaults(func=cmd_query)
 
     p = sub.add_parser(
@@ -221,11 +229,22 @@ def cmd_query(args: argparse.Namespace) -> int:
         and args.rollout_from > args.rollout_to
     ):
         raise UsageError("--rollout-from is after --rollout-to")
+    if args.json:
+        args.format = "json"
+    if args.what != "mismatch":
+        for name in ("metric", "above", "top", "layer", "first_above", "fail_above", "plot"):
+            if getattr(args, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} applies to query mismatch only")
     rng = {"rollout_from": args.rollout_from, "rollout_to": args.rollout_to}
     # table and csv print only their columns; json prints whole rows
     projected = args.format != "json"
     with _catalog_reader(args) as cat:
         check_run(cat, args.run)
+        if args.what == "mismatch":
+            from trajstore.cli.mismatch_cmd import cmd_mismatch
+
+            return cmd_mismatch(args, cat, emit_rows)
         if args.what == "steps":
             rows = cat.steps(
                 columns=tuple(STEP_COLUMNS) if projected else None,

@@ -42,8 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = rsub.add_parser(
         "compare",
         help="runs side by side per step, ratio ranges, stability counters",
-        description="Recompute every step's metrics from the stored payloads of each run and "
-        "compare them; ratios are each run divided by the LAST --run.",
+        description="Compare every step's metrics of each run, read from the sums the store "
+        "computed when it stored the bundles (docs/mismatch.md); ratios are each run divided "
+        "by the LAST --run. --recompute also recomputes them from the payloads and exits 1 "
+        "unless both agree.",
     )
     c.add_argument("--store", default=None, help="store directory (or TRAJSTORE_STORE)")
     add_catalog_arg(c)
@@ -51,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--format", choices=("table", "json", "csv"), default="table")
     c.add_argument("--json", action="store_true", help="same as --format json")
     c.add_argument("--plot", metavar="FILE.png", default=None, help="write per-step curves")
+    c.add_argument(
+        "--recompute",
+        action="store_true",
+        help="also recompute every step from its payloads; exit 1 unless both agree",
+    )
     c.set_defaults(func=cmd_compare)
 
 
@@ -230,7 +237,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from trajstore.router.compare import compare_store
+    from trajstore.router.compare import compare_store, compare_stored, disagreements
     from trajstore.store import Store
 
     if args.plot:  # refused before the comparison is computed, not after
@@ -238,7 +245,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         plot_path(args.plot)
     store = Store.open(_store_path(args), create=False, catalog_url=args.catalog)
-    cmp = compare_store(store, args.run)
+    cmp = compare_stored(store, args.run)
+    if args.recompute:  # every step again from its payloads: both must agree
+        differ = disagreements(cmp, compare_store(store, args.run))
+        if differ:
+            more = f" (+{len(differ) - 1} more)" if len(differ) > 1 else ""
+            print(
+                f"trajstore: stored and recomputed metrics disagree: {differ[0]}{more}",
+                file=sys.stderr,
+            )
+            return 1
     fmt = "json" if args.json else args.format
     if fmt == "json":
         print_json(cmp.to_dict())

@@ -365,3 +365,161 @@ def compare_store(
         for rid, sid in ids:
             cells[(run, (rid, sid))] = step_metrics(store.step(run, rid, sid), run, rid, sid)
     return RunComparison(list(runs), cells)
+
+
+# --------------------------------------------------------------------------- from stored sums
+
+_STORED_SQL = (
+    "SELECT m.*, b.rank, b.expected_hash, b.manifest_hash, lineage.mode, "
+    "(SELECT sum(s.response_length - s.masked_tokens) FROM samples AS s "
+    "WHERE s.bundle_key = m.bundle_key) AS mask_tokens, "
+    "(SELECT count(*) FROM router_metrics AS r WHERE r.bundle_key = m.bundle_key "
+    "AND r.source = 'producer') AS recorded "
+    "FROM mismatch_metrics AS m JOIN bundles AS b ON b.key = m.bundle_key "
+    "LEFT OUTER JOIN router_lineage AS lineage ON lineage.bundle_key = m.bundle_key "
+    "WHERE b.is_latest AND m.run = :run AND m.kind = 'step' "
+    "ORDER BY m.rollout_id, m.step_id, b.rank"
+)
+_LAYERS_SQL = (
+    "SELECT l.bundle_key, l.layer, l.mismatches, l.observations FROM mismatch_layers AS l "
+    "JOIN bundles AS b ON b.key = l.bundle_key JOIN mismatch_metrics AS m "
+    "ON m.bundle_key = l.bundle_key WHERE b.is_latest AND m.run = :run "
+    "ORDER BY l.bundle_key, l.layer"
+)
+#: stored reasons that mean "compute it from the payloads" (a ref stored without sums)
+_UNSTORED = ("not_computed", "compute_failed")
+
+
+def _code(reason: str | None) -> str | None:
+    return None if reason is None else reason.split(":", 1)[0]
+
+
+def stored_router_metrics(row: dict[str, Any], layers: list[tuple[int, int]]) -> RouterMetrics:
+    """A bundle's `RouterMetrics` from its stored mismatch sums (catalog row of
+    ``mismatch_metrics``, its ``mismatch_layers``), as `compute_router_metrics` would
+    give on the payloads: the same counts, codes and nulls (router-metrics.md)."""
+    from trajstore.router.metrics import RouterCounts, _finish
+
+    counts = RouterCounts(valid_tokens=int(row["mask_tokens"] or 0))
+    codes: set[str] = set()
+    route = _code(row["route_error"])
+    if route in ("no_router_config", "missing_route"):
+        codes.add("missing_route")
+    elif route is not None:
+        codes.add(route)
+    else:
+        counts.routes_measured = True
+        counts.top_k = int(row["route_top_k"])
+        counts.valid_token_layers = int(row["route_valid_token_layers"])
+        counts.route_mismatches = int(row["route_mismatches"])
+        counts.missing_slots = int(row["route_missing_slots"])
+        counts.mismatched_tokens = int(row["route_mismatched_tokens"])
+        counts.per_layer_mismatches = [m for m, _ in layers]
+        counts.per_layer_valid_token_layers = [o for _, o in layers]
+    lp = _code(row["train_error"])
+    if lp == "missing_logprob":
+        if "neither" not in row["train_error"]:
+            codes.add("logprob_length_mismatch")  # one side only has no length R
+    elif lp in ("logprob_length_mismatch", "non_finite_logprob"):
+        codes.add(lp)
+    elif lp in (None, "empty_response_mask"):
+        counts.logprob_measured = True
+        counts.f_tau_2_count = int(row["train_gt_ln2"] or 0)
+        counts.kl_k1_sum = -float(row["train_d_sum"] or 0.0) + 0.0
+        counts.kl_k3_sum = float(row["train_k3_sum"] or 0.0)
+        counts.logprob_abs_diff_sum = float(row["train_abs_dlogp_sum"] or 0.0)
+    return _finish(counts, codes, None)
+
+
+def compare_stored(
+    store: Any,
+    runs: Sequence[str],
+    steps: Collection[tuple[int, int]] | None = None,
+) -> RunComparison:
+    """`compare_store` from the sums the store computed when it stored each bundle (no
+    payload is read; a bundle stored without sums is recomputed from its payloads).
+
+    The producer's stability counters and recorded metrics still come from each
+    bundle's expected.json (a document, read only for bundles that recorded some)."""
+    import sqlalchemy as sa
+
+    from trajstore.errors import UsageError, check_known_run
+    from trajstore.schema import Manifest
+
+    if len(runs) < 2:
+        raise UsageError("router compare needs at least two --run")
+    twice = sorted({run for run in runs if runs.count(run) > 1})
+    if twice:
+        raise UsageError(f"router compare: run {twice[0]!r} given more than once")
+    known = {r["run"] for r in store.runs()}
+    cells: dict[tuple[str, tuple[int, int]], StepMetrics] = {}
+    wanted = None if steps is None else set(steps)
+    for run in runs:
+        check_known_run(run, known)
+        with store.catalog() as cat, cat.connect() as conn:
+            rows = [dict(r._mapping) for r in conn.execute(sa.text(_STORED_SQL), {"run": run})]
+            layers: dict[str, list[tuple[int, int]]] = {}
+            for r in conn.execute(sa.text(_LAYERS_SQL), {"run": run}):
+                layers.setdefault(r.bundle_key, []).append((int(r.mismatches), int(r.observations)))
+        by_step: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for row in rows:
+            step = (int(row["rollout_id"]), int(row["step_id"]))
+            if wanted is None or step in wanted:
+                by_step.setdefault(step, []).append(row)
+        for (rid, sid), members in sorted(by_step.items()):
+            if any(_code(m["route_error"]) in _UNSTORED for m in members):
+                cells[(run, (rid, sid))] = step_metrics(store.step(run, rid, sid), run, rid, sid)
+                continue
+            per_rank = [stored_router_metrics(m, layers.get(m["bundle_key"], [])) for m in members]
+            stability: dict[str, int] = {}
+            disagrees = False
+            for m, metrics in zip(members, per_rank, strict=True):
+                if not m["recorded"]:
+                    continue
+                recorded = store.load_document(m["expected_hash"]).get(STAGE)
+                if not isinstance(recorded, dict):
+                    continue
+                for key in STABILITY_COUNTERS:
+                    v = recorded.get(key)
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        stability[key] = stability.get(key, 0) + v
+                manifest = Manifest.from_dict(store.load_document(m["manifest_hash"]))
+                atol, rtol = manifest.tolerance(STAGE)
+                disagrees |= bool(compare_recorded(recorded, metrics, atol=atol, rtol=rtol))
+            mode = members[0]["mode"]
+            cells[(run, (rid, sid))] = StepMetrics(
+                run, rid, sid, aggregate(per_rank), mode, stability, disagrees
+            )
+    return RunComparison(list(runs), cells)
+
+
+def disagreements(a: RunComparison, b: RunComparison) -> list[str]:
+    """Where two comparisons of the same runs differ (stored vs recomputed): one line each.
+    Counts compare exactly, rates within 1e-9 relative (sums added in another order)."""
+    out: list[str] = []
+    for key in sorted(set(a.cells) | set(b.cells)):
+        x, y = a.cells.get(key), b.cells.get(key)
+        where = f"run {key[0]} step {key[1][0]}:{key[1][1]}"
+        if x is None or y is None:
+            out.append(f"{where}: only in the {'recomputed' if x is None else 'stored'} metrics")
+            continue
+        dx, dy = x.metrics.to_dict(), y.metrics.to_dict()
+        for name in dx:
+            u, v = dx[name], dy[name]
+            if isinstance(u, list) and isinstance(v, list) and name == "per_layer_mismatch":
+                same = len(u) == len(v) and all(_close(p, q) for p, q in zip(u, v, strict=True))
+            elif isinstance(u, list) or isinstance(v, list):
+                same = sorted(u or []) == sorted(v or [])
+            else:
+                same = _close(u, v)
+            if not same:
+                out.append(f"{where}: {name} stored {u!r}, recomputed {v!r}")
+        if (x.stability, x.recorded_disagrees) != (y.stability, y.recorded_disagrees):
+            out.append(f"{where}: producer counters differ")
+    return out
+
+
+def _close(u: Any, v: Any) -> bool:
+    if u is None or v is None:
+        return u is None and v is None
+    return math.isclose(u, v, rel_tol=1e-9, abs_tol=1e-12)

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from trajstore.cas import LocalObjectStore, ObjectStore
-from trajstore.errors import NotFoundError, StoreError, UsageError, check_known_run
+from trajstore.errors import (
+    NotFoundError,
+    StoreError,
+    TrajstoreError,
+    UsageError,
+    check_known_run,
+)
 from trajstore.jsonio import user_path
 from trajstore.refspace import LocalRefSpace, RefSpace
 from trajstore.store.ingest import Ingestor, IngestOutcome, check_run_name, ingest_paths
@@ -256,6 +262,17 @@ class Store:
             raise StoreError(f"document object {h} is not a JSON object")
         return doc
 
+    def mismatch_of(self, ref: dict) -> dict:
+        """The mismatch entry of a ref stored without one, computed from its payloads
+        (reindex); its per-sample document is not kept (a ref is never rewritten)."""
+        from trajstore.mismatch.compute import not_computed, source_mismatch
+
+        try:
+            entry, _ = source_mismatch(StoredBundle(self.objs, ref, str(ref.get("key"))))
+        except (TrajstoreError, ValueError, KeyError, TypeError) as exc:
+            return not_computed(f"not_computed: {str(exc).splitlines()[0]}")
+        return entry
+
     def _stored(self, e: RefEntry) -> StoredBundle:
         return StoredBundle(self.objs, self.refs.read(e.name), e.name)
 
@@ -399,7 +416,7 @@ class Store:
         from trajstore.catalog import CATALOG_FILE, reindex
 
         target = self.catalog_url or str(self.root / CATALOG_FILE)
-        s = reindex(target, self.space, self.load_document)
+        s = reindex(target, self.space, self.load_document, mismatch_of=self.mismatch_of)
         return {
             "new_refs": s.new_refs,
             "new_tombstones": s.new_tombstones,

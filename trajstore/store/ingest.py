@@ -56,8 +56,11 @@ from trajstore.bundle.reader import (
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.errors import BundleError, StoreError, TrajstoreError
 from trajstore.jsonio import dumps_sorted_indent1, read_bytes, sha256_bytes
+from trajstore.mismatch.compute import INPUT_PAYLOADS as MISMATCH_INPUTS
+from trajstore.mismatch.compute import bundle_entry
 from trajstore.pools import SharedPool
 from trajstore.refspace import RefSpace
+from trajstore.replay.source import as_float
 from trajstore.store import gclock
 from trajstore.store.layout import BUNDLE_REFS_KEY, CLAIMS_KEY, RefIndex, new_doc_name
 from trajstore.store.stored_bundle import put_blob
@@ -352,6 +355,8 @@ def _write_bundle_objects(
     records: dict[str, ArrayRecord] = {}
     # Delta bases' values stay in memory while their deltas are written (no read-back).
     base_values: dict[str, np.ndarray] = {}
+    # the payloads the mismatch sums read, kept until they are computed (log-probs: [R])
+    kept: dict[str, np.ndarray] = {}
     for name in write_order(b):
         raw = b.payload_file_bytes(name)
         t = b.load_payload(name)
@@ -371,6 +376,8 @@ def _write_bundle_objects(
         records[name] = record
         if name in _BASE_NAMES:
             base_values[name] = values
+        if name in MISMATCH_INPUTS:
+            kept[name] = values if name in ROUTE_PAYLOADS else as_float(values, t.dtype)
         spec = b.manifest.payloads[name]
         f: dict[str, Any] = {"bytes": len(raw), "sha256": spec.sha256}
         if t.data_span is not None and t.data_span[1] == values.nbytes:
@@ -389,11 +396,14 @@ def _write_bundle_objects(
         # Keep memory to about one payload: drop the bundle's caches of this one.
         b.release(name)
     base_values.clear()
+    mismatch = bundle_entry(lambda data: put_blob(rec, data), kept.get, b.index)
+    kept.clear()
     out = {
         "documents": docs,
         "sentinels": sentinels,
         "cohort_sentinels": csent,
         "payloads": payloads,
+        "mismatch": mismatch,
     }
     return out, WrittenBytes(sum(rec.sizes.values()), sum(rec.added.values()))
 

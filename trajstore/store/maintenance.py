@@ -78,6 +78,9 @@ def ref_closure(
     for where in ("sentinels", "cohort_sentinels"):
         for k, h in (ref.get(where) or {}).items():
             need.setdefault(h, f"{k} sentinel")
+    document = (ref.get("mismatch") or {}).get("document")
+    if document:
+        need.setdefault(document, "mismatch document")
     for name, p in ref["payloads"].items():
         need[p["record"]] = f"payload {name!r} record"
         f = p.get("file") or {}

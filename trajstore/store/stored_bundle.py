@@ -108,6 +108,9 @@ def ref_objects(objs: ObjectStore, ref: dict[str, Any]) -> set[str]:
     out: set[str] = set(ref["documents"].values())
     out |= set((ref.get("sentinels") or {}).values())
     out |= set((ref.get("cohort_sentinels") or {}).values())
+    document = (ref.get("mismatch") or {}).get("document")
+    if document:
+        out.add(document)
     for p in ref["payloads"].values():
         out.add(p["record"])
         out |= record_objects(objs, load_record(objs, p["record"]))

@@ -349,6 +349,7 @@ async function stepsPage(run) {
   render(
     h("p", {}, h("a", { href: "/" }, "runs"), " / ", run),
     h("h1", {}, `Run ${run}`),
+    h("p", {}, h("a", { href: `/runs/${enc(run)}/mismatch`, id: "mismatch-link" }, "training-inference mismatch over steps")),
     h(
       "p",
       { id: "run-summary" },
@@ -512,6 +513,7 @@ async function stepPage(run, ref) {
   const suffix = attempt ? `?attempt=${enc(attempt)}` : "";
   const detail = await api(`/v1/runs/${enc(run)}/steps/${enc(ref)}${suffix}`);
   const verdictBox = h("div", { id: "verdict" }, h("span", { class: "muted" }, "loading"));
+  const mismatchBox = h("div", { id: "mismatch" }, h("span", { class: "muted" }, "loading"));
   const rolloutBox = h("div", { id: "rollout" });
   const groupSelect = h(
     "select",
@@ -562,6 +564,8 @@ async function stepPage(run, ref) {
     ),
     h("h2", {}, "Latest recorded verdict"),
     verdictBox,
+    h("h2", {}, "Training-inference mismatch"),
+    mismatchBox,
     h("h2", {}, "Linked rollout bundle"),
     rolloutBox,
     h("h2", {}, "Replay"),
@@ -589,6 +593,8 @@ async function stepPage(run, ref) {
       ),
     ),
   );
+
+  stepMismatch(run, detail, params, mismatchBox).catch((error) => showError(mismatchBox, error));
 
   api(`/v1/runs/${enc(run)}/steps/${enc(ref)}/result${suffix}`)
     .then((found) => {
@@ -623,6 +629,121 @@ async function stepPage(run, ref) {
       )
       .catch((error) => showError(rolloutBox, error));
   }
+}
+
+// -- Training-inference mismatch of a run ---------------------------------------------
+
+const MISMATCH_DEFAULT = "route_mismatch_rate";
+
+function stepRef(row) {
+  return row.kind === "rollout" ? `rollout-${row.rollout_id}` : `${row.rollout_id}:${row.step_id}`;
+}
+
+// The step page of a mismatch row, pointing at its worst token (sample and offset).
+function worstHref(run, row, metric) {
+  const q = new URLSearchParams({ mismatch: metric });
+  if (row.worst) {
+    q.set("sample", row.worst.sample_id);
+    q.set("offset", String(row.worst.offset));
+  }
+  return `/runs/${enc(run)}/steps/${stepRef(row)}?${q}`;
+}
+
+async function allMismatch(run, query) {
+  const rows = [];
+  let cursor = null;
+  do {
+    const q = new URLSearchParams(query);
+    q.set("limit", "1000");
+    if (cursor) q.set("cursor", cursor);
+    const page = await api(`/v1/runs/${enc(run)}/mismatch?${q}`);
+    rows.push(...page.items);
+    cursor = page.next_cursor;
+  } while (cursor && rows.length < 20000);
+  return rows;
+}
+
+async function mismatchPage(run) {
+  document.title = `trajstore: ${run} mismatch`;
+  const params = new URLSearchParams(location.search);
+  const metric = params.get("metric") || MISMATCH_DEFAULT;
+  const heatData = await api(`/v1/runs/${enc(run)}/mismatch/layers`);
+  const chartBox = h("div", { id: "mismatch-chart" }, h("span", { class: "muted" }, "loading"));
+  const heatBox = h("div", { id: "mismatch-heat" });
+  const tbody = h("tbody", {});
+  const picker = h(
+    "form",
+    { class: "filters", id: "mismatch-form", method: "get" },
+    h("label", {}, "metric", h("select", { name: "metric", id: "mismatch-metric" }, heatData.metrics.map((name) =>
+      h("option", { value: name, selected: name === metric }, name),
+    ))),
+    h("button", { type: "submit" }, "show"),
+  );
+  render(
+    h("p", {}, h("a", { href: "/" }, "runs"), " / ", h("a", { href: `/runs/${enc(run)}` }, run), " / mismatch"),
+    h("h1", {}, `Training-inference mismatch of ${run}`),
+    picker,
+    h("p", { class: "muted" }, "each point is a step (all ranks); click one to open the step at its worst token; a null step is a gap"),
+    chartBox,
+    h("h2", {}, "Route mismatch per layer"),
+    heatBox,
+    h("h2", {}, "Steps"),
+    table([ "step", metric, "tokens", "worst token", "reason"], tbody, { id: "mismatch-steps" }),
+  );
+  const width = Math.min(Math.max(document.getElementById("main").clientWidth - 40, 300), 1200);
+  const heatItems = heatData.items.map((c) => Object.assign({}, c, { step: stepRef(c) }));
+  fill(heatBox, Charts.heat(heatItems, {
+    width,
+    onPick: (c) => { location.href = `/runs/${enc(run)}/steps/${c.step}?mismatch=route_mismatch_rate`; },
+  }));
+  const rows = await allMismatch(run, { metric });
+  const points = rows.map((row, i) => ({ x: i, y: row.value, label: stepRef(row), row }));
+  fill(chartBox, Charts.lines([{ name: metric, points }], {
+    width,
+    height: 260,
+    metric,
+    xLabels: points.map((p) => p.label),
+    onPick: (p) => { location.href = worstHref(run, p.row, metric); },
+  }));
+  fill(tbody, rows.map((row) =>
+    h("tr", { "data-step": stepRef(row) },
+      h("td", {}, h("a", { href: worstHref(run, row, metric) }, stepRef(row))),
+      h("td", { class: "num" }, fmt(row.value)),
+      h("td", { class: "num" }, fmt(row.tokens)),
+      h("td", { class: "mono" }, row.worst ? `${row.worst.sample_id} @${row.worst.offset} (${row.worst.pair}) ${fmt(row.worst.rollout)} -> ${fmt(row.worst.trainer)}` : ""),
+      h("td", { class: "muted" }, row.reason || ""),
+    ),
+  ));
+  document.getElementById("mismatch-chart").setAttribute("data-loaded", "true");
+}
+
+// The step page's mismatch box: the step's value of the metric and its worst token.
+async function stepMismatch(run, detail, params, box) {
+  const metric = params.get("mismatch") || MISMATCH_DEFAULT;
+  const q = new URLSearchParams({ metric, rollout_from: detail.rollout_id, rollout_to: detail.rollout_id });
+  const page = await api(`/v1/runs/${enc(run)}/mismatch?${q}`);
+  const row = page.items.find((r) => r.kind === "step" && r.step_id === detail.step_id);
+  if (!row) {
+    fill(box, h("p", { class: "muted" }, "no mismatch measured for this step"));
+    return;
+  }
+  const w = row.worst;
+  const wanted = params.get("sample");
+  fill(box,
+    h("p", {}, `${metric} = ${fmt(row.value)} over ${fmt(row.tokens)}`, row.reason ? ` (null: ${row.reason})` : ""),
+    w ? h("dl", {
+      class: `ident${wanted === w.sample_id ? " highlight" : ""}`,
+      id: "worst-token",
+      "data-sample": w.sample_id,
+      "data-offset": w.offset,
+      "data-bundle": w.bundle_key,
+    },
+    h("dt", {}, "worst token"), h("dd", {}, `sample ${w.sample_id}, response token ${w.offset} (${w.pair} vs rollout)`),
+    h("dt", {}, "log p"), h("dd", { class: "mono" }, `rollout ${w.rollout}, trainer ${w.trainer} (|diff| ${fmt(w.abs_dlogp)})`),
+    h("dt", {}, "bundle"), h("dd", { class: "mono" }, w.bundle_key),
+    ) : h("p", { class: "muted" }, "no log-prob pair measured: no worst token"),
+  );
+  if (wanted) box.scrollIntoView();
 }
 
 // -- Routes --------------------------------------------------------------------------
@@ -768,6 +889,7 @@ async function route() {
   try {
     if (parts.length === 0) await runsPage();
     else if (parts[0] === "runs" && parts.length === 2) await stepsPage(parts[1]);
+    else if (parts[0] === "runs" && parts.length === 3 && parts[2] === "mismatch") await mismatchPage(parts[1]);
     else if (parts[0] === "runs" && parts.length === 4 && parts[2] === "steps") await stepPage(parts[1], parts[3]);
     else if (parts[0] === "routes") await routesPage();
     else if (parts[0] === "diff") await diffPage();

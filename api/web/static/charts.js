@@ -104,7 +104,7 @@ const Charts = (() => {
 
   // lines: one chart of several series over the same x positions (step indices).
   // series: [{name, points: [{x, y, label}]}]; a null y is a gap, never drawn as 0.
-  function lines(series, { width = 440, height = 230, metric = "", xLabels = [] } = {}) {
+  function lines(series, { width = 440, height = 230, metric = "", xLabels = [], onPick } = {}) {
     const margin = { left: 62, right: 12, top: 12, bottom: 44 };
     const plotWidth = width - margin.left - margin.right;
     const plotHeight = height - margin.top - margin.bottom;
@@ -150,7 +150,7 @@ const Charts = (() => {
       const group = el("g", { class: "series", "data-run": s.name, stroke: color, fill: color }, svg);
       let run = [];
       const flush = () => {
-        if (run.length > 1) el("polyline", { points: run.join(" "), fill: "none", "stroke-width": 1.5 }, group);
+        if (run.length > 1) el("polyline", { points: run.join(" "), fill: "none", "stroke-width": 1.5, "pointer-events": "none" }, group);
         run = [];
       };
       for (const p of s.points) {
@@ -171,6 +171,11 @@ const Charts = (() => {
           "data-value": p.y,
         }, group);
         el("title", {}, dot).textContent = `${s.name} ${p.label}: ${fmt(p.y)}`;
+        if (onPick) {
+          dot.setAttribute("r", 3.5);
+          dot.style.cursor = "pointer";
+          dot.addEventListener("click", () => onPick(p));
+        }
       }
       flush();
       const lx = margin.left + index * 110;
@@ -180,5 +185,56 @@ const Charts = (() => {
     return svg;
   }
 
-  return { strip, lines, fmt, COLORS };
+  // heat: route mismatch rate per (step, layer) (GET /v1/runs/{run}/mismatch/layers):
+  // one column per step, one row per layer, darker = higher; a layer with nothing
+  // compared is left blank (never drawn as 0).
+  function heat(items, { width = 900, rowHeight = 12, onPick } = {}) {
+    const steps = [...new Set(items.map((c) => c.step))];
+    const layers = Math.max(0, ...items.map((c) => c.layer + 1));
+    const margin = { left: 62, top: 8, bottom: 30 };
+    const height = margin.top + layers * rowHeight + margin.bottom;
+    const svg = el("svg", {
+      class: "heat",
+      width,
+      height,
+      viewBox: `0 0 ${width} ${height}`,
+      role: "img",
+      "aria-label": "route mismatch rate per layer over steps",
+    });
+    if (!items.length) {
+      text(svg, 4, 20, "no compared routes in this run");
+      return svg;
+    }
+    const cell = (width - margin.left) / steps.length;
+    const column = new Map(steps.map((step, i) => [step, i]));
+    const top = Math.max(...items.map((c) => c.rate || 0), 1e-12);
+    for (let layer = 0; layer < layers; layer += 1) {
+      text(svg, margin.left - 4, margin.top + layer * rowHeight + rowHeight - 2, `layer ${layer}`, {
+        "text-anchor": "end",
+        "font-size": 9,
+      });
+    }
+    for (const c of items) {
+      if (c.rate === null) continue;
+      const shade = Math.round(255 * (1 - c.rate / top));
+      const rect = el("rect", {
+        class: "cell",
+        x: (margin.left + column.get(c.step) * cell).toFixed(2),
+        y: margin.top + c.layer * rowHeight,
+        width: Math.max(cell, 1).toFixed(2),
+        height: rowHeight,
+        fill: `rgb(255,${shade},${shade})`,
+        "data-step": c.step,
+        "data-layer": c.layer,
+        "data-rate": c.rate,
+      }, svg);
+      el("title", {}, rect).textContent = `${c.step} layer ${c.layer}: ${fmt(c.rate)} (${c.mismatches}/${c.observations})`;
+      if (onPick) rect.addEventListener("click", () => onPick(c));
+    }
+    text(svg, margin.left, height - 8, `step ${steps[0]}`);
+    text(svg, width, height - 8, `step ${steps[steps.length - 1]}`, { "text-anchor": "end" });
+    return svg;
+  }
+
+  return { strip, lines, heat, fmt, COLORS };
 })();

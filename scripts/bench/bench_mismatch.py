@@ -1,0 +1,283 @@
+"""Training-inference mismatch benchmark (issue 32): queries over a 10,000-step run, and
+what computing the sums costs an ingest.
+
+1. A throwaway store of N step refs (one rank each, 1 in 10 steps with 2 ranks) whose refs
+   carry synthetic mismatch sums (48 MoE layers), written directly as bench_catalog.py
+   does (no payloads), synced once. Timed, as a user runs them (whole command, fresh
+   interpreter): `trajstore query mismatch --top 20` and `--first-above X`. Targets: at
+   most 0.3 s each.
+2. `trajstore serve` on that store: p99 of GET /v1/runs/bench/mismatch (--top 20, and
+   the first page of 100), target at most 50 ms; and the web chart's data fetch (every
+   page of one metric with limit=1000, plus /mismatch/layers for the heat map).
+3. Ingest of M real bundles (routes [T, 48, 8] and four log-prob payloads) into two fresh
+   stores, once as shipped and once with the mismatch computation replaced by a stub
+   (in this process only), alternating, best of --repeats: the ratio, target <= 1.05x.
+
+    .venv/bin/python scripts/bench/bench_mismatch.py [--steps 10000] [--ingest-bundles 8]
+
+Tiny smoke run (proves the script works; no figure): --steps 200 --ingest-bundles 2
+--requests 20 --repeats 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+LAYERS, TOPK, EXPERTS = 48, 8, 128
+
+
+def _pair(rng: random.Random, n: int) -> dict:
+    d = [rng.gauss(0, 0.05) for _ in range(8)]
+    return {
+        "n": n, "abs_dlogp_sum": n * 0.04, "abs_dlogp_max": max(map(abs, d)) * 10,
+        "abs_dp_sum": n * 0.01, "abs_dp_max": 0.2, "d_sum": n * rng.gauss(0, 0.01),
+        "k3_sum": n * 0.001 * (1 + rng.random()), "mult_sum": n * 1.04, "pr_sum": n * 0.5,
+        "pt_sum": n * 0.5, "pr2_sum": n * 0.3, "pt2_sum": n * 0.3, "prpt_sum": n * 0.29,
+        "gt_0_1": n // 20, "gt_0_5": n // 200, "gt_ln2": n // 400, "gt_1": n // 1000,
+        "ratio_min": 0.6, "ratio_max": 1.7, "clip_c": 2.0, "clip_count": n // 1000,
+        "error": None,
+    }  # fmt: skip
+
+
+def build_store(root: Path, steps: int, seed: int = 0) -> dict[str, dict]:
+    """Refs with mismatch sums under root (a store marker too); returns the documents."""
+    rng = random.Random(seed)
+    (root / "refs" / "bundles").mkdir(parents=True)
+    (root / "results").mkdir()
+    (root / "TRAJSTORE_STORE").write_text("trajstore store\n")
+    docs: dict[str, dict] = {"manifest": {"format_version": "2.0.0"}, "expected": {}}
+    clock = 1_800_000_000_000_000_000
+    for i in range(steps):
+        rollout, step = divmod(i, 4)
+        ranks = [0, 1] if rng.random() < 0.1 else [None]
+        drift = 1.0 + (4.0 if i > steps * 0.7 else 0.0)
+        for rank in ranks:
+            n = rng.randint(2000, 8000)
+            index_hash = f"idx-{i}-{rank}"
+            docs[index_hash] = {
+                "bundle_id": f"replay-{rollout}-{step}",
+                "identity": {"actor_step_id": {"rollout_id": rollout, "step_id": step}},
+                "samples": [{"sample_id": f"s-{j}", "response_length": 100,
+                             "total_length": 300, "loss_mask": [1] * 4} for j in range(8)],
+                "config": {},
+            }  # fmt: skip
+            per_layer = [int(n * 0.01 * drift * rng.random()) for _ in range(LAYERS)]
+            mismatch = {
+                "version": 1,
+                "pairs": {pair: _pair(rng, n) for pair in ("old", "current", "train")},
+                "routes": {
+                    "valid_tokens": n, "valid_token_layers": n * LAYERS,
+                    "mismatches": sum(per_layer), "missing_slots": sum(per_layer),
+                    "mismatched_tokens": min(n, sum(per_layer)), "top_k": TOPK,
+                    "per_layer_mismatches": per_layer,
+                    "per_layer_valid_token_layers": [n] * LAYERS, "error": None,
+                },
+                "worst": {"old": [{"sample_id": "s-3", "position": 3, "offset": 17,
+                                   "rollout": -1.2, "trainer": -0.4, "abs_dlogp": 0.8}]},
+                "document": "doc",
+            }  # fmt: skip
+            clock += 1000
+            ref = {
+                "ref_version": 1, "key": f"bench/step-{rollout}-{step}/rank-{rank}/a1",
+                "run": "bench", "kind": "step", "rollout_id": rollout, "step_id": step,
+                "rank": rank, "cohort_ranks": [r for r in ranks if r is not None],
+                "attempt": 1, "bundle_id": f"replay-{rollout}-{step}",
+                "format_version": "2.0.0", "content_digest": "0" * 64,
+                "published_at": "2026-11-30T01:02:03Z",
+                "documents": {"manifest": "manifest", "index": index_hash,
+                              "expected": "expected"},
+                "payloads": {}, "physical_bytes": 0, "mismatch": mismatch,
+            }  # fmt: skip
+            (root / "refs" / "bundles" / f"{clock:020d}-1-00.json").write_text(json.dumps(ref))
+    return docs
+
+
+def whole_command(argv: list[str], repeat: int) -> float:
+    """Median wall seconds of `trajstore ARGV` in a fresh interpreter."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "trajstore", *argv], capture_output=True, text=True
+        )
+        times.append(time.perf_counter() - t0)
+        if proc.returncode not in (0, 1):
+            raise SystemExit(f"trajstore {' '.join(argv)} failed: {proc.stderr}")
+    return statistics.median(times)
+
+
+def serve(store: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
+    argv = [sys.executable, "-m", "trajstore", "serve", "--store", str(store)]
+    proc = subprocess.Popen([*argv, "--port", str(port), "--log-level", "warning"], env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"{base}/v1/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("trajstore serve did not start")
+        time.sleep(0.2)
+
+
+def p99_ms(client: httpx.Client, path: str, params: dict, n: int) -> tuple[float, float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = client.get(path, params=params)
+        times.append((time.perf_counter() - t0) * 1000)
+        r.raise_for_status()
+    times.sort()
+    return statistics.median(times), times[max(0, int(len(times) * 0.99) - 1)]
+
+
+def chart_fetch_s(client: httpx.Client, metric: str) -> tuple[float, int, int]:
+    t0 = time.perf_counter()
+    rows, cursor = 0, None
+    while True:
+        params = {"metric": metric, "limit": 1000, **({"cursor": cursor} if cursor else {})}
+        page = client.get("/v1/runs/bench/mismatch", params=params).json()
+        rows += len(page["items"])
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    cells = len(client.get("/v1/runs/bench/mismatch/layers").json()["items"])
+    return time.perf_counter() - t0, rows, cells
+
+
+def make_bundles(root: Path, count: int, samples: int, resp: int, prompt: int) -> list[Path]:
+    from trajstore.bundle.writer import BundleContents, write_bundle
+
+    rng = np.random.default_rng(0)
+    out = []
+    for b in range(count):
+        total = samples * (resp + prompt)
+        # rows drawn from 64 distinct top-k sets (valid routes, some dedup as in real runs)
+        routes = np.stack([rng.permutation(EXPERTS)[:TOPK] for _ in range(64)]).astype(np.uint8)[
+            rng.integers(0, 64, (total, LAYERS))
+        ]
+        train = routes.copy()
+        flip = rng.random((total, LAYERS)) < 0.05
+        train[flip] = routes[rng.integers(0, total), 0]
+        lp = -rng.uniform(0.01, 3, samples * resp).astype(np.float32)
+        payloads = {
+            "rollout_routed_experts": routes,
+            "train_routed_experts": train,
+            "rollout_log_probs": lp,
+            **{
+                name: (lp + rng.normal(0, 0.02, lp.size)).astype(np.float32)
+                for name in ("old_log_probs", "log_probs", "train_log_probs")
+            },
+        }
+        c = BundleContents(
+            bundle_id=f"bench-{b}",
+            identity={"actor_step_id": {"rollout_id": b, "step_id": 0}, "rollout_id": None},
+            samples=[
+                {"sample_id": f"s-{i}", "group_index": i // 8, "response_length": resp,
+                 "total_length": resp + prompt, "loss_mask": [1] * resp, "reward": 0.0}
+                for i in range(samples)
+            ],
+            config={"advantage_estimator": "grpo", "is_clip_max": 2.0,
+                    "router": {"num_experts": EXPERTS, "num_layers": LAYERS, "top_k": TOPK}},
+            payloads=payloads,
+            expected={},
+            producer={"commit": "bench", "dirty_patch_digest": "", "torch_version": "2"},
+        )  # fmt: skip
+        out.append(write_bundle(root / f"b{b}", c))
+    return out
+
+
+def ingest_s(store: Path, bundles: list[Path]) -> float:
+    from trajstore.store import Store
+
+    t0 = time.perf_counter()
+    with Store.open(store) as st:
+        outcomes = st.ingest(bundles, run="bench")
+    assert all(o.status == "published" for o in outcomes), outcomes
+    return time.perf_counter() - t0
+
+
+def ingest_ratio(root: Path, args: argparse.Namespace) -> tuple[float, float]:
+    """(seconds with the sums, ratio to without them), best of --repeats each."""
+    import trajstore.store.ingest as ingest
+    from trajstore.mismatch.compute import not_computed
+
+    bundles = make_bundles(root / "in", args.ingest_bundles, args.samples, args.resp, 256)
+    real = ingest.bundle_entry
+    stub = lambda put, payloads, index: not_computed("bench: not computed")  # noqa: E731
+    with_s, without_s = [], []
+    for i in range(args.repeats):
+        ingest.bundle_entry = real
+        with_s.append(ingest_s(root / f"with-{i}", bundles))
+        ingest.bundle_entry = stub
+        without_s.append(ingest_s(root / f"without-{i}", bundles))
+    ingest.bundle_entry = real
+    return min(with_s), min(with_s) / min(without_s)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--commands", type=int, default=5, help="runs of each whole command")
+    ap.add_argument("--ingest-bundles", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--resp", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp) / "store"
+        docs = build_store(root, args.steps)
+        from trajstore.catalog import open_catalog, sync_catalog
+
+        t0 = time.perf_counter()
+        with open_catalog(root) as cat:
+            sync_catalog(cat, root, docs.__getitem__)
+        print(f"{args.steps} steps synced in {time.perf_counter() - t0:.1f} s")
+        base = ["query", "mismatch", "--store", str(root), "--run", "bench"]
+        top = whole_command([*base, "--top", "20"], args.commands)
+        first = whole_command([*base, "--first-above", "0.03"], args.commands)
+        print(f"query mismatch --top 20: {top:.3f} s whole command (target <= 0.3 s)")
+        print(f"query mismatch --first-above: {first:.3f} s whole command (target <= 0.3 s)")
+        proc, url = serve(root)
+        try:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                med, p99 = p99_ms(client, "/v1/runs/bench/mismatch", {"top": 20}, args.requests)
+                print(f"REST mismatch?top=20: median {med:.1f} ms, p99 {p99:.1f} ms (<= 50 ms)")
+                med, p99 = p99_ms(client, "/v1/runs/bench/mismatch", {"limit": 100}, args.requests)
+                print(f"REST mismatch?limit=100: median {med:.1f} ms, p99 {p99:.1f} ms (<= 50 ms)")
+                secs, rows, cells = chart_fetch_s(client, "old_kl_k3")
+                print(f"web chart data: {rows} steps + {cells} heat-map cells in {secs:.2f} s")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        with_s, ratio = ingest_ratio(Path(tmp), args)
+        print(
+            f"ingest of {args.ingest_bundles} MoE bundles: {with_s:.2f} s with the mismatch "
+            f"sums, {ratio:.3f}x the ingest without them (target <= 1.05x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Per-step mismatch over a run: one SQL statement, run by either catalog reader.
+
+The statement is plain SQL that DuckDB and PostgreSQL both run; `execute` is the
+reader's (trajstore.catalog.direct's DuckDB connection, or SQLAlchemy for any catalog),
+so the CLI, REST and the web view answer from the same text. Parameters are written
+``:pN`` (SQLAlchemy's binds) and turned into DuckDB's ``$pN`` by `duckdb_sql`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trajstore.errors import UsageError
+from trajstore.mismatch.metrics import DEFAULT_METRIC, METRICS, PAIRS
+
+#: (sql, params) -> rows as dicts
+Execute = Callable[[str, dict[str, Any]], list[dict[str, Any]]]
+STEP_COLUMNS = (
+    "run",
+    "kind",
+    "rollout_id",
+    "step_id",
+    "attempt",
+    "ranks",
+    "metric",
+    "value",
+    "tokens",
+    "reason",
+)
+
+
+@dataclass(frozen=True)
+class MismatchQuery:
+    """The filters `trajstore query mismatch`, REST and the web view share."""
+
+    run: str
+    metric: str = DEFAULT_METRIC
+    above: float | None = None
+    top: int | None = None
+    layer: int | None = None
+    rollout_from: int | None = None
+    rollout_to: int | None = None
+    first_above: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise UsageError(f"unknown metric {self.metric!r}; known: {', '.join(sorted(METRICS))}")
+        if self.layer is not None:
+            if self.metric != "route_mismatch_rate":
+                raise UsageError("--layer applies to route_mismatch_rate only")
+            if self.layer < 0:
+                raise UsageError(f"--layer must be >= 0, got {self.layer}")
+        if self.top is not None and self.top < 1:
+            raise UsageError(f"--top must be >= 1, got {self.top}")
+        if self.top is not None and self.first_above is not None:
+            raise UsageError("--top and --first-above cannot be combined")
+        lo, hi = self.rollout_from, self.rollout_to
+        if lo is not None and hi is not None and lo > hi:
+            raise UsageError(f"--from {lo} is after --to {hi}")
+
+
+def worst_pair(metric: str) -> tuple[str, ...]:
+    """The log-prob pairs whose worst token a step of `metric` leads to, in preference."""
+    family = METRICS[metric].family
+    names = [pair for pair, _ in PAIRS]
+    if family in names:
+        return (family,)
+    return ("train", "old", "current")
+
+
+def step_sql(q: MismatchQuery, limit: int | None = None, offset: int = 0) -> tuple[str, dict]:
+    """The statement listing `q`'s steps: STEP_COLUMNS plus ``worst`` (the steps' bundle
+    keys and worst-token JSON, one line per rank)."""
+    params: dict[str, Any] = {"p0": q.run}
+    m = METRICS[q.metric]
+    value, tokens, reason = m.value, m.tokens, m.reason
+    join = ""
+    if q.layer is not None:
+        params["p1"] = q.layer
+        join = (
+            " LEFT OUTER JOIN mismatch_layers AS l ON l.bundle_key = m.bundle_key AND l.layer = :p1"
+        )
+        obs = "sum(l.observations)"
+        reason = (
+            f"coalesce({m.reason}, CASE WHEN coalesce({obs}, 0) = 0 THEN "
+            "'no_observation: nothing compared at this layer' END)"
+        )
+        value = (
+            f"CASE WHEN ({reason}) IS NULL THEN "
+            f"CAST(sum(l.mismatches) AS DOUBLE PRECISION) / nullif({obs}, 0) END"
+        )
+        tokens = obs
+    where = ["b.is_latest", "m.run = :p0"]
+    if q.rollout_from is not None:
+        params["p2"] = q.rollout_from
+        where.append("m.rollout_id >= :p2")
+    if q.rollout_to is not None:
+        params["p3"] = q.rollout_to
+        where.append("m.rollout_id <= :p3")
+    inner = (
+        "SELECT m.run, m.kind, m.rollout_id, m.step_id, max(b.attempt) AS attempt, "
+        f"count(*) AS ranks, {value} AS value, {tokens} AS tokens, {reason} AS reason, "
+        "string_agg(m.bundle_key || ' ' || coalesce(m.worst, 'null'), chr(10)) AS worst "
+        "FROM mismatch_metrics AS m JOIN bundles AS b ON b.key = m.bundle_key"
+        f"{join} WHERE {' AND '.join(where)} "
+        "GROUP BY m.run, m.kind, m.rollout_id, m.step_id"
+    )
+    outer_where = []
+    threshold = q.first_above if q.first_above is not None else q.above
+    if threshold is not None:
+        params["p4"] = float(threshold)
+        outer_where.append("s.value > :p4")
+    if q.top is not None:
+        outer_where.append("s.value IS NOT NULL")
+    order = "s.rollout_id, coalesce(s.step_id, -1), s.kind"
+    if q.top is not None:
+        order = "s.value DESC, " + order
+    n = q.top if q.top is not None else 1 if q.first_above is not None else None
+    if limit is not None:
+        n = limit if n is None else min(n, limit)
+    sql = (
+        f"SELECT s.*, '{q.metric}' AS metric FROM ({inner}) AS s"
+        + (f" WHERE {' AND '.join(outer_where)}" if outer_where else "")
+        + f" ORDER BY {order}"
+    )
+    if n is not None:
+        params["p5"] = int(n)
+        sql += " LIMIT :p5"
+    if offset:
+        params["p6"] = int(offset)
+        sql += " OFFSET :p6"
+    return sql, params
+
+
+def layer_sql(q: MismatchQuery) -> tuple[str, dict]:
+    """Route mismatch rate per (step, layer) of `q`'s run and range (the heat map)."""
+    params: dict[str, Any] = {"p0": q.run}
+    where = ["b.is_latest", "m.run = :p0", "m.route_error IS NULL"]
+    if q.rollout_from is not None:
+        params["p2"] = q.rollout_from
+        where.append("m.rollout_id >= :p2")
+    if q.rollout_to is not None:
+        params["p3"] = q.rollout_to
+        where.append("m.rollout_id <= :p3")
+    sql = (
+        "SELECT m.kind, m.rollout_id, m.step_id, l.layer, sum(l.mismatches) AS mismatches, "
+        "sum(l.observations) AS observations FROM mismatch_metrics AS m "
+        "JOIN bundles AS b ON b.key = m.bundle_key "
+        "JOIN mismatch_layers AS l ON l.bundle_key = m.bundle_key "
+        f"WHERE {' AND '.join(where)} "
+        "GROUP BY m.kind, m.rollout_id, m.step_id, l.layer "
+        "ORDER BY m.rollout_id, coalesce(m.step_id, -1), m.kind, l.layer"
+    )
+    return sql, params
+
+
+def duckdb_sql(sql: str) -> str:
+    """`sql` with DuckDB's named parameter marks."""
+    return re.sub(r":(p\d+)\b", r"$\1", sql)
+
+
+def _worst(text: str | None, pairs: tuple[str, ...]) -> dict[str, Any] | None:
+    """The step's worst token (largest |d| over its ranks) of the first pair measured."""
+    best: dict[str, Any] | None = None
+    for pair in pairs:
+        for line in (text or "").splitlines():
+            key, _, doc = line.partition(" ")
+            worst = json.loads(doc) if doc and doc != "null" else None
+            for w in (worst or {}).get(pair) or []:
+                if best is None or w["abs_dlogp"] > best["abs_dlogp"]:
+                    best = {"pair": pair, "bundle_key": key, **w}
+        if best is not None:
+            return best
+    return best
+
+
+def steps(
+    execute: Execute, q: MismatchQuery, limit: int | None = None, offset: int = 0
+) -> list[dict[str, Any]]:
+    """`q`'s steps, each with its worst token (or None)."""
+    sql, params = step_sql(q, limit, offset)
+    pairs = worst_pair(q.metric)
+    rows = execute(sql, params)
+    out = []
+    for row in rows:
+        item = {c: row.get(c) for c in STEP_COLUMNS}
+        if q.layer is not None:
+            item["layer"] = q.layer
+        item["worst"] = _worst(row.get("worst"), pairs)
+        out.append(item)
+    return out
+
+
+def layers(execute: Execute, q: MismatchQuery) -> list[dict[str, Any]]:
+    """Per (step, layer): mismatches, observations and their rate (None when nothing
+    was compared at that layer)."""
+    sql, params = layer_sql(q)
+    out = []
+    for row in execute(sql, params):
+        obs = row["observations"]
+        row["rate"] = row["mismatches"] / obs if obs else None
+        out.append(row)
+    return out
