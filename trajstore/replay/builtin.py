@@ -9,6 +9,7 @@ from __future__ import annotations
 import trajstore.replay.losses
 import trajstore.replay.slime_math
 import trajstore.replay.stages
+import trajstore.replay.verl_math
 import trajstore.router.stage
 
 #: the modules whose import registers a built-in stage (or a config-selected variant of one)
@@ -16,5 +17,6 @@ STAGE_MODULES = (
     trajstore.replay.stages,
     trajstore.replay.losses,
     trajstore.replay.slime_math,
+    trajstore.replay.verl_math,
     trajstore.router.stage,
 )

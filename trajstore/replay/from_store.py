@@ -25,7 +25,7 @@ import numpy as np
 from trajstore import __version__
 from trajstore.errors import NotFoundError, TrajstoreError, UsageError
 from trajstore.jsonio import json_safe
-from trajstore.replay import kernels, slime_math
+from trajstore.replay import kernels, slime_math, verl_math
 from trajstore.replay.compare import Comparison, compare_arrays
 from trajstore.replay.context import ReplayContext, StageInputError, StageMemo, StageOutcome
 from trajstore.replay.registry import get_stage
@@ -377,7 +377,7 @@ def _linkage_outcome(
     """(outcome, samples checked, samples the rollout lacks), or why this rank is unchecked."""
     who = f"rank {b.rank}: " if b.rank is not None else ""
     config = src.index.config
-    why = slime_math.linkage_unsupported(config)
+    why = slime_math.linkage_unsupported(config) or verl_math.linkage_unsupported(config)
     if why:
         return f"{who}{why}"
     estimator = config.get("advantage_estimator") or "grpo"

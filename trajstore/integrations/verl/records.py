@@ -63,6 +63,16 @@ LOSS_METRICS: tuple[str, ...] = (
     "entropy_loss",
     "kl_loss",
 )
+#: verl 0.9.1's defaults of ``actor.policy_loss`` (``PolicyLossConfig``), for keys a config omits
+POLICY_LOSS_DEFAULTS: dict[str, Any] = {
+    "loss_mode": "vanilla",
+    "clip_cov_ratio": 0.0002,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.0002,
+    "ppo_kl_coef": 0.1,
+    "dro_beta": None,
+}
 #: the global batch info verl's ``agg_loss`` divides by (``config.global_batch_info``)
 BATCH_INFO: tuple[str, ...] = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 
@@ -174,7 +184,7 @@ def algorithm_config(
     if applied is None and ctrl_type == "fixed":
         applied = float(_get(ctrl, "kl_coef", 0.001))
     clip_ratio = float(_get(actor, "clip_ratio", 0.2))
-    policy_loss = plain(_get(actor, "policy_loss", {})) or {}
+    policy_loss = {**POLICY_LOSS_DEFAULTS, **(plain(_get(actor, "policy_loss", {})) or {})}
     correction = _get(algo, "rollout_correction", None)
     out: dict[str, Any] = {
         "contract": CONTRACT_VERSION,
@@ -206,8 +216,8 @@ def algorithm_config(
         "entropy_coeff": float(_get(actor, "entropy_coeff", 0.0)),
         "loss_scale_factor": _get(actor, "loss_scale_factor", None),
         "policy_loss": {k: v for k, v in policy_loss.items() if k != "rollout_correction"},
-        "tau_pos": _get(actor, "tau_pos", None),
-        "tau_neg": _get(actor, "tau_neg", None),
+        "tau_pos": float(_get(actor, "tau_pos", 1.0)),
+        "tau_neg": float(_get(actor, "tau_neg", 1.05)),
         "ppo_epochs": int(_get(actor, "ppo_epochs", 1)),
         "ppo_mini_batch_size": _get(actor, "ppo_mini_batch_size", None),
         "rollout_n": _get(config, "actor_rollout_ref.rollout.n", None),
