@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -34,7 +34,6 @@ import torch
 
 from trajstore.integrations.verl.records import (
     GROUP_KEY,
-    KEY,
     ROW_KEY,
     MicroBatchRecord,
     step_records,
@@ -63,7 +62,7 @@ def _field(data: Any, name: str, default: Any = None) -> Any:
 
 
 def _dense(data: Any, name: str) -> torch.Tensor | None:
-    if name not in data.keys():
+    if name not in data.keys():  # noqa: SIM118 - a TensorDict's keys
         return None
     value = data[name]
     if getattr(value, "is_nested", False):
@@ -251,7 +250,9 @@ class RecordingLoss:
                         mb_routes = dict(next(by_record, {}))
                         prompt_lengths = mb_routes.pop("_prompt_lengths", None)
                         if prompt_lengths is not None:
-                            for sample, p in zip(mb["samples"], prompt_lengths.tolist()):
+                            for sample, p in zip(
+                                mb["samples"], prompt_lengths.tolist(), strict=True
+                            ):
                                 sample["total_length"] = int(p) + sample["response_length"]
                         extra = {}
                         if "rollout_log_probs" not in mb["payloads"] and mb_routes:
