@@ -164,10 +164,13 @@ class RecordingLoss:
             lengths = attention[:, prompts.shape[1] :].sum(-1).tolist()
         actor_config = getattr(self.inner, "keywords", {}).get("config")
         dp_size = int(_field(data, "dp_size", 1) or 1)
-        record = MicroBatchRecord(
-            rows=_cpu(rows).tolist()
+        row_ids = (
+            _cpu(rows).tolist()
             if rows is not None
-            else list(range(state.rows_in_step, state.rows_in_step + rows_in)),
+            else list(range(state.rows_in_step, state.rows_in_step + rows_in))
+        )
+        record = MicroBatchRecord(
+            rows=row_ids,
             log_probs=_cpu(log_probs).float(),
             old_log_probs=_cpu(_dense(data, "old_log_probs")).float(),
             advantages=_cpu(_dense(data, "advantages")).float(),
@@ -184,7 +187,7 @@ class RecordingLoss:
             rollout_is_weights=None
             if _dense(data, "rollout_is_weights") is None
             else _cpu(_dense(data, "rollout_is_weights")).float(),
-            groups=None if groups is None else _cpu(groups).tolist(),
+            groups=row_ids if groups is None else _cpu(groups).tolist(),  # untagged: own group
             response_lengths=None if lengths is None else [int(x) for x in lengths],
             optimizer_step=state.optimizer_step,
             dp_size=dp_size,
@@ -218,7 +221,8 @@ class RecordingLoss:
             return out
         executed = state.routing.routes()[:, -calls[-1].seq :]  # the last forward: this one
         natural = state.routing.natural_routes()[:, -calls[-1].seq :]
-        state.routing._calls.clear()  # keep memory flat; offsets restart at the next forward
+        if state.routing._replay is None:  # forced routes are consumed along the calls
+            state.routing._calls.clear()  # keep memory flat (cleared when forcing ends)
         out["train_routed_experts"] = executed.reshape(-1, *executed.shape[2:]).to(torch.int32)
         if state.routing._replay is not None:
             out["train_natural_routed_experts"] = natural.reshape(-1, *natural.shape[2:]).to(
