@@ -32,7 +32,8 @@ except ImportError as exc:  # never under CI: make test installs trajstore[verl]
 
 import verl_cpu as h  # noqa: E402
 
-from trajstore.integrations.verl.actor import STEP_KEY, capture_actor  # noqa: E402
+from trajstore.integrations.verl.actor import STEP_KEY, RecordingLoss, capture_actor  # noqa: E402
+from trajstore.integrations.verl.trainer import capturing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = (1, 2)
@@ -47,18 +48,18 @@ def _capture_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
         monkeypatch.setenv(name, value)
 
 
-def _train(worker: Any, cfg: Any, *, capture: bool, forced: Any = None) -> list[dict]:
-    """Two driver steps: verl's log-probs and advantages, then ``update_actor``."""
+def _train(worker: Any, cfg: Any, trainer_cls: type) -> list[dict]:
+    """Two driver steps: verl's log-probs and advantages, then verl's own
+    ``RayPPOTrainer._update_actor`` (``trainer_cls``: it, or its capturing subclass) on a
+    trainer whose actor worker group is the in-process worker."""
+    trainer = trainer_cls.__new__(trainer_cls)  # no Ray: only the fields _update_actor reads
+    trainer.config, trainer.actor_rollout_wg = cfg, worker
     logged = []
     for step in STEPS:
+        trainer.global_steps = step
         batch = h.prepare(h.make_batch(seed=step), worker, cfg)
-        if capture:
-            tv.tag_batch(batch)
-            batch.meta_info[STEP_KEY] = step
-        metrics = h.update_actor(worker, batch, cfg)
-        if capture:
-            tv.capture_batch(batch, cfg, step=step)
-        logged.append(metrics)
+        output = trainer._update_actor(batch)
+        logged.append(output.meta_info["metrics"])
     return logged
 
 
@@ -68,15 +69,17 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("verl-dense")
     cfg = h.trainer_config(h.save_tiny_model(root / "model"))
     try:
+        from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
         _capture_env(mp)
         off = h.build_worker(cfg)
-        off_logged = _train(off, cfg, capture=False)
+        off_logged = _train(off, cfg, RayPPOTrainer)
         off_params = h.parameters(off)
         out = root / "capture"
         _capture_env(mp, TRAJSTORE_CAPTURE="1", TRAJSTORE_CAPTURE_DIR=str(out))
         on = h.build_worker(cfg)
-        loss = capture_actor(on, cfg)
-        on_logged = _train(on, cfg, capture=True)
+        on_logged = _train(on, cfg, capturing(RayPPOTrainer))  # installs capture_actor
+        loss = on.actor.loss_fn
         stats = tv.close()
         return {
             "cfg": cfg,
@@ -98,10 +101,44 @@ def test_capture_actor_is_off_by_default(dense, monkeypatch):
 
 def test_capture_leaves_parameters_bit_identical(dense):
     (off, off_logged), (on, on_logged) = dense["off"], dense["on"]
-    assert dense["loss"] is not None and dense["stats"].errors == 0
+    assert isinstance(dense["loss"], RecordingLoss) and dense["stats"].errors == 0
     assert off.keys() == on.keys()
     assert all(torch.equal(off[name], on[name]) for name in off)
     assert [m["actor/pg_loss"] for m in off_logged] == [m["actor/pg_loss"] for m in on_logged]
+
+
+def test_the_v1_trainer_gets_the_v1_mixin():
+    """The default trainer of verl 0.9.1 (``trainer.use_v1``): its capturing subclass hooks
+    ``_update_actor(batch, metrics)`` (its run needs TransferQueue's servers: not here)."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from trajstore.integrations.verl.trainer import (
+        PPOTrainerCaptureMixin,
+        RayPPOTrainerCaptureMixin,
+    )
+
+    v1 = get_trainer_cls("sync")
+    assert issubclass(capturing(v1), PPOTrainerCaptureMixin) and issubclass(capturing(v1), v1)
+    assert issubclass(capturing(RayPPOTrainer), RayPPOTrainerCaptureMixin)
+    made = capturing(v1)
+    assert capturing(made) is made
+
+
+def test_main_ppo_composes_verls_config_with_the_users_overrides(capsys, monkeypatch):
+    """``python -m trajstore.integrations.verl.main_ppo`` takes verl's own Hydra overrides
+    on verl's own config (``--cfg job`` prints it without training; a full run needs a
+    rollout server, which the CPU has not)."""
+    from trajstore.integrations.verl import main_ppo
+
+    monkeypatch.setenv("TRAJSTORE_RUN", "grpo-tiny")
+    main_ppo.main(["--cfg", "job", "algorithm.adv_estimator=rloo", "trainer.use_v1=false"])
+    out = capsys.readouterr().out
+    assert "adv_estimator: rloo" in out and "use_v1: false" in out
+    with pytest.raises(SystemExit) as exc:
+        main_ppo.main(["algorithm.no_such_key=1"])
+    assert exc.value.code != 0
+    assert main_ppo.capture_env({"TRAJSTORE_RUN": "r", "HOME": "/x"}) == {"TRAJSTORE_RUN": "r"}
 
 
 def test_every_micro_batch_is_recorded(dense):

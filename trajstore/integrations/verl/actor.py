@@ -79,6 +79,8 @@ class _State:
     updates: int = 0
     optimizer_step: int = 0
     rows_in_step: int = 0
+    #: rows consumed in this update_actor call (an untagged batch's row ids: no shuffle)
+    rows_in_update: int = 0
     pending: list[MicroBatchRecord] = field(default_factory=list)
     pending_routes: list[dict[str, torch.Tensor]] = field(default_factory=list)
     routing: Any = None
@@ -147,7 +149,7 @@ class RecordingLoss:
         step = state.updates + 1 if step is None else int(step)
         if state.step is not None and step != state.step:
             self._flush(state)  # a new update_actor call: whatever is left was its own step
-            state.optimizer_step, state.rows_in_step = 0, 0
+            state.optimizer_step, state.rows_in_step, state.rows_in_update = 0, 0, 0
         state.step = step
         log_probs = no_padding_2_padding(model_output["log_probs"], data)
         entropy = model_output.get("entropy") if hasattr(model_output, "get") else None
@@ -167,7 +169,7 @@ class RecordingLoss:
         row_ids = (
             _cpu(rows).tolist()
             if rows is not None
-            else list(range(state.rows_in_step, state.rows_in_step + rows_in))
+            else list(range(state.rows_in_update, state.rows_in_update + rows_in))
         )
         record = MicroBatchRecord(
             rows=row_ids,
@@ -202,6 +204,7 @@ class RecordingLoss:
             routes["_prompt_lengths"] = attention[:, : prompts.shape[1]].sum(-1)
         state.pending_routes.append(routes)
         state.rows_in_step += rows_in
+        state.rows_in_update += rows_in
         global_batch = _field(data, "global_batch_size")
         per_rank = None if global_batch is None else int(global_batch) // dp_size
         if per_rank and state.rows_in_step >= per_rank:
