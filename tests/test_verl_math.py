@@ -332,6 +332,14 @@ def test_every_loss_mode_and_aggregation_replays_verls_loss(tmp_path, mode, agg)
     assert first["pg_loss"] == pytest.approx(float(records[0].metrics["actor/pg_loss"]), rel=1e-6)
 
 
+def test_dual_clip_replays(tmp_path):
+    """clip_ratio_c just above 1: verl's dual-clip bound binds on some negative advantages."""
+    out, records = run_case(tmp_path, actor__clip_ratio_c=1.05)
+    assert any(float(r.metrics["actor/pg_clipfrac_lower"]) > 0 for r in records)
+    for step in (0, 1):
+        assert statuses(replay(out / f"replay-1-{step}"))["loss.policy"] == "pass"
+
+
 def test_clip_cov_is_unsupported_by_name(tmp_path):
     out, _ = run_case(tmp_path, actor__loss_mode="clip_cov")
     report = replay(out / "replay-1-0", "loss.policy")  # requested: unsupported, not skipped
@@ -347,7 +355,9 @@ def test_rollout_is_weights_are_recomputed(tmp_path):
     batch, _ = compute_rollout_correction_and_add_to_batch(batch, OmegaConf.create(correction))
     cfg.algorithm.rollout_correction = correction
     out = capture(tmp_path, batch, cfg, metrics, run_actor(batch, cfg))
-    stage = next(s for s in replay(out / "replay-1-0").bundles[0].stages if s.stage == "loss.policy")
+    stage = next(
+        s for s in replay(out / "replay-1-0").bundles[0].stages if s.stage == "loss.policy"
+    )
     assert stage.status == "pass" and not stage.trusted, stage.reason
     # the weights are truncated somewhere: the threshold is exercised
     weights = batch.batch["rollout_is_weights"]

@@ -122,7 +122,7 @@ def linkage_unsupported(config: Mapping[str, Any]) -> str | None:
     if isinstance(config.get(KEY), dict):
         return (
             "verl: a step's advantages are not its rollout's rewards on every token; "
-            "advantage.estimate replays them in the rollout bundle"
+            f"{Stage.ADVANTAGE_ESTIMATE} replays them in the rollout bundle"
         )
     return None
 
@@ -553,8 +553,12 @@ def micro_batch_loss(mb: MicroBatch, args: Mapping[str, Any]) -> dict[str, float
         loss = loss - np.float32(args.get("entropy_coeff", 0.0)) * np.float32(entropy_loss)
     if args.get("use_kl_loss"):
         if mb.ref_log_probs is None:
-            raise StageInputError(f"incomplete bundle: payload '{Payload.REF_LOG_PROBS}' is missing")
-        kld = kl_penalty(mb.log_probs, mb.ref_log_probs, str(args.get("kl_loss_type", "low_var_kl")))
+            raise StageInputError(
+                f"incomplete bundle: payload '{Payload.REF_LOG_PROBS}' is missing"
+            )
+        kld = kl_penalty(
+            mb.log_probs, mb.ref_log_probs, str(args.get("kl_loss_type", "low_var_kl"))
+        )
         kl_loss = agg_loss(kld, mb.mask, mb.lengths, agg, mb.info)
         out["kl_loss"] = kl_loss
         loss = loss + np.float32(kl_loss) * np.float32(args.get("kl_loss_coef", 0.0))
@@ -616,8 +620,13 @@ def unreplayable(stage: Stage, args: Mapping[str, Any]) -> str | None:
         agg = str(args.get("loss_agg_mode"))
         if agg not in AGG_MODES:
             return f"loss_agg_mode {agg!r} is not one of {', '.join(AGG_MODES)}"
-        if args.get("use_kl_loss") and str(args.get("kl_loss_type")).rstrip("+") not in KL_PENALTIES:
-            return f"kl_loss_type {args.get('kl_loss_type')!r} is not one of {', '.join(KL_PENALTIES)}"
+        if (
+            args.get("use_kl_loss")
+            and str(args.get("kl_loss_type")).rstrip("+") not in KL_PENALTIES
+        ):
+            return (
+                f"kl_loss_type {args.get('kl_loss_type')!r} is not one of {', '.join(KL_PENALTIES)}"
+            )
     return None
 
 
@@ -645,21 +654,21 @@ def stage_advantage_kl(ctx: ReplayContext) -> StageOutcome:
         kld = (kld * mask).astype(np.float32)
         actual = (scores - np.float32(args["kl_coef_applied"]) * kld).astype(np.float32)
         measured = ctx.source.expected.get(stage, {})
-        if isinstance(measured, dict) and is_number(measured.get("reward_kl_penalty")):
-            if not ctx.partial:
-                counts = row_sums(mask, ctx.lengths) + MASK_EPS
-                per_row = row_sums(kld * mask, ctx.lengths) / counts
-                atol, rtol = ctx.tolerance(stage)
-                comparisons.append(
-                    compare_arrays(
-                        stage,
-                        "reward_kl_penalty",
-                        np.array([float(measured["reward_kl_penalty"])]),
-                        np.array([float(np.float32(per_row.mean()))]),
-                        atol=atol,
-                        rtol=rtol,
-                    )
+        recorded = isinstance(measured, dict) and is_number(measured.get("reward_kl_penalty"))
+        if recorded and not ctx.partial:  # verl's mean is over the whole batch
+            counts = row_sums(mask, ctx.lengths) + MASK_EPS
+            per_row = row_sums(kld * mask, ctx.lengths) / counts
+            atol, rtol = ctx.tolerance(stage)
+            comparisons.append(
+                compare_arrays(
+                    stage,
+                    "reward_kl_penalty",
+                    np.array([float(measured["reward_kl_penalty"])]),
+                    np.array([float(np.float32(per_row.mean()))]),
+                    atol=atol,
+                    rtol=rtol,
                 )
+            )
     else:
         actual = scores
     ctx.recomputed["token_level_rewards"] = actual
@@ -847,7 +856,9 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
                 total = math.fsum(result.get(name, 0.0) for result in results.values())
                 comparisons.append(compare(name, float(record[name]), total))
     if not comparisons:
-        raise StageInputError(f"incomplete bundle: expected.json {stage} records nothing to compare")
+        raise StageInputError(
+            f"incomplete bundle: expected.json {stage} records nothing to compare"
+        )
     mismatched = [c.divergences[0].field for c in comparisons if not c.ok]
     outcome = outcome_of(stage, comparisons, f"{stage} mismatch in " + ", ".join(mismatched[:5]))
     outcome.trusted = trusted

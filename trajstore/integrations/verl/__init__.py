@@ -35,6 +35,7 @@ from trajstore.integrations.verl.records import (
     step_records,
     verl_version,
 )
+from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
 
@@ -143,7 +144,7 @@ def write_steps(manager: Any, steps: Sequence[StepRecord]) -> int:
                 continue
             for mb in step.micro_batches:
                 capture.add(mb["mb_id"], samples=mb["samples"], **mb["payloads"])
-            capture.expect("loss.policy", step.expected_loss)
+            capture.expect(Stage.LOSS_POLICY, step.expected_loss)
         queued += 1
     return queued
 

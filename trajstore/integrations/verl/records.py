@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from trajstore.vocab import Stage
+
 #: the config key of a verl bundle (index.json ``config.verl``) and the records' version
 KEY = "verl"
 CONTRACT_VERSION = "verl-records-v1"
@@ -74,7 +76,12 @@ POLICY_LOSS_DEFAULTS: dict[str, Any] = {
     "dro_beta": None,
 }
 #: the global batch info verl's ``agg_loss`` divides by (``config.global_batch_info``)
-BATCH_INFO: tuple[str, ...] = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+BATCH_INFO: tuple[str, ...] = (
+    "dp_size",
+    "batch_num_tokens",
+    "global_batch_size",
+    "loss_scale_factor",
+)
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -117,9 +124,7 @@ def _get(node: Any, path: str, default: Any = None) -> Any:
     for part in path.split("."):
         if node is None:
             return default
-        if isinstance(node, Mapping):
-            node = node.get(part)
-        elif hasattr(node, "get") and not dataclasses.is_dataclass(node):
+        if isinstance(node, Mapping) or hasattr(node, "get") and not dataclasses.is_dataclass(node):
             node = node.get(part)
         else:
             node = getattr(node, part, None)
@@ -137,7 +142,8 @@ class BatchView:
     @classmethod
     def of(cls, batch: Any) -> BatchView:
         if hasattr(batch, "batch") and hasattr(batch, "non_tensor_batch"):
-            tensors = {} if batch.batch is None else {k: batch.batch[k] for k in batch.batch.keys()}
+            keys = [] if batch.batch is None else list(batch.batch.keys())  # a TensorDict
+            tensors = {k: batch.batch[k] for k in keys}
             return cls(tensors, dict(batch.non_tensor_batch), dict(batch.meta_info or {}))
         if isinstance(batch, Mapping):
             tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
@@ -320,19 +326,12 @@ def rollout_record(
         real = real[:, : experts.shape[1]]
         routes["rollout_routed_experts"] = experts[real].to(torch.int32)
     expected: dict[str, dict[str, Any]] = {}
-    extra: dict[str, Any] = {}
-    if "reward_baselines" in t:
-        extra["reward_baselines"] = [float(x) for x in _cpu(t["reward_baselines"]).reshape(-1)]
-    if "actor/reward_kl_penalty" in metrics:
-        extra["reward_kl_penalty"] = float(metrics["actor/reward_kl_penalty"])
-    if extra:
-        expected["advantage.estimate" if "reward_baselines" in extra else "advantage.kl"] = {}
-        if "reward_baselines" in extra:
-            expected["advantage.estimate"]["reward_baselines"] = extra["reward_baselines"]
-        if "reward_kl_penalty" in extra:
-            expected.setdefault("advantage.kl", {})["reward_kl_penalty"] = extra[
-                "reward_kl_penalty"
-            ]
+    if "reward_baselines" in t:  # remax's greedy-response rewards: an input, kept per sample
+        baselines = [float(x) for x in _cpu(t["reward_baselines"]).reshape(-1)]
+        expected[Stage.ADVANTAGE_ESTIMATE] = {"reward_baselines": baselines}
+    if "actor/reward_kl_penalty" in metrics:  # the KL apply_kl_penalty measured
+        measured = float(metrics["actor/reward_kl_penalty"])
+        expected[Stage.ADVANTAGE_KL] = {"reward_kl_penalty": measured}
     return RolloutRecord(
         step=int(step),
         samples=samples,
@@ -416,7 +415,9 @@ def _metrics(record: MicroBatchRecord) -> dict[str, float]:
 
 def _micro_batch(record: MicroBatchRecord, number: int, seen: dict[int, int]) -> dict[str, Any]:
     """One record as ``StepCapture.add`` arguments plus its expected values."""
-    rows = [int(r) for r in (record.rows.tolist() if hasattr(record.rows, "tolist") else record.rows)]
+    rows = [
+        int(r) for r in (record.rows.tolist() if hasattr(record.rows, "tolist") else record.rows)
+    ]
     mask = _cpu(record.response_mask)
     horizon = int(mask.shape[-1])
     if record.response_lengths is not None:
