@@ -42,8 +42,9 @@ STEPS = (1, 2)
 def _capture_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
     """Capture configured from the environment, with a fresh process-wide manager."""
     tv.close()
-    for name in ("TRAJSTORE_CAPTURE_DIR", "TRAJSTORE_CAPTURE_STORE", "TRAJSTORE_RUN"):
+    for name in ("TRAJSTORE_CAPTURE", "TRAJSTORE_CAPTURE_DIR", "TRAJSTORE_CAPTURE_STORE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TRAJSTORE_RUN", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
 

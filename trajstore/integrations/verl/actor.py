@@ -335,6 +335,10 @@ def _own_loss(worker: Any, config: Any) -> Any:
         return worker.loss_fn
     if config is None:
         raise ValueError("capture_actor on a worker group needs the trainer config")
+    from verl.trainer.distillation import is_distillation_enabled
+
+    if is_distillation_enabled(config.get("distillation")):  # its loss is not ppo_loss
+        raise ValueError("capture_actor on a worker group does not support distillation")
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 

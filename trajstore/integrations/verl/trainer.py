@@ -58,7 +58,10 @@ class _CaptureMixin:
         if not self._trajstore_on() or getattr(self, "_trajstore_installed", False):
             return
         self._trajstore_installed = True
-        capture_actor(self.actor_rollout_wg, self.config)
+        try:
+            capture_actor(self.actor_rollout_wg, self.config)
+        except ValueError as exc:  # e.g. distillation: the driver's bundles are still written
+            capture_manager().stats.count_error(f"installing the actor capture: {exc}")
         ctrl = getattr(self, "kl_ctrl_in_reward", None)
         if ctrl is not None and hasattr(ctrl, "update"):
             original = ctrl.update
