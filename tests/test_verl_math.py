@@ -503,3 +503,51 @@ def test_driver_batch_layout(tmp_path):
     assert verl["kl_coef_applied"] == pytest.approx(metrics["actor/reward_kl_penalty_coeff"])
     assert verl["clip_ratio_high"] == 0.28 and verl["loss_mode"] == "vanilla"
     assert copy.deepcopy(verl) == verl  # plain JSON values
+
+
+def test_capture_is_complete_at_exit_without_importing_verl(tmp_path):
+    """A v1-trainer-style mapping of fields, no close(): the interpreter's exit flushes the
+    bundle, and neither verl nor Ray was imported to write it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, torch;"
+        "from trajstore.integrations.verl import capture_batch;"
+        "m = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]]);"
+        "batch = {'responses': torch.zeros(2, 2, dtype=torch.long), 'attention_mask': m,"
+        " 'response_mask': m[:, 2:], 'token_level_scores': torch.tensor([[0., 1.], [2., 0.]]),"
+        " 'token_level_rewards': torch.tensor([[0., 1.], [2., 0.]]),"
+        " 'old_log_probs': -torch.ones(2, 2), 'advantages': torch.ones(2, 2),"
+        " 'returns': torch.ones(2, 2), 'uid': np.array(['a', 'a'], dtype=object)};"
+        "cfg = {'algorithm': {'adv_estimator': 'grpo'}, 'actor_rollout_ref': {'actor': {}}};"
+        "assert capture_batch(batch, cfg, step=3);"
+        "assert 'verl' not in sys.modules and 'ray' not in sys.modules, 'imported a framework'"
+    )
+    env = {
+        **os.environ,
+        "TRAJSTORE_CAPTURE": "1",
+        "TRAJSTORE_CAPTURE_DIR": str(tmp_path),
+        "TRAJSTORE_RUN": "exit",
+    }
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    bundle = tmp_path / "replay-rollout-3"
+    assert (bundle / "COMPLETE").exists()
+    samples = read_json(bundle / "index.json")["samples"]
+    assert [s["response_length"] for s in samples] == [2, 1]
+    assert [s["total_length"] for s in samples] == [3, 3]
+    assert cli(["validate", str(bundle)]) == 0
+
+
+def test_a_micro_batch_without_groups_is_refused_not_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAJSTORE_CAPTURE", "1")
+    monkeypatch.setenv("TRAJSTORE_CAPTURE_DIR", str(tmp_path / "cap"))
+    tv.close()
+    cfg = trainer_config()
+    batch, _ = run_driver(make_batch(), cfg)
+    records = run_actor(batch, cfg)
+    records[0].groups = None
+    assert tv.capture_micro_batches(records, cfg, step=1) == 0
+    assert tv.close().errors == 1
+    assert not (tmp_path / "cap").exists() or not any((tmp_path / "cap").iterdir())

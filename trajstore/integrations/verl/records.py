@@ -426,7 +426,12 @@ def _micro_batch(record: MicroBatchRecord, number: int, seen: dict[int, int]) ->
         positions = torch.arange(1, horizon + 1).unsqueeze(0) * (mask != 0)
         lengths = positions.max(dim=-1).values
     keep = torch.arange(horizon).unsqueeze(0) < lengths.unsqueeze(1)
-    groups = None if record.groups is None else [int(g) for g in record.groups]
+    if record.groups is None:  # a bundle's samples must name their semantic group
+        raise ValueError(
+            f"a micro-batch record has no groups: add {GROUP_KEY!r} to the batch "
+            "(tag_batch) before update_actor"
+        )
+    groups = [int(g) for g in record.groups]
     samples = []
     for i, row in enumerate(rows):
         seen[row] = seen.get(row, 0) + 1
@@ -434,7 +439,7 @@ def _micro_batch(record: MicroBatchRecord, number: int, seen: dict[int, int]) ->
         samples.append(
             {
                 "sample_id": f"s{row}{suffix}",
-                "group_index": None if groups is None else groups[i],
+                "group_index": groups[i],
                 "response_length": int(lengths[i]),
             }
         )
