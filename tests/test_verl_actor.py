@@ -240,6 +240,67 @@ def test_capture_is_complete_on_disk_at_normal_exit(tmp_path):
     assert steps == [(3, 0), (3, 1), (3, 2)], r.stderr[-2000:]
 
 
+# --------------------------------------------------------------------------- two ranks
+
+
+RANK_CODE = """
+import json, os, sys
+sys.path.insert(0, "tests")
+import verl_cpu as h
+from pathlib import Path
+import trajstore.integrations.verl as tv
+from trajstore.integrations.verl.actor import STEP_KEY, capture_actor
+rank = int(os.environ["RANK"])
+cfg = h.trainer_config(Path(sys.argv[1]))
+worker = h.build_worker(cfg)
+capture_actor(worker, cfg)
+batch = h.prepare(h.make_batch(8, seed=1), worker, cfg)
+tv.tag_batch(batch)
+batch.meta_info[STEP_KEY] = 1
+# the rows verl's worker-group dispatch hands this data-parallel rank
+metrics = h.update_actor(worker, batch[rank * 4 : (rank + 1) * 4], cfg)
+stats = tv.close()
+print(json.dumps({"written": stats.written, "errors": stats.errors}))
+"""
+
+
+def test_two_data_parallel_ranks_write_one_cohort(tmp_path):
+    """Two processes, one verl worker each, fsdp2 over a two-rank gloo group: each writes
+    its own shard of every step bundle and the cohort is published when both are in."""
+    model = h.save_tiny_model(tmp_path / "model")
+    out = tmp_path / "capture"
+    env = {**os.environ, "TRAJSTORE_CAPTURE": "1", "TRAJSTORE_CAPTURE_DIR": str(out)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(h._free_port()), WORLD_SIZE="2")
+    for name in ("TRAJSTORE_CAPTURE_STORE", "TRAJSTORE_RUN"):
+        env.pop(name, None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_CODE, str(model)],
+            cwd=ROOT,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results, strict=True):
+        assert p.returncode == 0, stderr[-3000:]
+        assert json.loads(stdout.strip().splitlines()[-1]) == {"written": 2, "errors": 0}
+    for k in (0, 1):  # 4 rows a rank, 2 rows a rank per optimizer step
+        cohort = out / f"replay-1-{k}"
+        assert (cohort / "COMPLETE").exists()
+        assert sorted(p.name for p in cohort.glob("rank-*")) == ["rank-0", "rank-1"]
+        report = replay(cohort)
+        assert len(report.bundles) == 2
+        assert all(s["loss.policy"] == "pass" for s in map(_stages, report.bundles))
+
+
+def _stages(bundle: Any) -> dict[str, str]:
+    return {s.stage: s.status for s in bundle.stages}
+
+
 # --------------------------------------------------------------------------- R3 on a MoE
 
 

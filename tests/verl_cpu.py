@@ -160,7 +160,9 @@ def setup_cpu() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        )
 
     import verl.workers.engine  # noqa: F401 - registers the engines (after set_platform)
     from verl.workers.engine.base import EngineRegistry

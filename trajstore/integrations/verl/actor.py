@@ -129,15 +129,7 @@ class RecordingLoss:
         if self._state is None:
             from trajstore.integrations.verl import capture_manager
 
-            overrides: dict[str, Any] = {}
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                overrides = {
-                    "rank": dist.get_rank(),
-                    "producer_ranks": range(dist.get_world_size()),
-                }
-            self._state = _State(capture_manager(**overrides))
+            self._state = _State(capture_manager(**rank_overrides()))
         return self._state if self._state.manager.enabled else None
 
     def _record(
@@ -316,6 +308,16 @@ def _metric(value: Any) -> Any:
     return float(_cpu(value)) if isinstance(value, torch.Tensor) else value
 
 
+def rank_overrides() -> dict[str, Any]:
+    """This process's rank among the actor's ranks, for its manager's first (only) creation:
+    with several ranks each writes its own shard (``rank-<r>/``) of every step bundle."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return {"rank": dist.get_rank(), "producer_ranks": range(dist.get_world_size())}
+    return {}
+
+
 def _dp_rank(dp_group: Any) -> int:
     import torch.distributed as dist
 
@@ -360,7 +362,7 @@ def capture_actor(
     from trajstore.integrations.verl import capture_manager, require_verl
 
     require_verl()
-    if not capture_manager().enabled:
+    if not capture_manager(**rank_overrides()).enabled:
         return None
     inner = _own_loss(worker, config)
     if isinstance(inner, RecordingLoss):
