@@ -362,7 +362,7 @@ def capture_actor(
     from trajstore.integrations.verl import capture_manager, require_verl
 
     require_verl()
-    if not capture_manager().enabled:  # MUTATION M6
+    if not capture_manager(**rank_overrides()).enabled:
         return None
     inner = _own_loss(worker, config)
     if isinstance(inner, RecordingLoss):
