@@ -37,6 +37,8 @@ from trajstore.integrations.verl.trainer import capturing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = (1, 2)
+#: the rendezvous variables as the session had them: the harness must leave them so
+RENDEZVOUS = {n: os.environ.get(n) for n in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
 
 
 def _capture_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
@@ -106,6 +108,11 @@ def test_capture_leaves_parameters_bit_identical(dense):
     assert off.keys() == on.keys()
     assert all(torch.equal(off[name], on[name]) for name in off)
     assert [m["actor/pg_loss"] for m in off_logged] == [m["actor/pg_loss"] for m in on_logged]
+
+
+def test_workers_leave_no_rendezvous_in_the_environment(dense):
+    """Later subprocesses of the session (the demo's accelerate) would join this group."""
+    assert {n: os.environ.get(n) for n in RENDEZVOUS} == RENDEZVOUS
 
 
 def test_the_v1_trainer_gets_the_v1_mixin():

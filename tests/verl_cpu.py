@@ -8,8 +8,9 @@ runs on CUDA/NPU; the workarounds below are all test-side and touch no verl file
 - a CPU platform given to verl's ``set_platform`` before ``verl.workers.engine`` is
   imported (verl has no CPU platform; its device module must answer the memory queries its
   worker logs);
-- a single-process gloo group from MASTER_ADDR/PORT, RANK=0, WORLD_SIZE=1 (verl's own
-  initialiser would ask for ``cpu:gloo,cpu:gloo``);
+- a single-process gloo group (MASTER_ADDR/PORT, RANK=0, WORLD_SIZE=1, or the ranks the
+  environment gives) opened here, since verl's own initialiser would ask for
+  ``cpu:gloo,cpu:gloo``; the variables are set only while a worker is built;
 - verl's FSDP engines registered for device ``cpu`` in its ``EngineRegistry`` (it lists
   only cuda/npu);
 - ``attn_implementation: sdpa`` (verl defaults to flash-attention), fp32 parameters;
@@ -74,18 +75,40 @@ def _cpu_device_module() -> types.ModuleType:
     return mod
 
 
+#: the rendezvous verl's ``Worker`` reads from the environment; set only while a worker is
+#: built (`build_worker`): left in ``os.environ`` it would reach every later subprocess of the
+#: test session (accelerate would then join this process's group and find its port taken)
+_DIST_ENV: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def dist_env() -> Any:
+    """``os.environ`` with `_DIST_ENV` for the block, restored after."""
+    saved = {name: os.environ.get(name) for name in _DIST_ENV}
+    os.environ.update(_DIST_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def setup_cpu() -> None:
     """Register the CPU platform, the gloo group and the CPU engines (once a process)."""
     global _READY
     if _READY:
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _DIST_ENV.update(
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+        RANK=os.environ.get("RANK", "0"),
+        WORLD_SIZE=os.environ.get("WORLD_SIZE", "1"),
+        LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+        LOCAL_WORLD_SIZE=os.environ.get("LOCAL_WORLD_SIZE", "1"),
+    )
 
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import set_platform
@@ -161,7 +184,10 @@ def setup_cpu() -> None:
 
     if not dist.is_initialized():
         dist.init_process_group(
-            "gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+            "gloo",
+            init_method=f"tcp://{_DIST_ENV['MASTER_ADDR']}:{_DIST_ENV['MASTER_PORT']}",
+            rank=int(_DIST_ENV["RANK"]),
+            world_size=int(_DIST_ENV["WORLD_SIZE"]),
         )
 
     import verl.workers.engine  # noqa: F401 - registers the engines (after set_platform)
@@ -298,8 +324,9 @@ def build_worker(cfg: Any) -> Any:
     setup_cpu()
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
-    worker.init_model()
+    with dist_env():
+        worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+        worker.init_model()
     return worker
 
 
