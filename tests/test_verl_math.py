@@ -551,3 +551,12 @@ def test_a_micro_batch_without_groups_is_refused_not_written(tmp_path, monkeypat
     assert tv.capture_micro_batches(records, cfg, step=1) == 0
     assert tv.close().errors == 1
     assert not (tmp_path / "cap").exists() or not any((tmp_path / "cap").iterdir())
+
+
+def test_a_set_loss_scale_factor_replaces_the_horizon(tmp_path):
+    out, _ = run_case(
+        tmp_path, actor__loss_agg_mode="seq-mean-token-sum-norm", actor__loss_scale_factor=7
+    )
+    recorded = read_json(out / "replay-1-0" / "expected.json")["loss.policy"]["micro_batches"]
+    assert recorded["mb-0000"]["loss_scale_factor"] == 7
+    assert statuses(replay(out / "replay-1-0"))["loss.policy"] == "pass"

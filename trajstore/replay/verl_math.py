@@ -578,6 +578,10 @@ def verl_capability(stage: Stage) -> CapabilityCheck:
                 "KL in reward is replayed in advantage.kl"
             )
             return (Capability.UNSUPPORTED if contract else Capability.SKIPPED), reason
+        if stage == Stage.LOSS_VALUE:
+            return Capability.UNSUPPORTED, (
+                "verl's critic update (value loss) is not captured: capture records the actor"
+            )
         if contract is None:
             return Capability.SKIPPED, "not in this bundle's stage contracts"
         if contract.capability != Capability.RECOMPUTE:
@@ -890,6 +894,7 @@ def ctx_compare_tokens(
 for _stage, _run, _inputs in (
     (Stage.REWARD_RAW, _unreplayed, ()),
     (Stage.REWARD_POST_PROCESS, _unreplayed, ()),
+    (Stage.LOSS_VALUE, _unreplayed, ()),
     (
         Stage.ADVANTAGE_KL,
         stage_advantage_kl,
