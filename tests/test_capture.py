@@ -13,7 +13,7 @@ import torch
 from trajstore.examples import tiny_grpo as tiny
 
 from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
-from trajstore.capture.manager import NULL_STEP
+from trajstore.capture.manager import NULL_STEP, STAGING
 from trajstore.store.api import Store
 
 pytestmark = pytest.mark.integration
@@ -372,27 +372,53 @@ def test_bad_input_to_add_is_counted_not_raised(tmp_path):
     assert cap.close().errors == 1
 
 
+#: five steps, then a normal exit without close(): the exit hook must flush. The tests
+#: folder goes first on sys.path: verl and TransferQueue install a top-level ``tests``
+#: package into site-packages, which ``from tests.test_capture import`` would find instead.
+EXIT_CODE = (
+    f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r});"
+    "from test_capture import one_step;"
+    "from trajstore.capture import CaptureManager;"
+    "cap = CaptureManager.from_env();"
+    "[one_step(cap, 0, s) for s in range(5)]"
+)
+
+
 def test_interpreter_exit_flushes_the_queue(tmp_path):
-    code = (
-        # tests/ as a path entry, not the `tests` package: verl installs a top-level `tests`
-        # package into site-packages that would shadow this directory (a namespace package)
-        "import sys; sys.path.insert(0, 'tests');"
-        "from test_capture import one_step;"
-        "from trajstore.capture import CaptureManager;"
-        "cap = CaptureManager.from_env();"
-        "[one_step(cap, 0, s) for s in range(5)]"  # no close(): atexit must flush
-    )
     env = {
         "TRAJSTORE_CAPTURE": "1",
         "TRAJSTORE_CAPTURE_DIR": str(tmp_path),
         "PATH": "/usr/bin:/bin",
     }
     r = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-c", EXIT_CODE], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"replay-0-{s}" for s in range(5)]
     assert all((p / "COMPLETE").exists() for p in tmp_path.iterdir())
+
+
+def test_interpreter_exit_publishes_into_a_store(tmp_path):
+    """Store mode at exit: the ingest's thread pools must still take work when the exit
+    hook flushes (they refuse it once Python's thread shutdown has begun)."""
+    store_dir = tmp_path / "store"
+    Store.open(store_dir).close()
+    env = {
+        "TRAJSTORE_CAPTURE": "1",
+        "TRAJSTORE_CAPTURE_STORE": str(store_dir),
+        "TRAJSTORE_RUN": "atexit",
+        "PATH": "/usr/bin:/bin",
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", EXIT_CODE], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert "cannot schedule new futures" not in r.stderr
+    staged = store_dir / STAGING / "atexit"
+    assert sorted(p.name for p in staged.iterdir() if p.name.startswith("replay-")) == []
+    with Store.open(store_dir) as store:
+        steps = sorted((row["rollout_id"], row["step_id"]) for row in store.bundles(run="atexit"))
+    assert steps == [(0, s) for s in range(5)]
 
 
 # --------------------------------------------------------------------------- store mode

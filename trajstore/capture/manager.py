@@ -325,9 +325,25 @@ def _close_all() -> None:
 
 
 def _register_atexit() -> None:
+    """Flush every live manager at normal interpreter exit, *before* thread pools stop.
+
+    Why not only `atexit`: Python runs `atexit` handlers after ``threading._shutdown``,
+    which has already told every ``concurrent.futures`` pool to refuse work; a store ingest
+    (its writer pools) run from `close` then failed with "cannot schedule new futures after
+    interpreter shutdown" and the bundles queued last stayed staged, unpublished. Hooks given
+    to ``threading._register_atexit`` run first, in reverse order of registration, so one
+    registered after ``concurrent.futures.thread`` is imported runs before its shutdown
+    hook. `atexit` stays as the fallback (close is idempotent).
+    """
     global _ATEXIT_DONE
     with _ATEXIT_LOCK:
         if not _ATEXIT_DONE:
+            import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered first
+
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                with contextlib.suppress(RuntimeError):  # already shutting down
+                    register(_close_all)
             atexit.register(_close_all)
             _ATEXIT_DONE = True
 

@@ -1,0 +1,118 @@
+"""Capture overhead on verl's actor update, and bytes stored per step vs verl's own dump.
+
+    .venv/bin/python scripts/bench/bench_verl_capture.py [--reps 6] [--rows 16]
+
+verl 0.9.1's real ``ActorRolloutRefWorker`` on the CPU (tests/verl_cpu.py: a tiny Qwen2
+built from a config, fsdp2, nothing downloaded). One worker; blocks alternate between verl's
+own loss (capture off: the baseline, in the same run) and the recording loss of
+``capture_actor`` (on, every micro-batch captured into a temporary directory: the worst
+case). A block is one ``update_actor`` call on a fresh driver batch (two optimizer steps);
+its time is wall time of that call (which includes the recording's copies and enqueue), its
+CPU time the process's. The driver's ``capture_batch`` is timed apart. Bytes: the step's
+bundles on disk (its rollout bundle and its step bundles) against verl's own
+``DataProto.save_to_disk`` of the same batch. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    """verl prints progress to stdout: it goes to stderr, so stdout is the one JSON object."""
+    with contextlib.redirect_stdout(sys.stderr):
+        result = measure()
+    print(json.dumps(result, indent=1))
+
+
+def measure() -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=6, help="on/off block pairs")
+    parser.add_argument("--rows", type=int, default=16, help="samples per driver batch")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-verl-"))
+    os.environ["TRAJSTORE_CAPTURE"] = "1"
+    os.environ["TRAJSTORE_CAPTURE_DIR"] = str(tmp / "capture")
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    import verl_cpu as h
+
+    import trajstore.integrations.verl as tv
+    from trajstore.integrations.verl.actor import STEP_KEY, capture_actor
+
+    torch.set_num_threads(args.threads)
+    cfg = h.trainer_config(h.save_tiny_model(tmp / "model"))
+    worker = h.build_worker(cfg)
+    own = worker.actor.loss_fn
+    recording = capture_actor(worker, cfg)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    driver_s: list[float] = []
+    dumped: list[int] = []
+    step = 0
+    for rep in range(args.reps + 1):  # the first pair warms up and is not counted
+        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            step += 1
+            batch = h.prepare(h.make_batch(args.rows, seed=step), worker, cfg)
+            worker.set_loss_fn(recording if mode == "on" else own)
+            if mode == "on":
+                tv.tag_batch(batch)
+                batch.meta_info[STEP_KEY] = step
+            start, cpu_start = time.perf_counter(), time.process_time()
+            h.update_actor(worker, batch, cfg)
+            wall, used = time.perf_counter() - start, time.process_time() - cpu_start
+            if rep:
+                times[mode].append(wall)
+                cpu[mode].append(used)
+            if mode == "on":
+                start = time.perf_counter()
+                tv.capture_batch(batch, cfg, step=step)
+                driver_s.append(time.perf_counter() - start)
+                dump = tmp / f"dataproto-{step}.pkl"
+                batch.save_to_disk(str(dump))
+                dumped.append(_size(dump))
+    stats = tv.close()
+    per_step: dict[int, int] = {}
+    for path in (tmp / "capture").iterdir():
+        parts = path.name.split("-")  # replay-<step>-<k> or replay-rollout-<step>
+        key = int(parts[2]) if parts[1] == "rollout" else int(parts[1])
+        per_step[key] = per_step.get(key, 0) + _size(path)
+    stored = list(per_step.values())
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    result: dict[str, Any] = {
+        "settings": vars(args),
+        "update_actor_s_off": off,
+        "update_actor_s_on": on,
+        "ratio": on / off,
+        "cpu_ratio": statistics.median(cpu["on"]) / statistics.median(cpu["off"]),
+        "capture_batch_s": statistics.median(driver_s),
+        "bytes_per_step": statistics.median(stored),
+        "dataproto_save_to_disk_bytes": statistics.median(dumped),
+        "bytes_ratio": statistics.median(stored) / statistics.median(dumped),
+        "written": stats.written,
+        "dropped": stats.dropped,
+        "errors": stats.errors,
+    }
+    return result
+
+
+if __name__ == "__main__":
+    main()
