@@ -46,7 +46,66 @@ def json_safe(value: Any, *, finite_only: bool = True) -> Any:
     return value
 
 
+class _NotExact(Exception):
+    """A value orjson would write differently from the stdlib (or not at all)."""
+
+
+#: floats orjson writes exactly as Python's repr: zero and 1e-4 <= |x| < 1e16 (outside, repr
+#: switches to exponent notation: 1e-05, 1e+16; orjson writes 0.00001, 1e16)
+_EXACT_FLOAT_LO, _EXACT_FLOAT_HI = 1e-4, 1e16
+_INT_LO, _INT_HI = -(1 << 63), 1 << 64  # orjson's integer range
+
+
+def _exact_float(x: float) -> bool:
+    return x == 0.0 or _EXACT_FLOAT_LO <= abs(x) < _EXACT_FLOAT_HI  # False for NaN
+
+
+def _orjson_plain(obj: Any) -> Any:
+    """``obj`` as a value orjson writes byte for byte as `canonical_dumps` would: plain
+    dicts (str keys), lists, str, int, bool, None and floats in the exact range. A str
+    subclass (a `StrEnum` stage name) becomes its plain text, as the stdlib writes it.
+    Raises _NotExact for anything else (the stdlib path then decides)."""
+    kind = type(obj)
+    if kind is str or kind is bool or obj is None:
+        return obj
+    if kind is int:
+        if not _INT_LO <= obj < _INT_HI:
+            raise _NotExact
+        return obj
+    if kind is float:
+        if not _exact_float(obj):
+            raise _NotExact
+        return obj
+    if kind is dict:
+        out = {}
+        for key, value in obj.items():
+            if type(key) is not str:
+                if not isinstance(key, str):
+                    raise _NotExact  # the stdlib turns int/float/bool/None keys into text
+                key = str.__str__(key)
+            out[key] = _orjson_plain(value)
+        return out
+    if kind is list or kind is tuple:
+        if all(type(x) is int for x in obj):  # loss masks, shapes: the bulk of a document
+            if obj and not (min(obj) >= _INT_LO and max(obj) < _INT_HI):
+                raise _NotExact
+            return obj
+        return [_orjson_plain(x) for x in obj]
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    raise _NotExact
+
+
 def canonical_bytes(obj: Any) -> bytes:
+    """`canonical_dumps` as UTF-8, through orjson when it writes the same bytes (about 10x
+    faster: the capture writer and ingest write several documents per bundle); tests pin
+    that both agree."""
+    if _orjson is not None:
+        try:
+            plain = _orjson_plain(obj)
+            return _orjson.dumps(plain, option=_orjson.OPT_INDENT_2 | _orjson.OPT_SORT_KEYS) + b"\n"
+        except (_NotExact, TypeError, RecursionError):
+            pass  # orjson.JSONEncodeError is a TypeError (e.g. a lone surrogate, deep nesting)
     return canonical_dumps(obj).encode("utf-8")
 
 

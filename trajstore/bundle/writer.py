@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -126,12 +127,11 @@ def _default_producer() -> dict[str, str]:
 
 
 def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
+    """Serialize in memory, check and hash those bytes, write them once (one create, no
+    read-back): the capture writer thread pays this per payload of every bundle."""
     check_payload_name(name)
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
-        t = read_pt_bytes(data, label=f"payload '{name}'")
-        path.write_bytes(data)
-        dtype, shape = t.dtype, list(t.shape)
     else:
         import numpy as np
         import torch
@@ -141,43 +141,37 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
                 f"payload '{name}': unsupported value type {type(value).__name__} "
                 "(a torch tensor, a NumPy array or torch.save bytes)"
             )
-        tensor = as_torch(value)
-        try:
-            torch.save(tensor, path)
-        except RuntimeError as e:
-            raise _disk_full_or(e, path, tensor.nbytes) from e
-        data = path.read_bytes()
-        # Never write what the reader refuses (e.g. complex dtypes).
-        t = read_pt_bytes(data, label=f"payload '{name}'")
-        dtype, shape = t.dtype, list(t.shape)
+        buffer = io.BytesIO()
+        torch.save(as_torch(value), buffer)
+        data = buffer.getvalue()
+    # Never write what the reader refuses (e.g. complex dtypes).
+    t = read_pt_bytes(data, label=f"payload '{name}'")
+    _write_file(path, data, durable=False)
     return {
         "bytes": len(data),
-        "dtype": dtype,
+        "dtype": t.dtype,
         "name": name,
         "sha256": sha256_bytes(data),
-        "shape": shape,
+        "shape": list(t.shape),
     }
 
 
-def _disk_full_or(error: RuntimeError, path: Path, nbytes: int) -> Exception:
-    """torch.save writes through C++ streams, whose failure carries no errno
-    ("basic_ios::clear: iostream error"): when the file system has less room than the
-    payload, call it what it most likely is, ENOSPC, so callers count and report a full
-    disk as such; otherwise the original error."""
+def _write_file(path: Path, data: bytes, *, durable: bool) -> None:
+    """Create ``path`` with ``data`` in as few system calls as Python allows (each one
+    releases and retakes the GIL a training thread is waiting for); fsync if durable."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        v = os.statvfs(path.parent)
-    except OSError:
-        return error
-    if v.f_bavail * v.f_frsize < nbytes + (64 << 10):
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    return error
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_file(path, data, durable=True)
 
 
 def write_bundle(
