@@ -26,6 +26,9 @@ from trajstore.catalog import (
     sync_catalog,
 )
 
+#: the manifest document of every generated ref
+MANIFEST: dict = {"format_version": "2.0.0", "producer": {"commit": "abc"}}
+
 
 def build_store(
     root: Path,
@@ -35,11 +38,14 @@ def build_store(
     run: str = "bench",
     first_rollout: int = 0,
     clock: int = 1_800_000_000_000_000_000,
+    manifest: tuple[str, dict] = ("manifest", MANIFEST),
 ) -> tuple[dict[str, dict], int]:
     """Writes refs and results under root; returns (documents, number of full rollouts).
 
     `run`, `first_rollout` and `clock` (the first document name's time) let a caller add
-    more steps to a store already built (bench_scale.py's catalog sync of new steps)."""
+    more steps to a store already built (bench_scale.py's catalog sync of new steps);
+    `manifest` (hash, document) the manifest every ref names (bench_scale.py stores a real
+    one, so that the server can answer a step lookup)."""
     rng = random.Random(seed)
     docs: dict[str, dict] = {}
     (root / "refs" / "bundles").mkdir(parents=True, exist_ok=True)
@@ -88,7 +94,7 @@ def build_store(
                     "cohort_ranks": [r for r in ranks if r is not None], "attempt": 1,
                     "bundle_id": f"replay-{rollout}-{step}", "format_version": "2.0.0",
                     "content_digest": "0" * 64, "published_at": "2026-11-30T01:02:03Z",
-                    "documents": {"manifest": "manifest", "index": index_hash,
+                    "documents": {"manifest": manifest[0], "index": index_hash,
                                   "expected": "expected"},
                     "payloads": {"log_probs": {"record": "r" * 64, "dtype": "torch.float32",
                                                "shape": [k * 100], "logical_bytes": k * 400}},
@@ -118,7 +124,7 @@ def build_store(
                     }  # fmt: skip
                     (root / "results" / f"{clock:020d}-1-00.json").write_text(json.dumps(result))
         rollout += 1
-    docs["manifest"] = {"format_version": "2.0.0", "producer": {"commit": "abc"}}
+    docs[manifest[0]] = manifest[1]
     docs["expected"] = {}
     return docs, rollout - first_rollout - 1
 

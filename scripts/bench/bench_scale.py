@@ -71,6 +71,26 @@ def _state(root: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {"rollouts": 0, "chunks": 0}
 
 
+#: the one manifest every generated ref names, stored for real: the server reads a step's
+#: capabilities from it (the other documents exist only in the benchmark's loader)
+MANIFEST = {
+    "format_version": "2.0.0",
+    "producer": {"commit": "abc"},
+    "stage_contracts": {
+        "advantage.estimate": {"capability": "recompute", "stage": "advantage.estimate"}
+    },
+}
+
+
+def _manifest(root: Path) -> tuple[str, dict]:
+    from trajstore.jsonio import canonical_bytes
+    from trajstore.store import Store
+    from trajstore.store.stored_bundle import put_blob
+
+    with Store.open(root) as store:
+        return put_blob(store.objs, canonical_bytes(MANIFEST)), MANIFEST
+
+
 def add_steps(root: Path, steps: int, state: dict) -> tuple[float, dict]:
     """Write `steps` more steps (the run's next rollouts) and sync them; returns the
     sync's seconds and the new state. The catalog must exist (see `ensure_catalog`)."""
@@ -83,6 +103,7 @@ def add_steps(root: Path, steps: int, state: dict) -> tuple[float, dict]:
         run=RUN,
         first_rollout=state["rollouts"],
         clock=CLOCK0 + state["chunks"] * CLOCK_STRIDE,
+        manifest=_manifest(root),
     )
     t0 = time.perf_counter()
     with open_catalog(root) as cat:
@@ -94,12 +115,11 @@ def add_steps(root: Path, steps: int, state: dict) -> tuple[float, dict]:
 
 
 def ensure_catalog(root: Path) -> None:
-    """A store marker and a catalog at the head revision (nothing in it yet)."""
+    """A store (its manifest object stored) and a catalog at the head revision, empty."""
     from trajstore.catalog import open_catalog, sync_catalog
 
-    (root / "refs" / "bundles").mkdir(parents=True, exist_ok=True)
+    _manifest(root)
     (root / "results").mkdir(parents=True, exist_ok=True)
-    (root / "TRAJSTORE_STORE").write_bytes(b"trajstore store, layout 1\n")
     with open_catalog(root) as cat:
         sync_catalog(cat, root, {}.__getitem__)
 
@@ -220,6 +240,7 @@ def time_sync(root: Path, new: int, reps: int, work: Path) -> dict:
                 run=RUN,
                 first_rollout=chunk["rollouts"],
                 clock=CLOCK0 + chunk["chunks"] * CLOCK_STRIDE,
+                manifest=_manifest(target),
             )
             t0 = time.perf_counter()
             with open_catalog(target) as cat:
