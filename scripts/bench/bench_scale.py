@@ -19,7 +19,9 @@ Figures, all on that store:
 - `GET /v1/runs/{run}/steps/{r}:{s}`, random existing steps, one keep-alive client
   against `trajstore serve` (1 worker): median and p99;
 - the web view's steps page data: what /runs/{run} fetches when it opens (run summary,
-  strip of 400 bins, first 50 steps; docs/web.md), median over repetitions;
+  strip of 400 bins, first 50 steps; docs/web.md), median over repetitions; the first
+  load after the server starts (it builds what the next loads of the same catalog
+  generation reuse) is reported apart;
 - catalog sync after 1,000 new steps (refs and results written as above, the run's next
   rollouts) into this store against the same 1,000 into an empty store whose catalog
   exists: the time of the next reader's `open_catalog` + `sync_catalog`, median of
@@ -196,7 +198,9 @@ def time_rest(root: Path, lookups: int, pages: int, max_rollout: int) -> dict:
                 get(f"/v1/runs/{RUN}/steps", limit=50)
 
             get(f"/v1/runs/{RUN}/steps/0:0")
-            page()  # warm-up
+            t0 = time.perf_counter()
+            page()  # the first load of this catalog generation builds what later loads reuse
+            first_page_ms = (time.perf_counter() - t0) * 1000
             step_ms = []
             for _ in range(lookups):
                 path = f"/v1/runs/{RUN}/steps/{rng.randint(0, max_rollout)}:{rng.randint(0, 3)}"
@@ -217,6 +221,7 @@ def time_rest(root: Path, lookups: int, pages: int, max_rollout: int) -> dict:
         "get_p99_ms": step_ms[max(0, int(len(step_ms) * 0.99) - 1)],
         "page_median_ms": statistics.median(page_ms),
         "page_max_ms": max(page_ms),
+        "page_first_ms": first_page_ms,
     }
 
 
@@ -330,7 +335,8 @@ def main() -> None:
             "value": round(rest["page_median_ms"], 1),
             "unit": "ms",
             "met": rest["page_median_ms"] <= PAGE_TARGET_MS and full,
-            "detail": f"median of {pages} loads on {on}; max {rest['page_max_ms']:.1f} ms",
+            "detail": f"median of {pages} loads on {on}; max {rest['page_max_ms']:.1f} ms; "
+            f"the generation's first load {rest['page_first_ms']:.1f} ms",
         },
         {
             "name": f"catalog sync of {new} new steps, big store / empty store",
