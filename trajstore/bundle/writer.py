@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -127,11 +126,11 @@ def _default_producer() -> dict[str, str]:
 
 
 def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
-    """Serialize in memory, check and hash those bytes, write them once (one create, no
-    read-back): the capture writer thread pays this per payload of every bundle."""
     check_payload_name(name)
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
+        t = read_pt_bytes(data, label=f"payload '{name}'")
+        _write_file(path, data, durable=False)
     else:
         import numpy as np
         import torch
@@ -141,12 +140,17 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
                 f"payload '{name}': unsupported value type {type(value).__name__} "
                 "(a torch tensor, a NumPy array or torch.save bytes)"
             )
-        buffer = io.BytesIO()
-        torch.save(as_torch(value), buffer)
-        data = buffer.getvalue()
-    # Never write what the reader refuses (e.g. complex dtypes).
-    t = read_pt_bytes(data, label=f"payload '{name}'")
-    _write_file(path, data, durable=False)
+        tensor = as_torch(value)
+        # To the path, not to a buffer: torch names the zip's root folder after the file
+        # ("log_probs/data.pkl"; a buffer gets "archive/"), and the bytes stay what every
+        # earlier trajstore wrote (the store dedups the records by those bytes).
+        try:
+            torch.save(tensor, path)
+        except RuntimeError as e:
+            raise _disk_full_or(e, path, tensor.nbytes) from e
+        data = path.read_bytes()
+        # Never write what the reader refuses (e.g. complex dtypes).
+        t = read_pt_bytes(data, label=f"payload '{name}'")
     return {
         "bytes": len(data),
         "dtype": t.dtype,
@@ -154,6 +158,20 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
         "sha256": sha256_bytes(data),
         "shape": list(t.shape),
     }
+
+
+def _disk_full_or(error: RuntimeError, path: Path, nbytes: int) -> Exception:
+    """torch.save writes through C++ streams, whose failure carries no errno
+    ("basic_ios::clear: iostream error"): when the file system has less room than the
+    payload, call it what it most likely is, ENOSPC, so callers count and report a full
+    disk as such; otherwise the original error."""
+    try:
+        v = os.statvfs(path.parent)
+    except OSError:
+        return error
+    if v.f_bavail * v.f_frsize < nbytes + (64 << 10):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return error
 
 
 def _write_file(path: Path, data: bytes, *, durable: bool) -> None:
