@@ -99,9 +99,9 @@ def _orjson_plain(obj: Any) -> Any:
             out[key] = _orjson_plain(value)
         return out
     if kind is list or kind is tuple:
-        if all(type(x) is int for x in obj):  # loss masks, shapes: the bulk of a document
-            if not obj or (min(obj) >= _INT_LO and max(obj) < _INT_HI):
-                return obj
+        ints = all(type(x) is int for x in obj)  # loss masks, shapes: a document's bulk
+        if ints and (not obj or (min(obj) >= _INT_LO and max(obj) < _INT_HI)):
+            return obj
         return [_orjson_plain(x) for x in obj]
     if isinstance(obj, str):
         return str.__str__(obj)
