@@ -72,7 +72,8 @@ class AppState:
             self.preload_capabilities(_PRELOAD_CAPABILITIES_S)
 
     def detail_json(self, key: tuple, build: Callable[[], BaseModel]) -> bytes:
-        """The JSON of a step/rollout detail, built once per catalog generation.
+        """The JSON of a step/rollout detail (or of a run's summary, strip or steps page,
+        keyed by route and parameters), built once per catalog generation.
 
         A lookup's own work (group_detail, then pydantic validation and encoding
         of the response model) was most of its cost under load; the View is

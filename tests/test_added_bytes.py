@@ -37,8 +37,11 @@ pytestmark = pytest.mark.integration
 FIXTURE_STORE = Path(__file__).parent / "fixtures" / "store-format1"
 #: bytes in front of the objects of every pack file (`_PACK_MAGIC`)
 PACK_MAGIC_BYTES = 8
-#: what migration 0005's downgrade runs (DuckDB drops no column under an index)
+#: what migrations 0006's and 0005's downgrades run (DuckDB drops no column under an index)
 DOWN_TO_0004 = (
+    "DROP TABLE mismatch_layers",
+    "DROP INDEX ix_mismatch_metrics_step",
+    "DROP TABLE mismatch_metrics",
     "DROP INDEX ix_bundles_step",
     "ALTER TABLE bundles DROP COLUMN added_bytes",
     "CREATE INDEX ix_bundles_step ON bundles (run, rollout_id, step_id)",

@@ -792,6 +792,28 @@ def test_ingest_and_record_from_other_processes(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
 
 
+def test_run_pages_built_once_per_generation_follow_a_recorded_result(tmp_path: Path) -> None:
+    """The summary, strip and steps page are cached per catalog generation: a result
+    recorded afterwards shows on all three (the cache is dropped when the catalog moves)."""
+    store = tmp_path / "store"
+    with Store.open(store, durable=False) as st:
+        st.ingest([EXAMPLE], run="ex")
+    with serve(store) as c:
+        pages = ("/v1/runs/ex/summary", "/v1/runs/ex/strip", "/v1/runs/ex/steps")
+        summary, strip, steps = (c.get(path).json() for path in pages)
+        assert summary["by_status"]["unreplayed"] == 1
+        assert [b["unreplayed"] for b in strip["bins"]] == [1]
+        assert steps["items"][0]["status"] is None  # never replayed
+        assert [c.get(path).json() for path in pages] == [summary, strip, steps]  # cached
+        rec = c.post("/v1/replay", json={"run": "ex", "step": "120:0", "record": True})
+        assert rec.status_code == 200 and len(rec.json()["recorded"]) == 1
+        status = c.get("/v1/runs/ex/steps/120:0").json()["latest_verdict"]["status"]
+        summary, strip, steps = (c.get(path).json() for path in pages)
+        assert (summary["by_status"]["unreplayed"], summary["by_status"][status]) == (0, 1)
+        assert [(b["unreplayed"], b[status]) for b in strip["bins"]] == [(0, 1)]
+        assert steps["items"][0]["status"] == status
+
+
 def test_body_cache_stays_within_its_byte_bound() -> None:
     from trajstore.api.payloads import Body, BodyCache
 

@@ -1,5 +1,6 @@
 """A step's first lookup: summaries from sample digests (api/snapshot.py), preloaded at
-the view build or loaded lazily in batches, answer exactly what the sample rows say; the
+the view build or loaded lazily (in batches; on the DuckDB snapshot key by key through its
+samples index), answer exactly what the sample rows say; the
 capabilities preloaded at start-up skip a damaged manifest without stopping the server.
 
 In process (AppState over a real store in a temp dir); the HTTP path is covered by
@@ -104,6 +105,29 @@ def test_lazy_digests_give_the_preloaded_bodies(
         assert lazy.view.samples._digests  # noqa: SLF001
     finally:
         lazy.close()
+
+
+def test_a_digest_miss_reads_the_snapshot_through_its_samples_index(store: Path) -> None:
+    """The server's in-memory snapshot indexes samples by bundle key, and DuckDB answers a
+    miss's equality from it (the executed plan's scan is an index scan, not a full one)."""
+    state = AppState(store, None, 60.0)
+    try:
+        catalog = state.snap.catalog
+        with catalog.connect() as conn:
+            indexes = conn.exec_driver_sql(
+                "SELECT index_name FROM duckdb_indexes() WHERE table_name = 'samples'"
+            ).scalars()
+            assert snapshot.SNAPSHOT_SAMPLES_INDEX in set(indexes)
+            key = state.view.keys[0]
+            plan = "\n".join(
+                str(row[-1])
+                for row in conn.exec_driver_sql(
+                    "EXPLAIN ANALYZE SELECT sample_id FROM samples WHERE bundle_key = ?", (key,)
+                )
+            )
+        assert "Type: Index Scan" in plan, plan
+    finally:
+        state.close()
 
 
 def test_a_damaged_manifest_is_skipped_at_start_and_fails_its_lookup(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ everything else (NaN, 1e400, integers beyond 64 bits, lone surrogates, deep
 nesting, every error) to `json.loads`; `is_binary_int_list` only ever proves
 "every item is the int 0 or 1". The loss-mask checks built on it keep their
 messages, and the .pt reader's cache of checked tensor records changes no result.
+`canonical_bytes` writes through orjson only what orjson writes as the stdlib does.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from trajstore.bundle.ptfile import read_pt_bytes
 from trajstore.errors import BundleError
 from trajstore.jsonio import (
     _parse_stdlib,
+    canonical_bytes,
     dumps_sorted_indent1,
     is_binary_int_list,
     parse_json,
 )
 from trajstore.schema import Sample
+from trajstore.vocab import Stage
 
 pytestmark = pytest.mark.unit
 
@@ -273,3 +276,59 @@ def test_dumps_sorted_indent1_of_a_ref_is_the_stdlibs_bytes() -> None:
         "sentinels": {},
     }
     assert dumps_sorted_indent1(ref) == json.dumps(ref, sort_keys=True, indent=1).encode()
+
+
+def _stdlib_canonical(value: object) -> tuple[str, bytes | str]:
+    """The oracle: the bundle format's JSON as the stdlib writes it (or its error)."""
+    try:
+        text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        return "ok", text.encode("utf-8")
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+        return "error", type(exc).__name__
+
+
+def _fast_canonical(value: object) -> tuple[str, bytes | str]:
+    try:
+        return "ok", canonical_bytes(value)
+    except (TypeError, ValueError) as exc:
+        return "error", type(exc).__name__
+
+
+CANONICAL_EDGES = [
+    [0.0, -0.0, 1e-4, 9.999e-5, 1e-5, 1e-7, 1e15, 9.999999999999998e15, 1e16, 1e22, 5e-324],
+    [float("nan"), float("inf"), -float("inf")],
+    [2**63 - 1, -(2**63), 2**64 - 1, 2**64, -(2**63) - 1, 10**30],
+    {Stage.LOSS_POLICY: {"loss": 0.5}, "advantage.estimate": [1, 2]},  # a StrEnum key
+    {1: "int key", "1": "str key"},
+    {None: 1, True: 2, 2.5: 3},
+    {"s": '\x00\x1f\x7f\u2028\u2029\U0001f600 é \\ " /'},
+    {"lone": "\ud800"},
+    [[], {}, [[]], {"a": {}}, (), (1, 2)],
+    [Stage.SAMPLE, True, False, None],
+    {"set": {1, 2}},
+    [[1] * 5000, list(range(-3, 3))],
+]
+
+
+@pytest.mark.parametrize("value", CANONICAL_EDGES, ids=range(len(CANONICAL_EDGES)))
+def test_canonical_bytes_is_the_stdlib_on_edge_cases(value: object) -> None:
+    assert _fast_canonical(value) == _stdlib_canonical(value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats()
+        | st.text(),
+        lambda children: (
+            st.lists(children, max_size=6)
+            | st.dictionaries(st.text(max_size=5) | st.integers(), children, max_size=6)
+        ),
+        max_leaves=30,
+    )
+)
+def test_canonical_bytes_matches_the_stdlib_on_random_documents(value: object) -> None:
+    assert _fast_canonical(value) == _stdlib_canonical(value)

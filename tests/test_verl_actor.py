@@ -23,6 +23,8 @@ from trajstore.examples.replay_builders import replay, statuses
 import trajstore.integrations.verl as tv
 from trajstore.cli import main as cli
 
+pytestmark = pytest.mark.integration
+
 try:
     import verl  # noqa: F401
 except ImportError as exc:  # never under CI: make test installs trajstore[verl]

@@ -47,7 +47,78 @@ def json_safe(value: Any, *, finite_only: bool = True) -> Any:
     return value
 
 
+class _NotExact(Exception):
+    """A value orjson would write differently from the stdlib (or not at all)."""
+
+
+#: floats orjson writes exactly as Python's repr: zero and 1e-4 <= |x| < 1e16 (outside, repr
+#: switches to exponent notation: 1e-05, 1e+16; orjson writes 0.00001, 1e16)
+_EXACT_FLOAT_LO, _EXACT_FLOAT_HI = 1e-4, 1e16
+_INT_LO, _INT_HI = -(1 << 63), 1 << 64  # orjson's integer range
+
+
+#: orjson >= 3.10 writes a Fragment's bytes verbatim: how a number orjson would spell
+#: differently is written in the stdlib's spelling (without it, the document falls back)
+_FRAGMENT = getattr(_orjson, "Fragment", None)
+_NON_FINITE = {"nan": b"NaN", "inf": b"Infinity", "-inf": b"-Infinity"}  # json's allow_nan
+
+
+def _stdlib_number(x: int | float) -> Any:
+    """A number as the stdlib's json spells it, for orjson to write verbatim."""
+    if _FRAGMENT is None:
+        raise _NotExact
+    if type(x) is float:
+        text = _NON_FINITE.get(repr(x))
+        return _FRAGMENT(text if text is not None else float.__repr__(x).encode())
+    return _FRAGMENT(int.__repr__(x).encode())
+
+
+def _exact_float(x: float) -> bool:
+    return x == 0.0 or _EXACT_FLOAT_LO <= abs(x) < _EXACT_FLOAT_HI  # False for NaN
+
+
+def _orjson_plain(obj: Any) -> Any:
+    """``obj`` as a value orjson writes byte for byte as `canonical_dumps` would: plain
+    dicts (str keys), lists, str, int, bool and None as they are; a float or int orjson
+    spells otherwise (1e-05, NaN, beyond 64 bits) as a Fragment of the stdlib's spelling;
+    a str subclass (a `StrEnum` stage name) as its plain text, as the stdlib writes it.
+    Raises _NotExact for anything else (the stdlib path then decides)."""
+    kind = type(obj)
+    if kind is str or kind is bool or obj is None:
+        return obj
+    if kind is int:
+        return obj if _INT_LO <= obj < _INT_HI else _stdlib_number(obj)
+    if kind is float:
+        return obj if _exact_float(obj) else _stdlib_number(obj)
+    if kind is dict:
+        out = {}
+        for key, value in obj.items():
+            if type(key) is not str:
+                if not isinstance(key, str):
+                    raise _NotExact  # the stdlib turns int/float/bool/None keys into text
+                key = str.__str__(key)
+            out[key] = _orjson_plain(value)
+        return out
+    if kind is list or kind is tuple:
+        ints = all(type(x) is int for x in obj)  # loss masks, shapes: a document's bulk
+        if ints and (not obj or (min(obj) >= _INT_LO and max(obj) < _INT_HI)):
+            return obj
+        return [_orjson_plain(x) for x in obj]
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    raise _NotExact
+
+
 def canonical_bytes(obj: Any) -> bytes:
+    """`canonical_dumps` as UTF-8, through orjson when it writes the same bytes (about 10x
+    faster: the capture writer and ingest write several documents per bundle); tests pin
+    that both agree."""
+    if _orjson is not None:
+        try:
+            plain = _orjson_plain(obj)
+            return _orjson.dumps(plain, option=_orjson.OPT_INDENT_2 | _orjson.OPT_SORT_KEYS) + b"\n"
+        except (_NotExact, TypeError, RecursionError):
+            pass  # orjson.JSONEncodeError is a TypeError (e.g. a lone surrogate, deep nesting)
     return canonical_dumps(obj).encode("utf-8")
 
 

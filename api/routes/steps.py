@@ -50,24 +50,33 @@ def steps(
     sort: Sort = "step",
     limit: Limit = None,
     cursor: Cursor = None,
-) -> models.StepPage:
+) -> Response:
     """Actor steps (latest attempt) with their latest verdict, in (rollout, step) order
-    unless sorted; `attempt` keeps the steps whose latest attempt is that number."""
+    unless sorted; `attempt` keeps the steps whose latest attempt is that number.
+
+    A page ranks the run's latest attempts and results, in time that grows with the run:
+    each distinct page is built once per catalog generation (`detail_json`)."""
     check_run(state.view, run)
     check_range(rollout_from, rollout_to)
-    page = query_steps(
-        state.snap.catalog,
-        run=run,
-        first_divergent_stage=first_divergent_stage,
-        rollout_from=rollout_from,
-        rollout_to=rollout_to,
-        status=status,
-        limit=limit,
-        cursor=cursor,
-        attempt=attempt,
-        sort=sort,
-    )
-    return models.StepPage(**json_safe(page))
+
+    def build() -> models.StepPage:
+        page = query_steps(
+            state.snap.catalog,
+            run=run,
+            first_divergent_stage=first_divergent_stage,
+            rollout_from=rollout_from,
+            rollout_to=rollout_to,
+            status=status,
+            limit=limit,
+            cursor=cursor,
+            attempt=attempt,
+            sort=sort,
+        )
+        return models.StepPage(**json_safe(page))
+
+    key = ("steps", run, first_divergent_stage, rollout_from, rollout_to, status, attempt)
+    body = state.detail_json((*key, sort, limit, cursor), build)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/runs/{run}/steps/{rollout_id}:{step_id}", response_model=models.StepDetail)

@@ -26,16 +26,32 @@ from trajstore.catalog import (
     sync_catalog,
 )
 
+#: the manifest document of every generated ref
+MANIFEST: dict = {"format_version": "2.0.0", "producer": {"commit": "abc"}}
 
-def build_store(root: Path, n: int, seed: int = 0) -> tuple[dict[str, dict], int]:
-    """Writes refs and results under root; returns (documents, number of full rollouts)."""
+
+def build_store(
+    root: Path,
+    n: int,
+    seed: int = 0,
+    *,
+    run: str = "bench",
+    first_rollout: int = 0,
+    clock: int = 1_800_000_000_000_000_000,
+    manifest: tuple[str, dict] = ("manifest", MANIFEST),
+) -> tuple[dict[str, dict], int]:
+    """Writes refs and results under root; returns (documents, number of full rollouts).
+
+    `run`, `first_rollout` and `clock` (the first document name's time) let a caller add
+    more steps to a store already built (bench_scale.py's catalog sync of new steps);
+    `manifest` (hash, document) the manifest every ref names (bench_scale.py stores a real
+    one, so that the server can answer a step lookup)."""
     rng = random.Random(seed)
     docs: dict[str, dict] = {}
-    (root / "refs" / "bundles").mkdir(parents=True)
-    (root / "results").mkdir(parents=True)
-    clock = 1_800_000_000_000_000_000
+    (root / "refs" / "bundles").mkdir(parents=True, exist_ok=True)
+    (root / "results").mkdir(parents=True, exist_ok=True)
     made = 0
-    rollout = 0
+    rollout = first_rollout
     while made < n:
         for step in range(4):
             ranks = [0, 1] if rng.random() < 0.1 else [None]
@@ -53,7 +69,7 @@ def build_store(root: Path, n: int, seed: int = 0) -> tuple[dict[str, dict], int
                     }
                     for i in range(k)
                 ]
-                index_hash = f"idx-{rollout}-{step}-{rank}"
+                index_hash = f"idx-{run}-{rollout}-{step}-{rank}"
                 docs[index_hash] = {
                     "bundle_id": f"replay-{rollout}-{step}",
                     "identity": {
@@ -70,15 +86,15 @@ def build_store(root: Path, n: int, seed: int = 0) -> tuple[dict[str, dict], int
                     "samples": samples,
                     "config": {},
                 }
-                key = f"bench/step-{rollout}-{step}/rank-{rank}/a1"
+                key = f"{run}/step-{rollout}-{step}/rank-{rank}/a1"
                 clock += 1000
                 ref = {
-                    "ref_version": 1, "key": key, "run": "bench", "kind": "step",
+                    "ref_version": 1, "key": key, "run": run, "kind": "step",
                     "rollout_id": rollout, "step_id": step, "rank": rank,
                     "cohort_ranks": [r for r in ranks if r is not None], "attempt": 1,
                     "bundle_id": f"replay-{rollout}-{step}", "format_version": "2.0.0",
                     "content_digest": "0" * 64, "published_at": "2026-11-30T01:02:03Z",
-                    "documents": {"manifest": "manifest", "index": index_hash,
+                    "documents": {"manifest": manifest[0], "index": index_hash,
                                   "expected": "expected"},
                     "payloads": {"log_probs": {"record": "r" * 64, "dtype": "torch.float32",
                                                "shape": [k * 100], "logical_bytes": k * 400}},
@@ -90,7 +106,7 @@ def build_store(root: Path, n: int, seed: int = 0) -> tuple[dict[str, dict], int
                     diverged = rng.random() < 0.1
                     clock += 1000
                     result = {
-                        "result_version": 1, "bundle_key": key, "run": "bench",
+                        "result_version": 1, "bundle_key": key, "run": run,
                         "rollout_id": rollout, "step_id": step, "trajstore_version": "0.1.0",
                         "recorded_at": "2026-11-30T02:00:00Z",
                         "status": "diverged" if diverged else "pass",
@@ -108,9 +124,9 @@ def build_store(root: Path, n: int, seed: int = 0) -> tuple[dict[str, dict], int
                     }  # fmt: skip
                     (root / "results" / f"{clock:020d}-1-00.json").write_text(json.dumps(result))
         rollout += 1
-    docs["manifest"] = {"format_version": "2.0.0", "producer": {"commit": "abc"}}
+    docs[manifest[0]] = manifest[1]
     docs["expected"] = {}
-    return docs, rollout - 1
+    return docs, rollout - first_rollout - 1
 
 
 def timed(fn, repeat: int) -> tuple[float, float, float]:

@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=32, help="max completion length")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     import torch
 
@@ -153,35 +154,32 @@ def main() -> None:
     other_cpu = {
         mode: statistics.median(r["cpu_s"] - r["main_cpu_s"] for r in runs[mode]) for mode in runs
     }
-    print(
-        json.dumps(
-            {
-                "settings": vars(args),
-                "step_s_off": step["off"],
-                "step_s_on": step["on"],
-                "step_ratio_on_off": step["on"] / step["off"],
-                "wall_s_off": wall["off"],
-                "wall_s_on": wall["on"],
-                "wall_ratio_on_off": wall["on"] / wall["off"],
-                "cpu_s_off": cpu["off"],
-                "cpu_s_on": cpu["on"],
-                "cpu_ratio_on_off": cpu["on"] / cpu["off"],
-                "training_thread_cpu_ratio_on_off": main_cpu["on"] / main_cpu["off"],
-                "other_threads_cpu_ms_per_step_on_minus_off": 1000
-                * (other_cpu["on"] - other_cpu["off"])
-                / args.steps,
-                "load_average_1m": os.getloadavg()[0],
-                "per_rep_wall_ratio": [
-                    on["wall_s"] / off["wall_s"]
-                    for on, off in zip(runs["on"], runs["off"], strict=True)
-                ],
-                "bundles_written": sum(r["written"] for r in runs["on"]),
-                "dropped": sum(r["dropped"] for r in runs["on"]),
-                "errors": sum(r["errors"] for r in runs["on"]),
-            },
-            indent=2,
-        )
-    )
+    result = {
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "step_s_off": step["off"],
+        "step_s_on": step["on"],
+        "step_ratio_on_off": step["on"] / step["off"],
+        "wall_s_off": wall["off"],
+        "wall_s_on": wall["on"],
+        "wall_ratio_on_off": wall["on"] / wall["off"],
+        "cpu_s_off": cpu["off"],
+        "cpu_s_on": cpu["on"],
+        "cpu_ratio_on_off": cpu["on"] / cpu["off"],
+        "training_thread_cpu_ratio_on_off": main_cpu["on"] / main_cpu["off"],
+        "other_threads_cpu_ms_per_step_on_minus_off": 1000
+        * (other_cpu["on"] - other_cpu["off"])
+        / args.steps,
+        "load_average_1m": os.getloadavg()[0],
+        "per_rep_wall_ratio": [
+            on["wall_s"] / off["wall_s"] for on, off in zip(runs["on"], runs["off"], strict=True)
+        ],
+        "bundles_written": sum(r["written"] for r in runs["on"]),
+        "dropped": sum(r["dropped"] for r in runs["on"]),
+        "errors": sum(r["errors"] for r in runs["on"]),
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

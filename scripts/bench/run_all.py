@@ -17,7 +17,8 @@ met/missed only when the target's workload was measured and the runs' spread is
 under the margin, else "not measured" or "inconclusive".
 
 Sizes are chosen so one run of every benchmark takes about 15 minutes on 2 shared
-cores (so about 45 with the default 3 runs);
+cores (so about 45 with the default 3 runs), plus the 100,000-step store of bench_scale.py (its
+build and sync take most of its time);
 `--quick` shrinks them (a smoke test of the pipeline, not numbers to publish:
 the doc is then written to `--doc` only when given explicitly).
 """
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verdicts import Target, Verdict, decide
+from verdicts import MISSED, Target, Verdict, decide
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(__file__).resolve().parent
@@ -77,6 +78,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "catalog": ["--bundles", "10000"],
         "capture": ["--reps", "4", "--rollouts", "3"],
         "routes": [],
+        # issue 33: TRL's loop with ~80 ms steps, and the 100,000-step store
+        "trl_capture": ["--reps", "4", "--steps", "8"],
+        "scale100k": ["--steps", "100000"],
     },
     "quick": {
         "scale": [
@@ -106,6 +110,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "catalog": ["--bundles", "500"],
         "capture": ["--reps", "2", "--rollouts", "2"],
         "routes": ["--samples", "4"],
+        "trl_capture": ["--reps", "1", "--steps", "3"],
+        "scale100k": ["--quick"],
     },
 }
 
@@ -538,6 +544,37 @@ def render(
         )
     else:
         add("| 7 | capture overhead <= 1.05x, no drops | benchmark failed | not measured | |")
+    # issue 33: TRL capture and the 100,000-step store (each script repeats inside itself)
+    trl = g.get("trl_capture", {})
+    if trl:
+        reps = trl["per_rep_wall_ratio"]
+        v = decide(reps, Target(1.05, "<="))
+        if trl["dropped"]:
+            v = Verdict(MISSED, f"{trl['dropped']} dropped")
+        add(
+            "| 33 | capture overhead, TRL loop (~80 ms steps) <= 1.05x | "
+            f"{trl['wall_ratio_on_off']:.3f}x whole run incl. final flush (median of "
+            f"{len(reps)} reps, range {min(reps):.2f}-{max(reps):.2f}; steps "
+            f"{trl['step_s_off'] * 1000:.0f} ms off), writer CPU "
+            f"{trl['other_threads_cpu_ms_per_step_on_minus_off']:.1f} ms a step, "
+            f"{trl['dropped']} dropped | {verdict(v, R['trl_capture'])} |"
+        )
+    elif "trl_capture" in runs:
+        add("| 33 | capture overhead, TRL loop <= 1.05x | benchmark failed | not measured | |")
+    big = g.get("scale100k", {})
+    for fig in big.get("figures", []):
+        op, bound = fig["target"].split()[:2]
+        v = decide(
+            fig.get("reps") or [fig["value"]],
+            Target(float(bound.rstrip("x")), op, workload=100_000, workload_unit="steps"),
+            workload=big["steps"],
+        )
+        add(
+            f"| 33 | {fig['name']} {fig['target']} | {fig['value']} {fig['unit']} "
+            f"({fig['detail']}) | {verdict(v, R['scale100k'])} |"
+        )
+    if "scale100k" in runs and not big:
+        add("| 33 | 100,000-step store figures | benchmark failed | not measured | |")
     # issue 8
     if rt:
         v = decide(
@@ -949,6 +986,10 @@ def main() -> int:
     try:
         runs["routes"] = bench("routes", "bench_routes.py", S["routes"], True)
         runs["capture"] = bench("capture", "bench_capture.py", S["capture"], True)
+        # scripts with their own repetitions inside, run once
+        runs["trl_capture"] = run(
+            "trl_capture", "bench_trl_capture.py", S["trl_capture"], work, True
+        )
         runs["scale"] = bench(
             "scale",
             "bench_replay_all.py",
@@ -964,6 +1005,18 @@ def main() -> int:
         runs["store"] = bench(
             "store", "bench_store.py", [*S["store"], "--workdir", str(work)], False
         )
+        scale_store = work / "scale100k-store"
+        runs["scale100k"] = run(
+            "scale100k",
+            "bench_scale.py",
+            [*S["scale100k"], "--dir", str(scale_store)],
+            work,
+            True,
+        )
+        shutil.rmtree(scale_store, ignore_errors=True)
+        for r in runs.values():
+            if r.ok and not r.data:
+                parse_printed(r)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -132,8 +132,7 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
         t = read_pt_bytes(data, label=f"payload '{name}'")
-        path.write_bytes(data)
-        dtype, shape = t.dtype, list(t.shape)
+        _write_file(path, data, durable=False)
     else:
         import numpy as np
         import torch
@@ -144,6 +143,9 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
                 "(a torch tensor, a NumPy array or torch.save bytes)"
             )
         tensor = as_torch(value)
+        # To the path, not to a buffer: torch names the zip's root folder after the file
+        # ("log_probs/data.pkl"; a buffer gets "archive/"), and the bytes stay what every
+        # earlier trajstore wrote (the store dedups the records by those bytes).
         try:
             torch.save(tensor, path)
         except RuntimeError as e:
@@ -151,13 +153,12 @@ def _write_payload(path: Path, name: str, value: Any) -> dict[str, Any]:
         data = path.read_bytes()
         # Never write what the reader refuses (e.g. complex dtypes).
         t = read_pt_bytes(data, label=f"payload '{name}'")
-        dtype, shape = t.dtype, list(t.shape)
     return {
         "bytes": len(data),
-        "dtype": dtype,
+        "dtype": t.dtype,
         "name": name,
         "sha256": sha256_bytes(data),
-        "shape": shape,
+        "shape": list(t.shape),
     }
 
 
@@ -175,11 +176,22 @@ def _disk_full_or(error: RuntimeError, path: Path, nbytes: int) -> Exception:
     return error
 
 
+def _write_file(path: Path, data: bytes, *, durable: bool) -> None:
+    """Create ``path`` with ``data`` in as few system calls as Python allows (each one
+    releases and retakes the GIL a training thread is waiting for); fsync if durable."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_file(path, data, durable=True)
 
 
 def write_bundle(

@@ -50,6 +50,9 @@ class CaptureWriter:
         self._remote = str(config.store_dir or "").startswith("s3://")
         self._remote_store: Any = None
         self._private: Path | None = None  # this process's staging for an s3:// store
+        #: a local store found to exist once (opening it per bundle cost the writer thread
+        #: a store open per bundle; a store removed later fails that bundle's ingest)
+        self._store_seen = False
         self._thread = threading.Thread(
             target=self._run, name="trajstore-capture-writer", daemon=True
         )
@@ -118,8 +121,9 @@ class CaptureWriter:
             if rec.kind == "rollout"
             else step_dir_name(rec.rollout_id, rec.step_id)
         )
-        if self.config.store_dir is not None and not self._remote:
+        if self.config.store_dir is not None and not self._remote and not self._store_seen:
             self._open_store().close()  # the store must exist before staging lives inside it
+            self._store_seen = True
         dest = self._base_dir() / name
         ranks = self._producers(rec.kind)
         if ranks is not None and len(ranks) > 1:
