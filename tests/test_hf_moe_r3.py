@@ -355,7 +355,7 @@ def test_replay_holds_through_activation_checkpointing_recompute():
         model = _model().train()
         if checkpointing:
             model.config.use_cache = False
-            model.activation_checkpointing_enable({"use_reentrant": False})
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         experts = ExpertInputs(model)
         with replay_routes(model, forced) as rec:
             model(input_ids=ids).logits.logsumexp(-1).sum().backward()

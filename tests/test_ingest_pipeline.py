@@ -79,8 +79,9 @@ def test_a_second_ingest_of_the_same_targets_changes_nothing(tmp_path: Path) -> 
 
 def test_windows_remembered_from_another_store_are_written_to_this_one(tmp_path: Path) -> None:
     """The encode cache remembers object names per process; a store that lacks them gets
-    every object (`has_cached` is per store), and a bundle's physical and added bytes
-    count them."""
+    every object (`has_cached` is per store), and the bundles' added bytes count them all
+    (which bundle of a batch is credited with an object they share depends on which
+    writer stored it first, so the runs' totals are compared, not bundle by bundle)."""
     _steps(tmp_path / "cap", range(3), tokens=5000)
     docs = []
     for name in ("a", "b"):
@@ -96,7 +97,8 @@ def test_windows_remembered_from_another_store_are_written_to_this_one(tmp_path:
                 )
             )
             assert not fsck(store).problems
-    assert docs[0] == docs[1]
+    assert [p for p, _ in docs[0]] == [p for p, _ in docs[1]]
+    assert sum(a for _, a in docs[0]) == sum(a for _, a in docs[1]) > 0
 
 
 def test_a_window_named_from_memory_gives_the_same_record_and_accounting(tmp_path: Path) -> None:

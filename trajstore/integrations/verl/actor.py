@@ -38,6 +38,7 @@ from trajstore.integrations.verl.records import (
     MicroBatchRecord,
     step_records,
 )
+from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
 
@@ -265,7 +266,7 @@ class RecordingLoss:
                             **mb["payloads"],
                             **extra,
                         )
-                    capture.expect("loss.policy", step.expected_loss)
+                    capture.expect(Stage.LOSS_POLICY, step.expected_loss)
         except Exception:  # noqa: BLE001 - capture never raises into training
             manager.stats.count_error("writing a verl step")
 
