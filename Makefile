@@ -22,8 +22,10 @@ chromium:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    chromium chromium-driver >/dev/null) || echo "make: could not install chromium"
 
+# Two workers, a test file each at a time (module fixtures stay in one process): 8 m 54 s
+# on 2 quiet cores against 11 m 48 s in one process (docs/architecture.md).
 test: $(STAMP) chromium
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The edit-run loop: unit tests only (no servers, browsers, trainers or child processes).
 test-fast: $(STAMP)
