@@ -92,13 +92,14 @@ def _f32(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
-def _row_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per-sample float64 sums of a flat array (empty samples sum to 0)."""
+def row_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per-sample float64 sums of a flat array (empty samples sum to 0); every family's
+    per-sequence reductions (TRL's, verl's) use it."""
     out = np.zeros(lengths.size, dtype=np.float64)
     nonempty = lengths > 0
     if values.size and nonempty.any():
         starts = (np.cumsum(lengths) - lengths)[nonempty]
-        out[nonempty] = np.add.reduceat(values.astype(np.float64), starts)
+        out[nonempty] = np.add.reduceat(np.asarray(values, dtype=np.float64), starts)
     return out
 
 
@@ -273,8 +274,8 @@ def importance_ratio(
     sample's masked mean of ``lp - old`` (``sequence``, GSPO), in float32."""
     log_ratio = _f32(log_probs) - _f32(old_log_probs)
     if level == "sequence":
-        counts = np.maximum(_row_sums(mask, lengths), 1.0).astype(np.float32)
-        per_row = _row_sums(log_ratio * mask, lengths).astype(np.float32) / counts
+        counts = np.maximum(row_sums(mask, lengths), 1.0).astype(np.float32)
+        per_row = row_sums(log_ratio * mask, lengths).astype(np.float32) / counts
         log_ratio = _per_token(per_row.astype(np.float32), lengths)
     return np.exp(log_ratio)
 
@@ -307,7 +308,7 @@ def is_correction_ratio(
     """
     diff = np.nan_to_num((_f32(old_log_probs) - _f32(sampling_log_probs)) * mask, nan=0.0)
     if mode.startswith("sequence"):
-        diff = _per_token(_row_sums(diff, lengths).astype(np.float32), lengths)
+        diff = _per_token(row_sums(diff, lengths).astype(np.float32), lengths)
     ratio = np.exp(diff)
     if mode.endswith("truncate"):
         low = -np.inf if clip_min is None else clip_min
@@ -341,7 +342,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
     lengths, mask = mb.lengths, _f32(mb.mask)
     lp, adv = _f32(mb.log_probs), _f32(mb.advantages)
     ent = _f32(mb.entropy)
-    counts = np.maximum(_row_sums(mask, lengths), 1.0).astype(np.float32)
+    counts = np.maximum(row_sums(mask, lengths), 1.0).astype(np.float32)
     coef_1 = importance_ratio(lp, mb.old_log_probs, mask, lengths, s.level)
     entropy_mask = None
     if s.top_entropy_quantile < 1.0:
@@ -373,7 +374,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
     if s.off_policy_threshold is not None:
         sampling = mb.sampling_log_probs if mb.sampling_log_probs is not None else mb.old_log_probs
         kl_div = np.nan_to_num(_f32(sampling) - lp, nan=0.0)
-        seq_kl = (_row_sums(kl_div * mask, lengths).astype(np.float32)) / counts
+        seq_kl = (row_sums(kl_div * mask, lengths).astype(np.float32)) / counts
         keep = (adv >= 0) | (_per_token(seq_kl, lengths) <= np.float32(s.off_policy_threshold))
         per_token_loss = per_token_loss * keep.astype(np.float32)
     if entropy_mask is not None:
@@ -390,7 +391,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
     masked = per_token_loss * mask
     rows = lengths.size
     if s.policy_loss in ("grpo", "sapo"):
-        loss = np.float32(np.mean(_row_sums(masked, lengths).astype(np.float32) / counts))
+        loss = np.float32(np.mean(row_sums(masked, lengths).astype(np.float32) / counts))
         loss = loss / accumulation
     elif s.policy_loss == "bnpo":
         loss = np.float32(masked.sum(dtype=np.float64)) / np.float32(max(float(mask.sum()), 1.0))
@@ -401,7 +402,7 @@ def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:
         loss = np.float32(masked.sum(dtype=np.float64)) / np.float32(rows * s.max_response_length)
         loss = loss / accumulation
     elif s.policy_loss == "luspo":
-        loss = np.float32(np.mean(_row_sums(masked, lengths).astype(np.float32))) / accumulation
+        loss = np.float32(np.mean(row_sums(masked, lengths).astype(np.float32))) / accumulation
     else:  # dapo, cispo: one token normalizer for the step
         normalizer = mb.token_normalizer
         if normalizer is None:
@@ -653,7 +654,7 @@ def generation_loss_tokens(
     if span < 1 or group_size < 1 or generation_rows % group_size:
         return {}
     groups_per_generation = generation_rows // group_size
-    tokens = _row_sums(_f32(ctx.mask()), ctx.lengths)
+    tokens = row_sums(_f32(ctx.mask()), ctx.lengths)
     runs: list[tuple[int, list[str]]] = []  # consecutive micro-batches of one generation
     for mb_id, positions in order.items():
         groups = {ctx.samples[p].group_index for p in positions}

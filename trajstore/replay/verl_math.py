@@ -45,6 +45,7 @@ from trajstore.replay.context import (
     is_number,
     outcome_of,
 )
+from trajstore.replay.losses import row_sums
 from trajstore.replay.registry import CapabilityCheck, StageVariant, register_variant
 from trajstore.replay.source import BundleSource
 from trajstore.vocab import Capability, Payload, Stage, StageStatus
@@ -136,16 +137,6 @@ def _f32(x: Any) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- kernels
-
-
-def row_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per-sample float64 sums of a flat array (an empty sample sums to 0)."""
-    out = np.zeros(lengths.size, dtype=np.float64)
-    nonempty = lengths > 0
-    if values.size and nonempty.any():
-        starts = (np.cumsum(lengths) - lengths)[nonempty]
-        out[nonempty] = np.add.reduceat(np.asarray(values, dtype=np.float64), starts)
-    return out
 
 
 def masked_mean(values: np.ndarray, mask: np.ndarray) -> float:
