@@ -18,7 +18,7 @@ samples' ``micro_batch_id``. NumPy only: importing torch costs more than a repla
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +101,26 @@ def row_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         starts = (np.cumsum(lengths) - lengths)[nonempty]
         out[nonempty] = np.add.reduceat(np.asarray(values, dtype=np.float64), starts)
     return out
+
+
+def scalar_comparer(ctx: ReplayContext, stage: str) -> Callable[[str, float, float], Any]:
+    """``compare(name, expected, actual)`` of one recorded scalar of ``stage`` with the
+    stage's tolerance (exact where the manifest says so): every family's loss checks."""
+    atol, rtol = ctx.tolerance(stage)
+    exact = ctx.source.manifest.exact_fields
+
+    def compare(name: str, expected: float, actual: float) -> Any:
+        return compare_arrays(
+            stage,
+            name,
+            np.array([expected], dtype=np.float64),
+            np.array([actual], dtype=np.float64),
+            atol=atol,
+            rtol=rtol,
+            exact=name in exact,
+        )
+
+    return compare
 
 
 def _per_token(per_row: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -822,19 +842,7 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
     settings = LossSettings.of(ctx)
     inputs = _micro_batches(ctx, settings)
     results = {mb.micro_batch_id: micro_batch_loss(mb, settings) for mb in inputs.batches}
-    atol, rtol = ctx.tolerance(stage)
-    exact = ctx.source.manifest.exact_fields
-
-    def compare(name: str, expected: float, actual: float) -> Any:
-        return compare_arrays(
-            stage,
-            name,
-            np.array([expected], dtype=np.float64),
-            np.array([actual], dtype=np.float64),
-            atol=atol,
-            rtol=rtol,
-            exact=name in exact,
-        )
+    compare = scalar_comparer(ctx, stage)
 
     total = math.fsum(result["loss"] for result in results.values())
     comparisons = [*inputs.comparisons, compare("loss", float(recorded["loss"]), total)]

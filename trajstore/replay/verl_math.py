@@ -45,7 +45,7 @@ from trajstore.replay.context import (
     is_number,
     outcome_of,
 )
-from trajstore.replay.losses import row_sums
+from trajstore.replay.losses import row_sums, scalar_comparer
 from trajstore.replay.registry import CapabilityCheck, StageVariant, register_variant
 from trajstore.replay.source import BundleSource
 from trajstore.vocab import Capability, Payload, Stage, StageStatus
@@ -781,19 +781,7 @@ def stage_loss_policy(ctx: ReplayContext) -> StageOutcome:
         and not correction.get("rollout_is_batch_normalize")
         and not correction.get("rollout_rs")
     )
-    atol, rtol = ctx.tolerance(stage)
-    exact = ctx.source.manifest.exact_fields
-
-    def compare(name: str, expected: float, actual: float) -> Any:
-        return compare_arrays(
-            stage,
-            name,
-            np.array([expected], dtype=np.float64),
-            np.array([actual], dtype=np.float64),
-            atol=atol,
-            rtol=rtol,
-            exact=name in exact,
-        )
+    compare = scalar_comparer(ctx, stage)
 
     comparisons: list[Any] = []
     trusted: list[str] = []
