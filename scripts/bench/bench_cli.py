@@ -79,6 +79,21 @@ def wall(argv: list[str]) -> float:
     return took
 
 
+def time_commands(commands: dict[str, list[str]], rounds: int) -> dict[str, list[float]]:
+    """Each command's wall time in `rounds` fresh processes, the order alternating round by
+    round, after one warm-up run each (page cache and .pyc files, in a private cache)."""
+    with tempfile.TemporaryDirectory(prefix="bench-cli-pycache-") as pycache:
+        ENV["PYTHONPYCACHEPREFIX"] = pycache
+        for argv in commands.values():
+            wall(argv)
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for r in range(rounds):
+            order = list(commands) if r % 2 == 0 else list(reversed(commands))
+            for name in order:
+                times[name].append(wall(commands[name]))
+    return times
+
+
 def p90(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
@@ -106,8 +121,6 @@ def main() -> None:
     n_steps = make_store(root, steps)
     print(f"store: {n_steps} steps at {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
-    pycache = tempfile.TemporaryDirectory(prefix="bench-cli-pycache-")
-    ENV["PYTHONPYCACHEPREFIX"] = pycache.name
     base = cli()
     commands = {
         "python -c pass": [sys.executable, "-c", "pass"],
@@ -116,13 +129,7 @@ def main() -> None:
         "query steps": [*base, "query", "steps", "--store", str(root)],
         "sql": [*base, "sql", "SELECT count(*) AS n FROM bundles", "--store", str(root)],
     }
-    for argv in commands.values():  # warm the page cache and the .pyc files
-        wall(argv)
-    times: dict[str, list[float]] = {name: [] for name in commands}
-    for r in range(runs):
-        order = list(commands) if r % 2 == 0 else list(reversed(commands))
-        for name in order:
-            times[name].append(wall(commands[name]))
+    times = time_commands(commands, runs)
     load_after = os.getloadavg()[0]
 
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -157,7 +164,6 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
-    pycache.cleanup()
     if tmp is not None:
         tmp.cleanup()
 

@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_catalog import build_store  # noqa: E402
-from bench_cli import ENV, cli, p90, wall  # noqa: E402
+from bench_cli import cli, p90, time_commands  # noqa: E402
 
 CLI_TARGET_S = 0.3
 GET_P99_TARGET_MS = 10.0
@@ -158,24 +158,16 @@ def build(root: Path, steps: int) -> dict:
 
 
 def time_cli(root: Path, rounds: int) -> dict[str, list[float]]:
-    pycache = tempfile.TemporaryDirectory(prefix="bench-scale-pycache-")
-    ENV["PYTHONPYCACHEPREFIX"] = pycache.name
     base = cli()
-    commands = {
-        "python -c pass": [sys.executable, "-c", "pass"],
-        "ls": [*base, "ls", "--store", str(root)],
-        "query steps": [*base, "query", "steps", "--store", str(root)],
-        "sql": [*base, "sql", "SELECT count(*) AS n FROM bundles", "--store", str(root)],
-    }
-    for argv in commands.values():  # warm the page cache and the .pyc files
-        wall(argv)
-    times: dict[str, list[float]] = {name: [] for name in commands}
-    for r in range(rounds):
-        order = list(commands) if r % 2 == 0 else list(reversed(commands))
-        for name in order:
-            times[name].append(wall(commands[name]))
-    pycache.cleanup()
-    return times
+    return time_commands(
+        {
+            "python -c pass": [sys.executable, "-c", "pass"],
+            "ls": [*base, "ls", "--store", str(root)],
+            "query steps": [*base, "query", "steps", "--store", str(root)],
+            "sql": [*base, "sql", "SELECT count(*) AS n FROM bundles", "--store", str(root)],
+        },
+        rounds,
+    )
 
 
 def time_rest(root: Path, lookups: int, pages: int, max_rollout: int) -> dict:
