@@ -20,7 +20,7 @@ from trajstore.replay import kernels
 from trajstore.replay.compare import Comparison, Divergence, compare_arrays
 from trajstore.replay.selection import Selection
 from trajstore.replay.source import BundleSource, as_float, payload_rows
-from trajstore.vocab import StageStatus
+from trajstore.vocab import Payload, StageStatus
 
 #: the most concrete divergences one stage keeps as examples
 MAX_STAGE_EXAMPLES = 10
@@ -281,3 +281,25 @@ class ReplayContext:
             sample_ids=self.sample_ids,
             offsets=self.offsets if per_token else None,
         )
+
+    def compare_advantages(
+        self, stage: str, advantages: np.ndarray, returns: np.ndarray
+    ) -> list[Comparison]:
+        """Recomputed per-token advantages (first) and, when the bundle has them, returns
+        against the captured payloads: what a family's advantage stage compares."""
+        comparisons = [
+            self.compare(
+                stage,
+                Payload.ADVANTAGES,
+                self.payload(Payload.ADVANTAGES),
+                advantages,
+                per_token=True,
+            )
+        ]
+        if self.has_payload(Payload.RETURNS):
+            comparisons.append(
+                self.compare(
+                    stage, Payload.RETURNS, self.payload(Payload.RETURNS), returns, per_token=True
+                )
+            )
+        return comparisons

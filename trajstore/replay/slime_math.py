@@ -334,19 +334,9 @@ def stage_advantage_estimate(ctx: ReplayContext) -> StageOutcome:
     if args.get("normalize_advantages"):
         advantages = whiten(advantages, ctx.mask())
     ctx.recomputed["advantages"] = advantages
-    comparisons = [
-        ctx.compare(
-            stage, Payload.ADVANTAGES, ctx.payload(Payload.ADVANTAGES), advantages, per_token=True
-        )
-    ]
+    comparisons = ctx.compare_advantages(stage, advantages, returns)
     if upstream and linkage_unsupported(ctx.config) is None:
         ctx.upstream_comparison = (ctx.upstream["rewards_by_id"], comparisons[0])
-    if ctx.has_payload(Payload.RETURNS):
-        comparisons.append(
-            ctx.compare(
-                stage, Payload.RETURNS, ctx.payload(Payload.RETURNS), returns, per_token=True
-            )
-        )
     return outcome_of(
         stage,
         comparisons,

@@ -711,17 +711,7 @@ def stage_advantage_estimate(ctx: ReplayContext) -> StageOutcome:
     )
     advantages, returns = estimate(batch, args)
     ctx.recomputed["advantages"] = advantages
-    comparisons = [
-        ctx.compare(
-            stage, Payload.ADVANTAGES, ctx.payload(Payload.ADVANTAGES), advantages, per_token=True
-        )
-    ]
-    if ctx.has_payload(Payload.RETURNS):
-        comparisons.append(
-            ctx.compare(
-                stage, Payload.RETURNS, ctx.payload(Payload.RETURNS), returns, per_token=True
-            )
-        )
+    comparisons = ctx.compare_advantages(stage, advantages, returns)
     return outcome_of(
         stage,
         comparisons,
