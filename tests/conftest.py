@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,22 @@ CAPTURE_DIR = FIXTURES / "example_capture_dir"
 
 #: per-token float payloads every factory bundle carries
 PER_TOKEN = ("old_log_probs", "log_probs", "ref_log_probs", "entropy", "kl", "advantages")
+
+
+@contextmanager
+def patched_environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` for the block, every name restored (or removed) after:
+    for fixtures wider than a test, where pytest's ``monkeypatch`` does not reach."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def copy_fixture(name: str, dest_root: Path) -> Path:

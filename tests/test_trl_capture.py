@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import edit_json, read_json, resign_bundle
+from conftest import edit_json, patched_environ, read_json, resign_bundle
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from trajstore.examples.replay_builders import replay, stage, statuses
@@ -200,20 +198,6 @@ RUNS: dict[str, tuple[dict[str, Any], bool, bool]] = {
 REPLAYABLE = [name for name in RUNS if name not in ("vespo", "span", "normalize-then-sum")]
 
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def train(root: Path, name: str, *, capture: bool, store: bool = False) -> tuple[Path, GRPOTrainer]:
     """One real TRL run of ``RUNS[name]``: 2 optimizer steps of 2 micro-batches, one rollout;
     capture into ``root/capture`` (a directory, or a store with ``store``)."""
@@ -247,7 +231,7 @@ def train(root: Path, name: str, *, capture: bool, store: bool = False) -> tuple
     capture_dir = root / "capture"
     destination = "TRAJSTORE_CAPTURE_STORE" if store else "TRAJSTORE_CAPTURE_DIR"
     env = {"TRAJSTORE_CAPTURE": "1" if capture else "0", destination: str(capture_dir)}
-    with _environment(env):
+    with patched_environ(env):
         trainer = (FakeEngineTrainer if fake_engine else GRPOTrainer)(
             model=model,
             reward_funcs=reward_funcs,

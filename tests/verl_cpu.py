@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from conftest import patched_environ
 
 VOCAB = 32
 PROMPT = 6
@@ -79,21 +80,6 @@ def _cpu_device_module() -> types.ModuleType:
 #: built (`build_worker`): left in ``os.environ`` it would reach every later subprocess of the
 #: test session (accelerate would then join this process's group and find its port taken)
 _DIST_ENV: dict[str, str] = {}
-
-
-@contextlib.contextmanager
-def dist_env() -> Any:
-    """``os.environ`` with `_DIST_ENV` for the block, restored after."""
-    saved = {name: os.environ.get(name) for name in _DIST_ENV}
-    os.environ.update(_DIST_ENV)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def setup_cpu() -> None:
@@ -324,7 +310,7 @@ def build_worker(cfg: Any) -> Any:
     setup_cpu()
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    with dist_env():
+    with patched_environ(_DIST_ENV):
         worker = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
         worker.init_model()
     return worker
