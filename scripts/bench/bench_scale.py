@@ -93,15 +93,16 @@ def _manifest(root: Path) -> tuple[str, dict]:
         return put_blob(store.objs, canonical_bytes(MANIFEST)), MANIFEST
 
 
-def add_steps(root: Path, steps: int, state: dict) -> tuple[float, dict]:
-    """Write `steps` more steps (the run's next rollouts) and sync them; returns the
-    sync's seconds and the new state. The catalog must exist (see `ensure_catalog`)."""
+def add_steps(root: Path, steps: int, state: dict, seed: int | None = None) -> tuple[float, dict]:
+    """Write `steps` more steps (the run's next rollouts, after `state`) and sync them;
+    returns the sync's seconds and the new state (also written to `root`). The catalog must
+    exist (see `ensure_catalog`). `seed` defaults to the chunk's number."""
     from trajstore.catalog import open_catalog, sync_catalog
 
     docs, rollouts = build_store(
         root,
         _bundles_for(steps),
-        seed=state["chunks"],
+        seed=state["chunks"] if seed is None else seed,
         run=RUN,
         first_rollout=state["rollouts"],
         clock=CLOCK0 + state["chunks"] * CLOCK_STRIDE,
@@ -223,32 +224,18 @@ def time_rest(root: Path, lookups: int, pages: int, max_rollout: int) -> dict:
 
 def time_sync(root: Path, new: int, reps: int, work: Path) -> dict:
     """Pairs: the same `new` steps into the big store and into an empty one."""
-    from trajstore.catalog import open_catalog, sync_catalog
-
     big, empty = [], []
     state = _state(root)
     for rep in range(reps):
-        chunk = {"rollouts": state["rollouts"], "chunks": state["chunks"]}
         fresh = work / f"empty-{rep}"
         ensure_catalog(fresh)
-        timings = {}
+        timings, after = {}, state
         for which in ("big", "empty") if rep % 2 == 0 else ("empty", "big"):
             target = root if which == "big" else fresh
-            docs, rollouts = build_store(
-                target,
-                _bundles_for(new),
-                seed=1000 + rep,
-                run=RUN,
-                first_rollout=chunk["rollouts"],
-                clock=CLOCK0 + chunk["chunks"] * CLOCK_STRIDE,
-                manifest=_manifest(target),
-            )
-            t0 = time.perf_counter()
-            with open_catalog(target) as cat:
-                sync_catalog(cat, target, docs.__getitem__)
-            timings[which] = time.perf_counter() - t0
-        state = {"rollouts": chunk["rollouts"] + rollouts + 1, "chunks": chunk["chunks"] + 1}
-        _state_path(root).write_text(json.dumps(state))
+            timings[which], next_state = add_steps(target, new, state, seed=1000 + rep)
+            if which == "big":
+                after = next_state
+        state = after
         shutil.rmtree(fresh, ignore_errors=True)
         big.append(timings["big"])
         empty.append(timings["empty"])
