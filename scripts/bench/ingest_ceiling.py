@@ -168,7 +168,7 @@ def _time_parts() -> dict[str, float]:
     """Wrap the per-byte C work of ingest in thread-CPU timers: {part: seconds}, filled
     as ingest runs (all threads)."""
     from trajstore.bundle import reader
-    from trajstore.cas import arrays, objects
+    from trajstore.cas import array_write, objects
 
     spent: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     lock = threading.Lock()
@@ -186,21 +186,21 @@ def _time_parts() -> dict[str, float]:
 
     reader.sha256_bytes = timed("sha256", reader.sha256_bytes)
     reader.read_regular = timed("reads", reader.read_regular)
-    arrays.encode_chunk = timed("zstd", arrays.encode_chunk)
-    arrays.blake3 = timed("BLAKE3 of windows", arrays.blake3)
+    array_write.encode_chunk = timed("zstd", array_write.encode_chunk)
+    array_write.blake3 = timed("BLAKE3 of windows", array_write.blake3)
     objects.object_hash = timed("BLAKE3 of new objects", objects.object_hash)
     return spent
 
 
 def worker(config: str, cap: Path, store_dir: Path, ext_dir: Path) -> None:
     """One ingest in this (fresh) process under `config`; prints a JSON line."""
-    from trajstore.cas import arrays
+    from trajstore.cas import chunk_codec
 
     spent = _time_parts() if config == "parts" else {}
     if config in ("native", "both"):
         _use_native_reads(ext_dir)
     if config in ("zstd-1", "both"):
-        arrays.ZSTD_LEVEL = -1  # read when each thread's compressor is made, and per record
+        chunk_codec.ZSTD_LEVEL = -1  # read when each thread's compressor is made, and per record
     from trajstore.store import Store
     from trajstore.store.maintenance import stats
 
