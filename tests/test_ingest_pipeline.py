@@ -136,8 +136,8 @@ def test_the_documents_stored_are_the_bytes_the_gate_checked(tmp_path: Path) -> 
     """With the bytes the gate kept, documents are not read again: a file changed after
     the gate is not what is stored, the checked bytes are."""
     from trajstore.bundle.reader import open_bundle
+    from trajstore.cas.blobs import get_blob
     from trajstore.store.ingest import _write_bundle_objects
-    from trajstore.store.stored_bundle import get_blob
 
     (target,) = _steps(tmp_path / "cap", range(1))
     checked = (target / "index.json").read_bytes()

@@ -54,6 +54,7 @@ from trajstore.bundle.reader import (
     open_target,
 )
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
+from trajstore.cas.blobs import put_blob
 from trajstore.errors import BundleError, StoreError, TrajstoreError
 from trajstore.jsonio import dumps_sorted_indent1, read_bytes, sha256_bytes
 from trajstore.mismatch.compute import INPUT_PAYLOADS as MISMATCH_INPUTS
@@ -63,7 +64,6 @@ from trajstore.refspace import RefSpace
 from trajstore.replay.source import as_float
 from trajstore.store import gclock
 from trajstore.store.layout import BUNDLE_REFS_KEY, CLAIMS_KEY, RefIndex, new_doc_name
-from trajstore.store.stored_bundle import put_blob
 
 REF_VERSION = 1
 #: route payloads stored as an XOR delta against this base payload when shapes match

@@ -37,6 +37,7 @@ from typing import Any
 
 from trajstore.bundle.checks import bundle_problems
 from trajstore.bundle.reader import open_bundle
+from trajstore.cas.blobs import put_blob_added
 from trajstore.errors import BundleError, NotFoundError, StoreError
 from trajstore.jsonio import canonical_bytes, read_json
 from trajstore.schema import CohortComplete, RankShard
@@ -52,7 +53,6 @@ from trajstore.store.ingest import (
     content_digest,
     identity_of,
 )
-from trajstore.store.stored_bundle import put_blob_added
 
 SHARDS_KEY = "capture"
 SHARD_VERSION = 1
