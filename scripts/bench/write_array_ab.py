@@ -25,15 +25,16 @@ import numpy as np
 
 import trajstore.cas.arrays as new
 from trajstore.bundle.capture_dir import discover_targets
-from trajstore.bundle.reader import open_target
 from trajstore.cas.objects import LocalObjectStore, ObjectStore
-from trajstore.store.ingest import (
-    _BASE_NAMES,
+from trajstore.store.ingest_gate import verify_target
+from trajstore.store.ingest_rows import (
+    BASE_NAMES,
     DELTA_BASES,
-    array_rows,
-    delta_base,
+    SampleLayout,
+    payload_rows,
     write_order,
 )
+from trajstore.store.ingest_write import delta_base
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,12 +56,9 @@ spec.loader.exec_module(old)
 def load(root):
     """Every bundle (each rank of a cohort) under `root`, as ingest finds and opens them."""
     out = []
-    for b in (b for t in discover_targets(Path(root)) for b in open_target(t).bundles):
-        items = []
-        for name in write_order(b):
-            values, lengths, _, heads = array_rows(b, name)
-            items.append((name, values, lengths, b.load_payload(name).dtype, heads))
-        out.append(items)
+    for r in (r for t in discover_targets(Path(root)) for r in verify_target(t).ranks):
+        layout = SampleLayout.of(r.index)
+        out.append([payload_rows(p, layout) for p in r.payloads(write_order(r.payload_names))])
     return out
 
 
@@ -112,20 +110,20 @@ def run(mod, bundles, tmp, log=False):
     t0 = time.process_time()
     for items in bundles:
         records, bvals = {}, {}
-        for name, values, lengths, tag, heads in items:
-            base = delta_base(records, name, values, lengths, heads)
+        for rows in items:
+            base = delta_base(records, rows)
             r = mod.write_array(
                 objs,
-                values,
-                lengths,
-                dtype_tag=tag,
+                rows.values,
+                rows.lengths,
+                dtype_tag=rows.dtype_tag,
                 base=base,
-                base_values=bvals.get(DELTA_BASES.get(name, "")) if base is not None else None,
-                heads=heads,
+                base_values=bvals.get(DELTA_BASES.get(rows.name, "")) if base is not None else None,
+                heads=rows.heads,
             )
-            records[name] = r
-            if name in _BASE_NAMES:
-                bvals[name] = values
+            records[rows.name] = r
+            if rows.name in BASE_NAMES:
+                bvals[rows.name] = rows.values
             recs.append(r.to_object())
     cpu = time.process_time() - t0
     return cpu, (objs.log if log else None), recs
