@@ -10,7 +10,7 @@ from typing import Any
 
 import zstandard
 
-from trajstore.cas.chunk_codec import compressor, decompressor
+from trajstore.cas.chunk_codec import compressor, decode_frame
 from trajstore.cas.objects import ObjectStore
 from trajstore.errors import IntegrityError
 from trajstore.jsonio import NOT_PARSED, parse_json_fast
@@ -39,14 +39,11 @@ def decode_blob(h: str, data: bytes) -> bytes:
     """The bytes of blob `h` whose (verified) object bytes are `data`."""
     try:
         size = zstandard.frame_content_size(data)
-        if size < 0 or size > MAX_BLOB_BYTES:
-            raise IntegrityError(f"blob object {h} declares an unusable size ({size})")
-        out = decompressor().decompress(data, max_output_size=size)
     except zstandard.ZstdError as e:
         raise IntegrityError(f"blob object {h} is not a valid zstd frame: {e}") from None
-    if len(out) != size:
-        raise IntegrityError(f"blob object {h} decodes to {len(out)} bytes, declared {size}")
-    return out
+    if size < 0 or size > MAX_BLOB_BYTES:
+        raise IntegrityError(f"blob object {h} declares an unusable size ({size})")
+    return decode_frame(data, size, "blob", h)
 
 
 def get_json_blob(objs: ObjectStore, h: str) -> Any:

@@ -76,18 +76,24 @@ def encode_chunk(raw: bytes) -> bytes:
     return bytes(memoryview(out)) if len(out) < len(raw) // 2 else out
 
 
-def decode_chunk(data: bytes, size: int, h: str = "?") -> bytes:
-    """Decode a chunk that must decode to exactly `size` bytes; never allocate more."""
+def decode_frame(data: bytes, size: int, what: str, h: str) -> bytes:
+    """Decode one zstd frame that must decode to exactly `size` bytes, never allocating
+    more; an `IntegrityError` naming the `what` object `h` otherwise."""
     try:
         declared = zstandard.frame_content_size(data)
         if declared not in (size, -1):
-            raise IntegrityError(f"chunk object {h} declares {declared} bytes, expected {size}")
-        raw = decompressor().decompress(data, max_output_size=size)
+            raise IntegrityError(f"{what} object {h} declares {declared} bytes, expected {size}")
+        out = decompressor().decompress(data, max_output_size=size)
     except zstandard.ZstdError as e:
-        raise IntegrityError(f"chunk object {h} is not a valid zstd frame: {e}") from None
-    if len(raw) != size:
-        raise IntegrityError(f"chunk object {h} decodes to {len(raw)} bytes, expected {size}")
-    return raw
+        raise IntegrityError(f"{what} object {h} is not a valid zstd frame: {e}") from None
+    if len(out) != size:
+        raise IntegrityError(f"{what} object {h} decodes to {len(out)} bytes, expected {size}")
+    return out
+
+
+def decode_chunk(data: bytes, size: int, h: str = "?") -> bytes:
+    """Decode a chunk that must decode to exactly `size` bytes; never allocate more."""
+    return decode_frame(data, size, "chunk", h)
 
 
 def decode_chunks(datas: Sequence[Any], size: int, names: Sequence[str]) -> list[memoryview]:
