@@ -163,6 +163,11 @@ def verify_target(path: Path) -> VerifiedTarget:
         for b in bset.bundles:
             shard = read_bytes(path / f"COMPLETE.{b.rank}", f"COMPLETE.{b.rank}")
             cohort_files[b.rank] = {"COMPLETE": whole, f"COMPLETE.{b.rank}": shard}
+    # A cohort whose ranks' payloads together fit the cap one bundle keeps is kept as
+    # checked (written without a second read, sha256 and parse); a larger one keeps
+    # memory to one rank (each released after its check, re-read and re-checked on write).
+    keep = sum(spec.bytes for b in bset.bundles for spec in b.manifest.payloads.values())
+    keep_all = len(bset.bundles) == 1 or keep <= KEEP_CHECKED_BYTES
     ranks = []
     for b in bset.bundles:
         _load_payloads(b)
@@ -171,7 +176,7 @@ def verify_target(path: Path) -> VerifiedTarget:
             where = f"rank {b.rank}: " if bset.is_cohort else ""
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             raise BundleError(f"{where}{problems[0]}{more}")
-        if len(bset.bundles) > 1:  # a cohort: keep memory to one rank (re-read on write)
+        if not keep_all:
             b.release()
         ranks.append(VerifiedRank(b, cohort_files.get(b.rank, {})))
     return VerifiedTarget(path, ranks, bset.is_cohort, sum(r.nbytes for r in ranks))
