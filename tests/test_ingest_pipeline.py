@@ -158,3 +158,24 @@ def test_a_writer_sees_a_gc_waiting_only_while_one_holds_the_turnstile(tmp_path:
         with gclock.collecting(store.objs):
             assert gclock.gc_waiting(store.objs)
         assert not gclock.gc_waiting(store.objs)
+
+
+def test_train_routes_are_stored_as_a_delta_against_the_rollout_routes(tmp_path: Path) -> None:
+    """`DELTA_BASES`: train routes equal to the rollout routes cost one record and no chunk
+    (each window XORs to zero), and read back bit-identical."""
+    from trajstore.examples import gen_long_run
+
+    cap = tmp_path / "capture"
+    args = ["--rollouts", "1", "--steps", "1", "--samples", "8", "--per-prompt", "4"]
+    args += ["--routes", "--layers", "4", "--topk", "2", "--route-diff", "0"]
+    assert gen_long_run.main([str(cap), *args]) == 0
+    with Store.open(tmp_path / "store") as store:
+        assert all(o.status == "published" for o in store.ingest([cap], run="r"))
+        (b,) = store.rollout("r", 0)
+        train = b.record("train_routed_experts")
+        assert train.base == b.ref["payloads"]["rollout_routed_experts"]["record"]
+        assert all(h is None for row in train.chunks for h in row)
+        assert (
+            b.payload_file("train_routed_experts")
+            == (cap / "replay-rollout-0" / "payloads" / "train_routed_experts.pt").read_bytes()
+        )
