@@ -50,6 +50,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+from harness import emit, load1, say
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PY = sys.executable
@@ -58,23 +61,10 @@ TARGET = 0.6
 RUN = "long"
 
 
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def load1() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
 def drop_caches(cold: bool) -> None:
     """Empty the page cache (with --cold) so the next read comes from the disk."""
-    if not cold:
-        return
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root") from None
+    if cold:
+        harness.drop_caches()
 
 
 def build(work: Path, steps: int, samples: int, mean_tokens: int) -> Path:
@@ -335,14 +325,7 @@ def inproc_figures(
 
 
 def figure(name: str, value: float, detail: str) -> dict:
-    return {
-        "name": name,
-        "target": f">= {TARGET}x",
-        "value": round(value, 3),
-        "unit": "x",
-        "met": value >= TARGET,
-        "detail": detail,
-    }
+    return harness.figure(name, f">= {TARGET}x", value, "x", detail=detail)
 
 
 def main() -> int:
@@ -384,7 +367,6 @@ def main() -> int:
         inp = inproc_figures(
             store, exported, step, reps, args.cold, args.profile, args.baseline_src, rollout_dir
         )
-    after = load1()
     cache = "cold" if args.cold else "warm"
     size = f"256-sample step, {tokens} response tokens" if args.samples == 256 else f"{tokens} tok"
     m, n, c = cli["median_s"], inp["median_s"], cli["cpu_median_s"]
@@ -445,18 +427,8 @@ def main() -> int:
                 f"{c['dir'] / c['store_baseline']:.2f}x",
             )
         )
-    command = shlex.join([".venv/bin/python", "scripts/bench/bench_store_replay.py", *sys.argv[1:]])
-    say(f"load (1 min) {before} -> {after}; {time.perf_counter() - t_start:.0f} s")
-    for f in figures:
-        say(f"{f['name']}: {f['value']}x ({'met' if f['met'] else 'missed'}); {f['detail']}")
-    if args.json:
-        doc = {
-            "figures": figures,
-            "command": command,
-            "load": [before, after],
-            "raw": {"cli": cli, "in_process": inp},
-        }
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    say(f"{time.perf_counter() - t_start:.0f} s")
+    emit(args.json, figures, before, raw={"cli": cli, "in_process": inp})
     return 0
 
 

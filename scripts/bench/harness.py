@@ -9,9 +9,10 @@ from here: `sys.path` holds this folder); never by the library.
 - **Figures contract**: a script reports `{"figures": [...], "command", "load", "machine"}`
   through `emit`; a figure is `figure(name, target, value, unit, ...)`: `reps` (its values
   over the script's own repetitions), `exact` (bytes: the same every run), `workload` and
-  `target_workload` (the size measured, the size the target names), `detail` (what it
-  compares). `check_document` says what is wrong with a document. A script's own `met` is
-  informational: the verdict is decided by scripts/bench/verdicts.py (`Result.verdict`).
+  `target_workload` (the size measured, the size the target names; `workload_unit` names
+  it), `detail` (what it compares). `check_document` says what is wrong with a document.
+  A script's own `met` is informational: the verdict is decided by
+  scripts/bench/verdicts.py (`Result.verdict`).
 - **Running**: `run_script` runs one figure script as a subprocess in its own session (a
   timeout also ends the servers and workers it started) and never raises for what it does.
 - **Baselines**: Hugging Face Xet's local CAS (`run_xet`, issue 33), plus the helpers the
@@ -136,6 +137,7 @@ def figure(
     exact: bool = False,
     workload: float | None = None,
     target_workload: float | None = None,
+    workload_unit: str = "",
     detail: str = "",
 ) -> dict[str, Any]:
     """One figure of the contract; `met` is the script's own reading (the verdict is the
@@ -162,6 +164,8 @@ def figure(
         out["workload"] = workload
     if target_workload is not None:
         out["target_workload"] = target_workload
+    if workload_unit:
+        out["workload_unit"] = workload_unit
     return out
 
 
