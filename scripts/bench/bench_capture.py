@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import emit, figure, load1
+from harness import capture_figures, emit, load1
 from trajstore.examples import tiny_grpo
 
 from trajstore.capture import CaptureConfig, CaptureManager
@@ -199,17 +199,13 @@ def main() -> int:
     )
     emit(
         args.json,
-        [
-            figure(
-                "capture overhead, tiny GRPO loop, whole block incl. final flush (on / off)",
-                "<= 1.05x",
-                res["block_ratio"],
-                "x",
-                reps=block_ratios,
-                detail=detail,
-            ),
-            figure("capture: bundles dropped", "<= 0", drops, "", exact=True),
-        ],
+        capture_figures(
+            "tiny GRPO loop, whole block incl. final flush",
+            res["block_ratio"],
+            block_ratios,
+            drops,
+            detail,
+        ),
         load_before,
         results=res,
     )

@@ -52,7 +52,7 @@ from fastapi.responses import Response, StreamingResponse
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the free-port helper the tests use
-from harness import emit, load1, machine_line  # noqa: E402
+from harness import drop_caches, emit, load1, machine_line  # noqa: E402
 from serving import free_port  # noqa: E402
 
 RUN = "bench"
@@ -122,14 +122,6 @@ request = function()
   return wrk.format("GET", string.format("/v1/runs/%(run)s/steps/%%d:%%d", rollout, step))
 end
 """
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(f"cannot drop the page cache ({e}); run as root") from None
 
 
 def wait_ready(port: int, proc: subprocess.Popen, path: str) -> None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import emit, figure, load1
+from harness import capture_figures, emit, load1
 
 VOCAB = 64
 
@@ -182,23 +182,17 @@ def main() -> None:
     reps = result["per_rep_wall_ratio"]
     emit(
         args.json,
-        [
-            figure(
-                "capture overhead, TRL loop (~80 ms steps), whole run incl. final flush (on / off)",
-                "<= 1.05x",
-                result["wall_ratio_on_off"],
-                "x",
-                reps=reps,
-                detail=(
-                    f"TRL GRPOTrainer, tiny Qwen3 (hidden {args.hidden}), {args.reps} on/off "
-                    f"pairs of {args.steps} optimizer steps; steps {step['off'] * 1000:.0f} ms "
-                    f"off / {step['on'] * 1000:.0f} ms on; writer CPU "
-                    f"{result['other_threads_cpu_ms_per_step_on_minus_off']:.1f} ms a step; "
-                    f"training-thread CPU {result['training_thread_cpu_ratio_on_off']:.3f}x"
-                ),
-            ),
-            figure("TRL capture: bundles dropped", "<= 0", result["dropped"], "", exact=True),
-        ],
+        capture_figures(
+            "TRL loop (~80 ms steps), whole run incl. final flush",
+            result["wall_ratio_on_off"],
+            reps,
+            result["dropped"],
+            f"TRL GRPOTrainer, tiny Qwen3 (hidden {args.hidden}), {args.reps} on/off pairs of "
+            f"{args.steps} optimizer steps; steps {step['off'] * 1000:.0f} ms off / "
+            f"{step['on'] * 1000:.0f} ms on; writer CPU "
+            f"{result['other_threads_cpu_ms_per_step_on_minus_off']:.1f} ms a step; "
+            f"training-thread CPU {result['training_thread_cpu_ratio_on_off']:.3f}x",
+        ),
         load_before,
         results=result,
     )

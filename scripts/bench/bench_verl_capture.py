@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, emit, figure, load1
+from harness import ROOT, capture_figures, emit, load1
 
 
 def _size(path: Path) -> int:
@@ -41,23 +41,16 @@ def main() -> None:
         result, args = measure()
     emit(
         args.json,
-        [
-            figure(
-                "capture overhead, verl update_actor (on / off)",
-                "<= 1.05x",
-                result["ratio"],
-                "x",
-                reps=result["per_rep_ratio"],
-                detail=(
-                    f"verl ActorRolloutRefWorker on the CPU (tiny Qwen2, fsdp2), {args.rows} "
-                    f"rows a batch, {args.reps} on/off pairs: update_actor "
-                    f"{result['update_actor_s_off']:.2f} s off / "
-                    f"{result['update_actor_s_on']:.2f} s on; CPU {result['cpu_ratio']:.3f}x; "
-                    f"bytes per step {result['bytes_ratio']:.3f}x verl's save_to_disk"
-                ),
-            ),
-            figure("verl capture: bundles dropped", "<= 0", result["dropped"], "", exact=True),
-        ],
+        capture_figures(
+            "verl update_actor",
+            result["ratio"],
+            result["per_rep_ratio"],
+            result["dropped"],
+            f"verl ActorRolloutRefWorker on the CPU (tiny Qwen2, fsdp2), {args.rows} rows a "
+            f"batch, {args.reps} on/off pairs: update_actor {result['update_actor_s_off']:.2f} s "
+            f"off / {result['update_actor_s_on']:.2f} s on; CPU {result['cpu_ratio']:.3f}x; "
+            f"bytes per step {result['bytes_ratio']:.3f}x verl's save_to_disk",
+        ),
         load_before,
         results=result,
     )

@@ -169,6 +169,18 @@ def figure(
     return out
 
 
+def capture_figures(
+    loop: str, ratio: float, reps: Sequence[float], dropped: int, detail: str
+) -> list[dict[str, Any]]:
+    """The two figures of a capture-overhead script: wall time on / off (issue 33's
+    <= 1.05x) and the bundles dropped (none, exactly)."""
+    return [
+        figure(f"capture overhead, {loop} (on / off)", "<= 1.05x", ratio, "x", reps=reps,
+               detail=detail),
+        figure(f"capture, {loop}: bundles dropped", "<= 0", dropped, "", exact=True),
+    ]  # fmt: skip
+
+
 def emit(
     path: Path | None,
     figures: list[dict[str, Any]],
