@@ -121,6 +121,9 @@ def main() -> int:
                 ratio,
                 "x",
                 reps=paired,
+                workload=total,
+                target_workload=60,  # issue 33: 60 bundles (1.2 GB)
+                workload_unit="bundles",
                 detail=(
                     f"{total} bundles, local median {med['local']:.2f} s, Ray "
                     f"{med['ray']:.2f} s (runs alternate; one warm-up each; ray.init "

@@ -79,7 +79,7 @@ FIGURES: list[Entry] = [
     Entry("store_replay", "bench_store_replay.py", (),
           ("--quick", "--reps", "1", "--samples", "16", "--mean-tokens", "64")),
     Entry("rest", "bench_rest.py", (), ("--quick", "--repeats", "1", "--rounds", "1")),
-    Entry("ray", "bench_ray.py", ("--build", "{work}/ray-store"),
+    Entry("ray", "bench_ray.py", ("--build", "{work}/ray-store", "--steps", "48"),  # 60 bundles
           ("--build", "{work}/ray-store", "--steps", "4", "--samples", "8", "--mean-tokens",
            "32", "--reps", "1")),
     Entry("mismatch", "bench_mismatch.py", ("--dir", "{work}"), ("--quick", "--dir", "{work}")),
