@@ -223,6 +223,9 @@ def main() -> int:
                     m["ratio"],
                     "ratio",
                     exact=True,  # bytes stored: the same on every run
+                    workload=int(rollouts[1]),
+                    target_workload=6,  # issue 15: gen_long_run's 6 rollouts
+                    workload_unit="rollouts",
                     detail=detail,
                 )
             )

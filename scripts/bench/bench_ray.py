@@ -116,7 +116,7 @@ def main() -> int:
         args.json,
         [
             figure(
-                f"`replay --all --record` on Ray / the local pool, {w} workers each, same store",
+                f"`replay --all` on Ray / the local pool, {w} workers each, same store",
                 f">= {TARGET}x",
                 ratio,
                 "x",

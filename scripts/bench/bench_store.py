@@ -190,7 +190,8 @@ def figures_of(
     mbps_t = logical / res["ts_median_s"] / 1e6
     mbps_x = logical / res["xet_median_s"] / 1e6
     dir_ratio = res["store_dir_bytes"] / logical
-    size = {"workload": 1.0 if full else 0.0, "target_workload": 1.0}  # the target's run?
+    size = {"workload": 1.0 if full else 0.0, "target_workload": 1.0,
+            "workload_unit": "x the target's run"}  # fmt: skip
     return [
         figure(
             f"ingest_{name}_vs_xet",
