@@ -45,7 +45,7 @@ from trajstore.replay.context import (
     is_number,
     outcome_of,
 )
-from trajstore.replay.losses import row_sums, scalar_comparer
+from trajstore.replay.losses import MicroBatch, row_sums, scalar_comparer
 from trajstore.replay.registry import CapabilityCheck, StageVariant, register_variant
 from trajstore.replay.source import BundleSource
 from trajstore.vocab import Capability, Payload, Stage, StageStatus
@@ -382,22 +382,6 @@ def estimate(b: Batch, args: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]
 
 
 # --------------------------------------------------------------------------- the loss
-
-
-@dataclass
-class MicroBatch:
-    """One call of verl's actor loss: flat per-token arrays over its samples, in order."""
-
-    micro_batch_id: str
-    lengths: np.ndarray
-    log_probs: np.ndarray
-    old_log_probs: np.ndarray
-    advantages: np.ndarray
-    mask: np.ndarray
-    info: Mapping[str, Any]
-    entropy: np.ndarray | None = None
-    ref_log_probs: np.ndarray | None = None
-    is_weights: np.ndarray | None = None
 
 
 def _clip_ratios(args: Mapping[str, Any]) -> tuple[np.float32, np.float32]:

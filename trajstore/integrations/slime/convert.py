@@ -63,20 +63,23 @@ _TEMPLATE_FIELD = re.compile(r"\{(rollout_id|rank)\}")
 
 
 @dataclass
-class RolloutDump:
+class _Dump:
+    """One slime dump file: its rollout, the pickled document and its samples."""
+
     path: Path
     rollout_id: int
     doc: dict[str, Any]
     samples: list[dict[str, Any]]
+
+
+@dataclass
+class RolloutDump(_Dump):
     evaluation: bool
 
 
 @dataclass
-class TrainDump:
-    path: Path
-    rollout_id: int
-    doc: dict[str, Any]
-    samples: list[dict[str, Any]]
+class TrainDump(_Dump):
+    pass
 
 
 # --------------------------------------------------------------------------- finding files

@@ -47,6 +47,7 @@ from trajstore.integrations.adapter import (
     plain,
     trim_routes,
 )
+from trajstore.replay.verl_math import LOSS_FIELDS
 from trajstore.vocab import Stage
 
 #: the config key of a verl bundle (index.json ``config.verl``) and the records' version
@@ -67,15 +68,9 @@ ROLLOUT_TOKEN_FIELDS: dict[str, str] = {
 }
 #: the optional per-token fields of a micro-batch record (attribute = bundle payload name)
 OPTIONAL_TOKEN_FIELDS = ("entropy", "ref_log_probs", "rollout_log_probs", "rollout_is_weights")
-#: verl's loss metrics (``actor/`` prefix dropped) that a micro-batch record keeps
-LOSS_METRICS: tuple[str, ...] = (
-    "pg_loss",
-    "pg_clipfrac",
-    "ppo_kl",
-    "pg_clipfrac_lower",
-    "entropy_loss",
-    "kl_loss",
-)
+#: verl's loss metrics (``actor/`` prefix dropped) that a micro-batch record keeps: the
+#: logged parts replay recomputes (the loss itself is recorded apart)
+LOSS_METRICS: tuple[str, ...] = tuple(name for name in LOSS_FIELDS if name != "loss")
 #: verl 0.9.1's defaults of ``actor.policy_loss`` (``PolicyLossConfig``), for keys a config omits
 POLICY_LOSS_DEFAULTS: dict[str, Any] = {
     "loss_mode": "vanilla",
@@ -93,19 +88,6 @@ BATCH_INFO: tuple[str, ...] = (
     "global_batch_size",
     "loss_scale_factor",
 )
-
-__all__ = [
-    "CONTRACT_VERSION",
-    "GROUP_KEY",
-    "KEY",
-    "ROW_KEY",
-    "MicroBatchRecord",
-    "RolloutRecord",
-    "StepRecord",
-    "algorithm_config",
-    "rollout_record",
-    "step_records",
-]
 
 
 # --------------------------------------------------------------------------- reading
