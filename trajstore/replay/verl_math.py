@@ -53,16 +53,10 @@ from trajstore.vocab import Capability, Payload, Stage, StageStatus
 #: the config key that selects these variants, their name and version
 KEY = "verl"
 VERSION = "verl-v1"
+#: verl's advantage estimators that replay transcribes (``algorithm.adv_estimator``)
 ESTIMATORS: tuple[str, ...] = (
-    "gae",
-    "grpo",
-    "grpo_passk",
-    "rloo",
-    "opo",
-    "gpg",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
+    *("gae", "grpo", "grpo_passk", "rloo", "opo", "gpg"),
+    *("reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"),
 )
 UNREPLAYABLE_ESTIMATORS: dict[str, str] = {
     "grpo_vectorized": "adv_estimator 'grpo_vectorized' is not transcribed (use grpo)",

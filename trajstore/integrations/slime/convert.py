@@ -46,6 +46,7 @@ from trajstore.integrations.slime.common import (
     EVAL_SUFFIX,
     EXT,
     ROLLOUT_ARRAYS,
+    SLIME,
     SLIME_PER_TOKEN,
     TRAIN_RECORD_FIELDS,
     TRAIN_ROUTES,
@@ -431,7 +432,7 @@ def rollout_bundle(
     sizes: dict[int, int] = {}
     for record in records:
         sizes[record["group_index"]] = sizes.get(record["group_index"], 0) + 1
-    cfg: dict[str, Any] = {EXT: {**args, "evaluation": dump.evaluation}}
+    cfg = SLIME.recompute_config(args, evaluation=dump.evaluation)
     n = args.get("n_samples_per_prompt") if args.get("args_given") else None
     if not dump.evaluation and n is not None and set(sizes.values()) == {n}:
         cfg["n_samples_per_prompt"] = n
@@ -680,7 +681,7 @@ def _step_bundle(
             record["raw_reward"] = raw
         records.append(record)
 
-    cfg: dict[str, Any] = {EXT: {**args, "steps_in_dump": steps}}
+    cfg = SLIME.recompute_config(args, steps_in_dump=steps)
     router = _router(args, payloads.get(Payload.ROLLOUT_ROUTED_EXPERTS))
     if router is not None:
         cfg["router"] = router
