@@ -15,6 +15,7 @@ import torch
 from trajstore.integrations.adapter import (
     FrameworkAdapter,
     SampleIds,
+    blank_final_rows,
     config_get,
     group_of_position,
     groups_of_uids,
@@ -26,6 +27,7 @@ from trajstore.integrations.adapter import (
     plain,
     route_dtype,
     trim_routes,
+    with_final_rows,
 )
 
 pytestmark = pytest.mark.unit
@@ -121,6 +123,20 @@ def test_route_ids_get_the_smallest_dtype_that_holds_them() -> None:
     assert route_dtype(129, signed=True) == np.int16
     with pytest.raises(ValueError, match="do not fit int32"):
         route_dtype(2**31 + 1, signed=True)
+
+
+def test_routes_of_input_positions_get_a_blank_row_for_each_last_token() -> None:
+    a = np.array([[[1, 2]], [[3, 4]]])  # 3 tokens, 2 routed input positions, 1 layer, top-2
+    b = np.array([[[5, 6]]])  # 2 tokens
+    out = with_final_rows([a, b], (1, 2), np.int8)
+    assert out.dtype == np.int8
+    assert out.reshape(-1, 2).tolist() == [[1, 2], [3, 4], [-1, -1], [5, 6], [-1, -1]]
+    train = np.array([[[1, 2]], [[3, 4]], [[7, 0]], [[5, 6]], [[2, 3]]], dtype=np.uint8)
+    blanked = blank_final_rows(train, [3, 2])
+    assert blanked.dtype == np.int16  # uint8 ids and -1 need a wider signed dtype
+    assert blanked.reshape(-1, 2).tolist() == [[1, 2], [3, 4], [-1, -1], [5, 6], [-1, -1]]
+    with pytest.raises(ValueError, match="sum to 4, the routes have 5 rows"):
+        blank_final_rows(train, [2, 2])
 
 
 class _Missing(FrameworkAdapter):

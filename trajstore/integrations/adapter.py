@@ -13,7 +13,8 @@ names its framework's fields and calls it:
 - padded to per-sample: `keep_mask`, `pack`, `per_token`, `last_token_lengths`;
 - identity: `groups_of_uids`, `group_of_position`, `SampleIds`, `micro_batch_id`;
 - config capture: `plain`, `config_get`;
-- routes: `trim_routes`, `route_dtype`;
+- routes: `trim_routes`, `route_dtype`, and for engines that route input positions only,
+  `with_final_rows` / `blank_final_rows` (the last token's row ``-1``);
 - writing: `StepRecord` and `write_step` (one step bundle of micro-batches).
 
 Nothing here imports a framework, and torch only inside the functions that take tensors
@@ -40,6 +41,7 @@ __all__ = [
     "FrameworkAdapter",
     "SampleIds",
     "StepRecord",
+    "blank_final_rows",
     "config_get",
     "cpu",
     "group_of_position",
@@ -52,6 +54,7 @@ __all__ = [
     "plain",
     "route_dtype",
     "trim_routes",
+    "with_final_rows",
     "write_step",
 ]
 
@@ -271,6 +274,34 @@ def route_dtype(num_experts: int, *, signed: bool = False) -> np.dtype:
     if num_experts <= np.iinfo(np.uint8).max:
         return np.dtype(np.uint8)
     return np.dtype(np.int16) if num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+
+
+def with_final_rows(parts: Sequence[Any], tail: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Per-sample routes with one row per *input* position (``[T_i - 1, L, K]``: an engine
+    never feeds a sample's last token back) as the bundle's ``[T, L, K]`` in ``dtype``, each
+    sample's last row ``-1`` (no route)."""
+    out = []
+    for rows in parts:
+        full = np.full((len(rows) + 1, *tail), -1, dtype=dtype)
+        full[:-1] = rows
+        out.append(full)
+    return np.concatenate(out) if out else np.zeros((0, *tail), dtype=dtype)
+
+
+def blank_final_rows(routes: Any, total_lengths: Sequence[int]) -> np.ndarray:
+    """A signed copy of ``[T, L, K]`` routes with each sample's last row ``-1``: the side of
+    a comparison whose other side has no route for that token (`with_final_rows`)."""
+    arr = np.asarray(routes)
+    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim != 3:
+        raise ValueError(f"routes must be integer [T, L, K], got {arr.dtype} {arr.shape}")
+    lengths = np.asarray(total_lengths, dtype=np.int64)
+    if (lengths < 1).any() or int(lengths.sum()) != arr.shape[0]:
+        raise ValueError(
+            f"total_lengths sum to {int(lengths.sum())}, the routes have {arr.shape[0]} rows"
+        )
+    out = arr.astype(np.promote_types(arr.dtype, np.int8), copy=True)
+    out[np.cumsum(lengths) - 1] = -1
+    return out
 
 
 # --------------------------------------------------------------------------- writing

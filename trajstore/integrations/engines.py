@@ -77,7 +77,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import EngineOutputError, UsageError
-from trajstore.integrations.adapter import route_dtype
+from trajstore.integrations.adapter import blank_final_rows, route_dtype, with_final_rows
 
 __all__ = [
     "EngineOutputError",
@@ -818,21 +818,16 @@ def rollout_routes(samples: Sequence[EngineSample], router: RouterSpec) -> np.nd
     of every sample in order, each sample's last row ``-1`` (no route: the engine never fed
     that token), in `capture_route_dtype`."""
     dtype = capture_route_dtype(router.num_experts)
-    parts = []
+    tail = (router.num_layers, router.top_k)
     for s in samples:
         if s.routes is None:
             raise UsageError(f"engines: sample {s.sample_id!r} was decoded without a RouterSpec")
-        if s.routes.shape != (s.total_length - 1, router.num_layers, router.top_k):
+        if s.routes.shape != (s.total_length - 1, *tail):
             raise UsageError(
                 f"engines: sample {s.sample_id!r} routes {list(s.routes.shape)} do not match "
                 f"{s.total_length} tokens and the RouterSpec"
             )
-        out = np.full((s.total_length, router.num_layers, router.top_k), -1, dtype=dtype)
-        out[:-1] = s.routes
-        parts.append(out)
-    if not parts:
-        return np.zeros((0, router.num_layers, router.top_k), dtype=dtype)
-    return np.concatenate(parts)
+    return with_final_rows([s.routes for s in samples], tail, dtype)
 
 
 def rollout_log_probs(samples: Sequence[EngineSample]) -> np.ndarray:
@@ -851,15 +846,7 @@ def blank_final_tokens(routes: Any, total_lengths: Sequence[int]) -> np.ndarray:
     with ``-1`` on both sides router metrics leave it out (a dense slot); ``-1`` on one side
     only is ``expert_id_out_of_range``.
     """
-    arr = np.asarray(routes)
-    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim != 3:
-        raise UsageError(f"engines: routes must be integer [T, L, K], got {arr.dtype} {arr.shape}")
-    lengths = np.asarray(total_lengths, dtype=np.int64)
-    if (lengths < 1).any() or int(lengths.sum()) != arr.shape[0]:
-        raise UsageError(
-            f"engines: total_lengths sum to {int(lengths.sum())}, the routes have {arr.shape[0]} "
-            "rows"
-        )
-    out = arr.astype(np.promote_types(arr.dtype, np.int8), copy=True)
-    out[np.cumsum(lengths) - 1] = -1
-    return out
+    try:
+        return blank_final_rows(routes, total_lengths)
+    except ValueError as exc:
+        raise UsageError(f"engines: {exc}") from None
