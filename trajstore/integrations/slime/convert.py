@@ -457,24 +457,36 @@ def rollout_bundle(
         "weight_lineage": {"rollout_weight": _weight(dump.samples), "actor_weight": None},
     }
     header = _header(dump.doc, dump.path)
-    contents = BundleContents(
-        bundle_id=f"slime-{'eval' if dump.evaluation else 'rollout'}-{r}",
-        identity=identity,
-        samples=records,
-        config=cfg,
-        payloads=payloads,
-        expected=expected,
-        stage_contracts=contracts,
-        producer=PRODUCER,
-        extensions={EXT: {**header, "kind": "rollout", "evaluation": dump.evaluation}},
-    )
     sources = [str(dump.path)] + ([str(train.path)] if post else [])
-    return FrameworkBundle(
-        run=check_run_name(run + EVAL_SUFFIX) if dump.evaluation else run,
-        child=f"replay-rollout-{r}",
-        contents=contents,
-        sources=sources,
+    run_name = check_run_name(run + EVAL_SUFFIX) if dump.evaluation else run
+    return _bundle(
+        (run_name, f"replay-rollout-{r}", sources),
+        f"slime-{'eval' if dump.evaluation else 'rollout'}-{r}",
+        (identity, records, cfg, payloads, contracts),
+        expected,
+        {**header, "kind": "rollout", "evaluation": dump.evaluation},
     )
+
+
+def _bundle(where: tuple, name: str, parts: tuple, expected: dict, ext: dict) -> FrameworkBundle:
+    """One slime bundle ``name``: ``where`` it goes (run, capture child, the dump files it
+    came from) and its contents (``parts``: identity, sample records, config, payloads,
+    stage contracts; ``ext``: what index.json keeps under ``extensions.slime``)."""
+    identity, samples, config, payloads, contracts = parts
+    # BundleContents' fields in their order: bundle_id ... stage_contracts, producer
+    contents = BundleContents(
+        name,
+        identity,
+        samples,
+        config,
+        payloads,
+        expected,
+        contracts,
+        PRODUCER,
+        extensions={EXT: ext},
+    )
+    run, child, sources = where
+    return FrameworkBundle(run=run, child=child, contents=contents, sources=sources)
 
 
 def _weight(samples: list[dict[str, Any]]) -> str | None:
@@ -708,31 +720,20 @@ def _step_bundle(
         "rank": {"dp": max(1, len(train.doc.get("dp_shards") or []))},
         "weight_lineage": {"rollout_weight": _weight(rollout.samples), "actor_weight": None},
     }
-    contents = BundleContents(
-        bundle_id=f"slime-step-{r}-{s}",
-        identity=identity,
-        samples=records,
-        config=cfg,
-        payloads=payloads,
-        expected={},
-        stage_contracts=contracts,
-        producer=PRODUCER,
-        extensions={
-            EXT: {
-                **header,
-                "kind": "train",
-                "step": s,
-                "steps": steps,
-                "num_samples": len(train.samples),
-                "derived": derived,
-            }
-        },
-    )
-    return FrameworkBundle(
-        run=run,
-        child=f"replay-{r}-{s}",
-        contents=contents,
-        sources=[str(train.path), str(rollout.path)],
+    extension = {
+        **header,
+        "kind": "train",
+        "step": s,
+        "steps": steps,
+        "num_samples": len(train.samples),
+        "derived": derived,
+    }
+    return _bundle(
+        (run, f"replay-{r}-{s}", [str(train.path), str(rollout.path)]),
+        f"slime-step-{r}-{s}",
+        (identity, records, cfg, payloads, contracts),
+        {},
+        extension,
     )
 
 
