@@ -121,6 +121,17 @@ def has_result_at(sql: Sql, stage: str, bundles: str) -> str:
     )
 
 
+def _visible(sql: Sql, alias: str, stage: str | None, **equal: Any) -> list[str]:
+    """The conditions on bundles `alias`: the latest attempt, each given column equal to
+    its value (None: any), and with `stage` the semi-join has_result_at."""
+    where = [f"{alias}.is_latest"]
+    for name, value in equal.items():
+        sql.eq(where, f"{alias}.{name}", value)
+    if stage is not None:
+        where.append(has_result_at(sql, stage, alias))
+    return where
+
+
 def latest_results(
     sql: Sql, run: str | None, kind: str | None = "step", stage: str | None = None
 ) -> str:
@@ -133,11 +144,7 @@ def latest_results(
     same while ranking ~1/10 of the results. For PostgreSQL only, here and for the steps
     (10,000 steps, loaded 2-core box, medians of 15 alternating calls: 45 vs 55 ms);
     DuckDB's full ranking is faster than the extra semi-join (47 vs 53 ms with it)."""
-    where = ["rb.is_latest"]
-    sql.eq(where, "rb.kind", kind)
-    sql.eq(where, "rb.run", run)
-    if stage is not None:
-        where.append(has_result_at(sql, stage, "rb"))
+    where = _visible(sql, "rb", stage, kind=kind, run=run)
     cohort = ", ".join(f"rb.{name}" for name in COHORT)
     return (
         f"SELECT * FROM (SELECT {cohort}, r.id AS result_id, r.bundle_key, r.status, "
@@ -161,12 +168,9 @@ def latest_attempt_steps(
     `attempt`): bundle count, sizes, publish time. With `stage`, only the steps with a
     result at that stage (see latest_results). Sums are cast to BIGINT: PostgreSQL sums
     bigints as NUMERIC (a float in JSON), DuckDB as HUGEINT."""
-    where = ["b.kind = 'step'", "b.is_latest"]
+    where = ["b.kind = 'step'"]
     sql.range(where, "b.rollout_id", rollout_from, rollout_to)
-    sql.eq(where, "b.run", run)
-    sql.eq(where, "b.attempt", attempt)
-    if stage is not None:
-        where.append(has_result_at(sql, stage, "b"))
+    where += _visible(sql, "b", stage, run=run, attempt=attempt)
     identity = ", ".join(f"b.{name}" for name in STEP_IDENTITY)
     return (
         f"SELECT {identity}, count(*) AS num_bundles, "
