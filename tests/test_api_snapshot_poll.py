@@ -22,12 +22,14 @@ from trajstore.store import Store
 pytestmark = pytest.mark.unit
 
 
-def settle(root: Path) -> None:
-    """Date the watched directories back, as if their last change were long ago."""
-    past = time.time_ns() - 10 * SETTLE_NS
+def date_dirs(root: Path, shift_ns: int) -> None:
+    """Date the watched directories' last change `shift_ns` from now (negative: long
+    ago, settled; positive: still recent when the snapshot lists them, however slow the
+    machine is in between)."""
+    when = time.time_ns() + shift_ns
     for folder in WATCHED:
         (root / folder).mkdir(parents=True, exist_ok=True)
-        os.utime(root / folder, ns=(past, past))
+        os.utime(root / folder, ns=(when, when))
 
 
 def stamp_of(folder: Path) -> tuple[int, int]:
@@ -39,7 +41,7 @@ def test_a_settled_quiet_store_is_not_listed_again(tmp_path: Path, make_bundle) 
     root = tmp_path / "store"
     with Store.open(root) as store:
         store.ingest([make_bundle(rollout_id=0, step_id=0)], run="r")
-        settle(root)
+        date_dirs(root, -10 * SETTLE_NS)
         snap = CatalogSnapshot(store, poll_s=3600)
         try:
             snap._last_sync = time.monotonic() - 60  # the 5 s backstop is due
@@ -56,7 +58,8 @@ def test_a_document_within_the_ticks_of_a_recent_change_is_still_found(
     root = tmp_path / "store"
     with Store.open(root) as store:
         store.ingest([make_bundle(rollout_id=0, step_id=0)], run="r")
-        snap = CatalogSnapshot(store, poll_s=3600)  # lists directories changed just now
+        date_dirs(root, 60 * SETTLE_NS)
+        snap = CatalogSnapshot(store, poll_s=3600)  # lists directories changed recently
         try:
             refs = root / "refs" / "bundles"
             before = stamp_of(refs)
