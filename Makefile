@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: venv test test-fast demo lint bench clean chromium
+.PHONY: venv test test-fast demo lint bench bench-quick clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,9 +41,14 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m trajstore demo demo-store
 
-# Runs every benchmark (~15 min on 2 cores) and rewrites docs/benchmarks.md's measured block.
+# Every benchmark figure in one run (3 runs of each script, hours on 2 cores) and rewrites
+# docs/benchmarks.md's generated block. `make bench ARGS="--only store,cli"` picks figures.
 bench: $(STAMP)
-	TRAJSTORE_BENCH_VIA_MAKE=1 $(PY) scripts/bench/run_all.py
+	$(PY) scripts/bench/run.py --doc $(ARGS)
+
+# The same figures on tiny sizes, once each: checks every script runs; the doc is untouched.
+bench-quick: $(STAMP)
+	$(PY) scripts/bench/run.py --quick $(ARGS)
 
 clean:
 	rm -rf $(VENV) demo-store demo-store-work

@@ -12,8 +12,7 @@ from starlette.datastructures import QueryParams
 from starlette.routing import Match
 
 from trajstore.catalog import MAX_PAGE_SIZE
-from trajstore.catalog.direct import BIGINT_MAX
-from trajstore.catalog.queries import STEP_SORTS
+from trajstore.catalog.statements import BIGINT_MAX, STEP_SORTS
 
 from .errors import error_response
 

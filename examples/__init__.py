@@ -7,6 +7,10 @@ which runs `demo`.
 - `tiny_grpo`: a tiny dense GRPO loop with optional capture (docs/capture.md);
 - `moe_grpo`: a tiny MoE GRPO loop, bf16 rollout vs fp32 training, captured into a store
   (docs/router.md);
+- `hf_moe_r3`, `trl_moe_r3`: R3 on a tiny transformers MoE, a plain loop and through TRL
+  (docs/integrations.md);
+- `runs`: the skeleton those three share (modes on the command line, each captured into
+  a store as its own run);
 - `gen_long_run`: synthetic long-run capture directories with injectable faults;
 - `oracle`: the GRPO math of docs/replay-math.md transcribed in plain PyTorch, independent of
   `trajstore.replay.kernels`, so tests and benchmarks can check the kernels against it;

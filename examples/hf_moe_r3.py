@@ -24,14 +24,20 @@ torch and transformers are imported inside functions.
 
 from __future__ import annotations
 
-import sys
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from trajstore.examples.runs import (
+    capture_run,
+    check_store,
+    mode_parser,
+    run_main,
+    selected_modes,
+)
 
-from trajstore.errors import TrajstoreError
 from trajstore.router.metrics import compute_router_metrics
 
 MODES = ("baseline", "r3")
@@ -364,63 +370,43 @@ def run_into_store(
     cfg: HFMoEConfig | None = None,
 ) -> dict[str, list[StepRecord]]:
     """Run each mode from the same seed, captured into the store as run ``<prefix><mode>``."""
-    from trajstore.capture import CaptureManager
-    from trajstore.capture.config import CaptureConfig
-    from trajstore.errors import StoreError
-    from trajstore.store import Store
-
-    with Store.open(store_dir):  # an unusable store is refused before any training
-        pass
-    out: dict[str, list[StepRecord]] = {}
-    for mode in modes:
-        run = f"{prefix}{mode}"
-        manager = CaptureManager(
-            CaptureConfig(enabled=True, store_dir=Path(store_dir), run=run, block=True)
+    check_store(store_dir)
+    return {
+        mode: capture_run(
+            store_dir, f"{prefix}{mode}", functools.partial(run_mode, mode, steps, seed, cfg=cfg)
         )
-        try:
-            out[mode] = run_mode(mode, steps, seed, manager, cfg)
-        finally:
-            stats = manager.close()
-        if stats.errors or stats.dropped:
-            raise StoreError(
-                f"capture of run {run!r} into {store_dir}: {stats.errors} writer error(s), "
-                f"{stats.dropped} dropped"
-            )
-    return out
+        for mode in modes
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m trajstore.examples.hf_moe_r3`: baseline and/or r3 into a store."""
-    import argparse
-
-    p = argparse.ArgumentParser(
-        description="GRPO on a tiny transformers Qwen3-MoE (bf16 rollout, fp32 training), "
-        "routes recorded and replayed by trajstore.integrations.hf_moe, captured into a store."
+    p = mode_parser(
+        "GRPO on a tiny transformers Qwen3-MoE (bf16 rollout, fp32 training), routes recorded "
+        "and replayed by trajstore.integrations.hf_moe, captured into a store.",
+        MODES,
+        steps=4,
+        prefix=RUN_PREFIX,
     )
-    p.add_argument("--store", required=True, help="store directory (created if absent)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix", default=RUN_PREFIX, help="run name prefix (default: hf-)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
-    modes = MODES if args.mode == "both" else (args.mode,)
-    try:
+    modes = selected_modes(args, MODES)
+
+    def body() -> int:
         records = run_into_store(
             args.store, modes, steps=args.steps, seed=args.seed, prefix=args.prefix
         )
-    except TrajstoreError as exc:  # one line, the CLI's exit code (docs/cli.md)
-        print(f"hf_moe_r3: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    for mode, recs in records.items():
-        mis = [r.metrics["route_mismatch_rate"] for r in recs]
-        print(
-            f"{mode}: {len(recs)} steps into run {args.prefix + mode!r}; producer "
-            f"route_mismatch_rate {min(mis):.4g}-{max(mis):.4g}; mean task reward "
-            f"{float(np.mean([r.rewards.mean() for r in recs])):.3f}"
-        )
-    return 0
+        for mode, recs in records.items():
+            mis = [r.metrics["route_mismatch_rate"] for r in recs]
+            print(
+                f"{mode}: {len(recs)} steps into run {args.prefix + mode!r}; producer "
+                f"route_mismatch_rate {min(mis):.4g}-{max(mis):.4g}; mean task reward "
+                f"{float(np.mean([r.rewards.mean() for r in recs])):.3f}"
+            )
+        return 0
+
+    return run_main("hf_moe_r3", body)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from trajstore.examples.runs import capture_run, mode_parser, selected_modes
 
 from trajstore.router.metrics import compute_router_metrics
 
@@ -465,18 +466,11 @@ def run_into_store(
     store_dir = Path(store_dir)
     for mode in modes:
         if via == "capture":
-            from trajstore.capture import CaptureManager
-            from trajstore.capture.config import CaptureConfig
 
-            manager = CaptureManager(
-                CaptureConfig(enabled=True, store_dir=store_dir, run=mode, block=True)
-            )
-            try:
-                out[mode] = run_toy(mode, steps, seed, capture_sink(manager), cfg, run=mode)
-            finally:
-                stats = manager.close()
-            if stats.errors or stats.dropped:
-                raise RuntimeError(f"capture of run {mode!r}: {stats}")
+            def train(manager: Any, mode: str = mode) -> list[StepRecord]:
+                return run_toy(mode, steps, seed, capture_sink(manager), cfg, run=mode)
+
+            out[mode] = capture_run(store_dir, mode, train)
         elif via == "dir":
             import tempfile
 
@@ -495,17 +489,11 @@ def run_into_store(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m trajstore.examples.moe_grpo`: run the modes into a store."""
-    import argparse
-
-    p = argparse.ArgumentParser(
-        description=(
-            "Tiny MoE GRPO run (bf16 rollout, fp32 training) captured into a trajstore store."
-        )
+    p = mode_parser(
+        "Tiny MoE GRPO run (bf16 rollout, fp32 training) captured into a trajstore store.",
+        MODES,
+        steps=20,
     )
-    p.add_argument("--store", required=True, help="store directory (created if absent)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--via",
         choices=("capture", "dir"),
@@ -516,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     args = p.parse_args(argv)
-    modes = MODES if args.mode == "both" else (args.mode,)
+    modes = selected_modes(args, MODES)
     records = run_into_store(args.store, modes, steps=args.steps, seed=args.seed, via=args.via)
     for mode, recs in records.items():
         mis = [r.metrics["route_mismatch_rate"] for r in recs]

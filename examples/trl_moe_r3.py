@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trajstore.errors import TrajstoreError
+from trajstore.examples.runs import (
+    capture_run,
+    check_store,
+    mode_parser,
+    run_main,
+    selected_modes,
+)
 
 MODES = ("baseline", "r3")
 RUN_PREFIX = "trl-"
@@ -375,49 +380,32 @@ def run_into_store(
     """Each mode from the same seed, captured into the store as run ``<prefix><mode>``."""
     import tempfile
 
-    from trajstore.capture import CaptureManager
-    from trajstore.capture.config import CaptureConfig
-    from trajstore.errors import StoreError
-    from trajstore.store import Store
-
-    with Store.open(store_dir):  # an unusable store is refused before any training
-        pass
-    out = {}
+    check_store(store_dir)
     with tempfile.TemporaryDirectory(prefix="trl-moe-r3-") as work:
-        for mode in modes:
-            run = f"{prefix}{mode}"
-            manager = CaptureManager(
-                CaptureConfig(enabled=True, store_dir=Path(store_dir), run=run, block=True)
+        return {
+            mode: capture_run(
+                store_dir,
+                f"{prefix}{mode}",
+                functools.partial(train_mode, mode, steps, seed, workdir=work),
+                require_written=True,
             )
-            try:
-                out[mode] = train_mode(mode, steps, seed, manager, work)
-            finally:
-                stats = manager.close()
-            if stats.errors or stats.dropped or not stats.written:
-                raise StoreError(
-                    f"capture of run {run!r} into {store_dir}: {stats.written} written, "
-                    f"{stats.errors} writer error(s), {stats.dropped} dropped"
-                )
-    return out
+            for mode in modes
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m trajstore.examples.trl_moe_r3`: baseline and/or r3 into a store."""
-    import argparse
-
-    p = argparse.ArgumentParser(
-        description="TRL GRPO on a tiny transformers Qwen3-MoE with a bf16 rollout engine, "
-        "baseline vs R3 (trajstore.integrations.hf_moe), captured into a store."
+    p = mode_parser(
+        "TRL GRPO on a tiny transformers Qwen3-MoE with a bf16 rollout engine, baseline vs R3 "
+        "(trajstore.integrations.hf_moe), captured into a store.",
+        MODES,
+        steps=3,
+        prefix=RUN_PREFIX,
     )
-    p.add_argument("--store", required=True, help="store directory (created if absent)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix", default=RUN_PREFIX, help="run name prefix (default: trl-)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
-    modes = MODES if args.mode == "both" else (args.mode,)
+    modes = selected_modes(args, MODES)
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -425,20 +413,20 @@ def main(argv: list[str] | None = None) -> int:
     # transformers/TRL deprecation chatter about their own defaults, not about this run
     warnings.filterwarnings("ignore", category=FutureWarning)
     hf_logging.set_verbosity_error()
-    try:
+
+    def body() -> int:
         trainers = run_into_store(
             args.store, modes, steps=args.steps, seed=args.seed, prefix=args.prefix
         )
-    except TrajstoreError as exc:  # one line, the CLI's exit code (docs/cli.md)
-        print(f"trl_moe_r3: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    for mode, trainer in trainers.items():
-        losses = [f"{e['loss']:.4g}" for e in trainer.state.log_history if "loss" in e]
-        print(
-            f"{mode}: {args.steps} TRL GRPO steps captured into run {args.prefix + mode!r}; "
-            f"TRL's logged loss per step: {', '.join(losses)}"
-        )
-    return 0
+        for mode, trainer in trainers.items():
+            losses = [f"{e['loss']:.4g}" for e in trainer.state.log_history if "loss" in e]
+            print(
+                f"{mode}: {args.steps} TRL GRPO steps captured into run {args.prefix + mode!r}; "
+                f"TRL's logged loss per step: {', '.join(losses)}"
+            )
+        return 0
+
+    return run_main("trl_moe_r3", body)
 
 
 if __name__ == "__main__":

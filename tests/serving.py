@@ -2,7 +2,7 @@
 that need a real server.
 
 One helper for every such test (hostile clients, races, huge payloads, multiple workers) and
-benchmark (scripts/bench: load, huge inputs, buffered bodies): start the command, wait until it
+benchmark (scripts/bench: load, huge inputs): start the command, wait until it
 answers HTTP, hand out (pid, port), and stop it with SIGINT (kill after 30 s).
 TRAJSTORE_API_TOKEN is dropped from the environment unless `token` is given.
 """

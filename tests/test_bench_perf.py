@@ -1,9 +1,11 @@
-"""scripts/bench/bench_perf.py, the issue-15 aggregator, on small scripts in a temp dir.
+"""scripts/bench/run.py (`make bench`), the one runner of every figure, on small scripts in
+a temp dir.
 
-The real benchmarks take minutes; what is checked here is the aggregator's own
-contract: every script's figures reach the table, a script that is missing,
-fails or writes a bad document is a row saying so (the others still run, the
-exit status says one failed), and `--doc` rewrites only its block.
+The real benchmarks take minutes; what is checked here is the runner's own contract:
+every script's figures reach the table, a script that is missing, fails or writes a bad
+document is a row saying so (the others still run, the exit status says one failed),
+`--doc` rewrites only its block, and the verdict is the rule of verdicts.py over the
+runs, never a script's own `met`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
-PERF = ROOT / "scripts" / "bench" / "bench_perf.py"
+PERF = ROOT / "scripts" / "bench" / "run.py"
 
 WRITES = """import json, sys
 out = sys.argv[sys.argv.index("--json") + 1]
@@ -66,10 +68,7 @@ SCRIPTS = {
 }
 DOC = """# Benchmarks
 
-<!-- run_all: begin -->
-## Latest run
-numbers
-<!-- run_all: end -->
+Targets and how to reproduce.
 
 ## Another section
 
@@ -117,6 +116,7 @@ def test_each_script_gives_its_figures_or_a_row_saying_why_not(bench: Path, tmp_
     assert any("bench_dedup.py" in x and "exit 3" in x and "boom" in x for x in lines)
     assert any("bench_cli.py" in x and "'met'" in x for x in lines)
     assert any("bench_store_replay.py" in x and "missing" in x for x in lines)
+    assert any("bench_scale.py" in x and "missing" in x for x in lines)  # every figure has a row
 
 
 def test_doc_rewrites_only_its_block(bench: Path, tmp_path: Path) -> None:
@@ -124,18 +124,19 @@ def test_doc_rewrites_only_its_block(bench: Path, tmp_path: Path) -> None:
     doc.write_text(DOC)
     perf(bench, tmp_path, "--doc", "--doc-path", str(doc))
     first = doc.read_text()
-    assert first.startswith(DOC.split("\n## Another")[0])
-    assert first.endswith("## Another section\n\ntext\n")
-    assert first.index("<!-- run_all: end -->") < first.index("## Performance (issue 15)")
+    assert first.startswith(DOC)
+    assert first.index("## Another section") < first.index("## Latest run")
     assert "| small bundles | >= 0.7x | 0.5x | **missed** |" in first
+    first = first.replace("<!-- bench: end -->", "<!-- bench: end -->\n\n## After\n\nmore\n")
+    doc.write_text(first)
     (bench / "bench_store.py").write_text(SCRIPTS["bench_store.py"].replace("1.25", "2.5"))
     perf(bench, tmp_path, "--doc", "--doc-path", str(doc))
     second = doc.read_text()
-    assert second.count("<!-- perf: begin -->") == second.count("## Performance (issue 15)") == 1
+    assert second.count("<!-- bench: begin -->") == second.count("## Latest run") == 1
     assert "2.5x" in second and "1.25x" not in second
-    outside = [t.split("<!-- perf: begin -->")[0] for t in (first, second)]
+    outside = [t.split("<!-- bench: begin -->")[0] for t in (first, second)]
     assert outside[0] == outside[1]
-    assert first.split("<!-- perf: end -->")[1] == second.split("<!-- perf: end -->")[1]
+    assert first.split("<!-- bench: end -->")[1] == second.split("<!-- bench: end -->")[1]
 
 
 NOISY = """import json, sys

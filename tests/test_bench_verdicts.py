@@ -83,3 +83,26 @@ def test_an_exact_figure_is_decided_by_its_one_value() -> None:
 def test_an_unknown_comparison_is_refused() -> None:
     with pytest.raises(ValueError, match="op must be"):
         Target(1.0, "<")
+
+
+def test_the_runner_judges_a_figure_over_every_run_at_its_workload() -> None:
+    """harness.Result.verdict (what `make bench` prints) applies the rule to a figure as a
+    script writes it (harness.figure): the repetitions of every run together, and a run on
+    a smaller store than the target names is not measured, whatever its value."""
+    from harness import Result, check_document, figure
+
+    def run(value: float, steps: int) -> Result:
+        f = figure("ls", "<= 0.3 s on a 100,000-step store", value, "s", reps=[value] * 3,
+                   workload=steps, target_workload=100_000, workload_unit="steps")  # fmt: skip
+        return Result("scale", "bench_scale.py", "cmd", figures=check_document({"figures": [f]}))
+
+    small = run(0.1, 2_000)
+    assert small.figures[0]["met"] is False  # the script's own reading agrees
+    assert small.verdict(small.figures[0]).cell() == (
+        "not measured (measured on 2,000 steps, target at 100,000 steps)"
+    )
+    full = run(0.2, 100_000)
+    full.reps = [run(0.21, 100_000), run(0.19, 100_000)]
+    assert full.verdict(full.figures[0]).status == MET
+    full.reps.append(run(0.6, 100_000))  # one run far off: the spread covers the margin
+    assert full.verdict(full.figures[0]).status == INCONCLUSIVE

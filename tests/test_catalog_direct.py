@@ -1,11 +1,12 @@
 """trajstore.catalog.direct: the CLI's reader of a store's DuckDB catalog.
 
-Its statements are written out by hand from those trajstore.catalog.queries builds
-with SQLAlchemy; here both answer every filter the CLI passes on the same catalog
-(more than a page of each: bundles, steps, results, divergences, a tombstone, ranks),
-row for row, value for value. And the listing record that lets a reader skip a sync
-notices every created or removed document, whether the directory's stat or its names
-answer.
+It runs the shared statements (trajstore.catalog.statements) whole through the `duckdb`
+module; SQLAlchemy runs them a page at a time (trajstore.catalog.queries). Here both
+answer every filter the CLI passes on the same catalog (more than a page of each:
+bundles, steps, results, divergences, a tombstone, ranks), row for row, value for value
+(on PostgreSQL: tests/test_catalog_direct_pg.py). And the listing record that lets a
+reader skip a sync notices every created or removed document, whether the directory's
+stat or its names answer.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ def bench_catalog() -> Any:
     return module
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("direct") / "store"
+def build_store(root: Path) -> dict:
+    """A store of BUNDLES bundles with results, ranks and a tombstone; its documents."""
     docs, _ = bench_catalog().build_store(root, BUNDLES)
     (root / "TRAJSTORE_STORE").write_bytes(b"trajstore store, layout 1\n")
     (root / "refs" / "tombstones").mkdir()
@@ -59,6 +59,13 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "refs" / "tombstones" / f"{2_000_000_000_000_000_000:020d}-1-00.json").write_text(
         json.dumps(tombstone)
     )
+    return docs
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("direct") / "store"
+    docs = build_store(root)
     with open_catalog(root) as cat:
         sync_catalog(cat, root, docs.__getitem__)
     return root

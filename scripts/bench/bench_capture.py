@@ -19,7 +19,6 @@ target is <= 1.05x with no drops at the default queue size.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import capture_figures, emit, load1
 from trajstore.examples import tiny_grpo
 
 from trajstore.capture import CaptureConfig, CaptureManager
@@ -100,8 +100,9 @@ def main() -> int:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
     )
-    ap.add_argument("--json", type=Path, help="write the results here as JSON")
+    ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = ap.parse_args()
+    load_before = load1()
     import torch
 
     if args.threads:
@@ -168,29 +169,46 @@ def main() -> int:
         f"bundles written {written}, dropped {drops} (queue size {args.queue_size}), "
         f"close() flush median {statistics.median(flushes) * 1e3:.1f} ms"
     )
-    if args.json:
-        res = {
-            "hidden": args.hidden,
-            "vocab": args.vocab,
-            "samples_per_rollout": args.prompts * args.samples,
-            "max_response": args.max_response,
-            "steps_per_block": steps,
-            "reps": args.reps,
-            "torch_threads": torch.get_num_threads(),
-            "step_off_ms": statistics.median(off_med) * 1e3,
-            "step_on_ms": statistics.median(on_med) * 1e3,
-            "block_ratio": statistics.median(block_ratios),
-            "block_ratios": block_ratios,
-            "step_ratio": statistics.median(ratios),
-            "step_ratios": ratios,
-            "fastest_ratio": best[True] / best[False],
-            "cpu_ratio": statistics.median(cpu_med[True]) / statistics.median(cpu_med[False]),
-            "written": written,
-            "dropped": drops,
-            "queue_size": args.queue_size,
-            "flush_ms": statistics.median(flushes) * 1e3,
-        }
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    res = {
+        "hidden": args.hidden,
+        "vocab": args.vocab,
+        "samples_per_rollout": args.prompts * args.samples,
+        "max_response": args.max_response,
+        "steps_per_block": steps,
+        "reps": args.reps,
+        "torch_threads": torch.get_num_threads(),
+        "step_off_ms": statistics.median(off_med) * 1e3,
+        "step_on_ms": statistics.median(on_med) * 1e3,
+        "block_ratio": statistics.median(block_ratios),
+        "block_ratios": block_ratios,
+        "step_ratio": statistics.median(ratios),
+        "step_ratios": ratios,
+        "fastest_ratio": best[True] / best[False],
+        "cpu_ratio": statistics.median(cpu_med[True]) / statistics.median(cpu_med[False]),
+        "written": written,
+        "dropped": drops,
+        "queue_size": args.queue_size,
+        "flush_ms": statistics.median(flushes) * 1e3,
+    }
+    detail = (
+        f"tiny CPU GRPO loop, hidden {args.hidden}, {args.prompts * args.samples} samples x <= "
+        f"{args.max_response} tokens, {steps} steps per block, torch threads "
+        f"{torch.get_num_threads()}; step off / on {res['step_off_ms']:.1f} / "
+        f"{res['step_on_ms']:.1f} ms; training-thread CPU {res['cpu_ratio']:.3f}x; "
+        f"{written} bundles written, flush {res['flush_ms']:.1f} ms"
+    )
+    emit(
+        args.json,
+        capture_figures(
+            "tiny GRPO loop, whole block incl. final flush",
+            res["block_ratio"],
+            block_ratios,
+            drops,
+            detail,
+        ),
+        load_before,
+        results=res,
+    )
     return 0
 
 

@@ -14,9 +14,13 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads this file
+import harness  # noqa: E402
 
 from trajstore.catalog import (
     lookup_step,
@@ -131,12 +135,7 @@ def build_store(
 
 def timed(fn, repeat: int) -> tuple[float, float, float]:
     """Median, p95 and p99 in ms (p99 is nearly the max for 30 repeats)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
+    times = sorted(x * 1000 for x in harness.repeat(fn, repeat))
     return (
         statistics.median(times),
         times[int(len(times) * 0.95) - 1],
@@ -145,10 +144,13 @@ def timed(fn, repeat: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundles", type=int, default=10_000)
     ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = ap.parse_args()
+    load_before = harness.load1()
+    found: dict[str, tuple[float, float, float]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp) / "store"
         t0 = time.perf_counter()
@@ -157,7 +159,8 @@ def main() -> None:
         t0 = time.perf_counter()
         with open_catalog(root) as cat:
             st = sync_catalog(cat, root, docs.__getitem__)
-        print(f"sync {st} in {time.perf_counter() - t0:.1f}s")
+        sync_s = time.perf_counter() - t0
+        print(f"sync {st} in {sync_s:.1f}s")
         rng = random.Random(1)
         max_rollout = rollouts - 1
         with open_catalog(root) as cat:
@@ -166,10 +169,10 @@ def main() -> None:
             def one_lookup():
                 assert lookup_step(cat, "bench", rng.randint(0, max_rollout), rng.randint(0, 3))
 
-            med, p95, p99 = timed(one_lookup, 300)
+            med, p95, p99 = found["lookup"] = timed(one_lookup, 300)
             print(f"lookup_step: median {med:.2f} ms, p95 {p95:.2f} ms, p99 {p99:.2f} ms")
             hits = query_steps(cat, first_divergent_stage="advantage.estimate", limit=1000)
-            med, p95, p99 = timed(
+            med, p95, p99 = found["query"] = timed(
                 lambda: query_steps(cat, first_divergent_stage="advantage.estimate", limit=1000),
                 30,
             )
@@ -198,6 +201,33 @@ def main() -> None:
                 f"lookup_step on snapshot: median {med:.2f} ms, p95 {p95:.2f} ms, p99 {p99:.2f} ms"
             )
             snap.close()
+    size = f"{args.bundles:,} synthetic step refs, one result each, 10% diverged"
+    q, lk = found["query"], found["lookup"]
+    harness.emit(
+        args.json,
+        [
+            harness.figure(
+                "divergence query `query_steps(first_divergent_stage=..., limit=1000)` p99",
+                "<= 100 ms at 10,000 steps",
+                q[2],
+                "ms",
+                workload=args.bundles,
+                target_workload=10_000,
+                detail=f"{size}: {len(hits['items'])} rows, median {q[0]:.1f} ms (30 runs)",
+            ),
+            harness.figure(
+                "`catalog.lookup_step` by actor step id, p99",
+                "<= 10 ms at 10,000 steps",
+                lk[2],
+                "ms",
+                workload=args.bundles,
+                target_workload=10_000,
+                detail=f"{size}: 300 random lookups, median {lk[0]:.2f} ms",
+            ),
+        ],
+        load_before,
+        sync_s=sync_s,
+    )
 
 
 if __name__ == "__main__":

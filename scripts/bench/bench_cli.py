@@ -21,7 +21,6 @@ says; a first untimed run of each command fills it. Reported: median and p90 per
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_catalog import build_store  # noqa: E402
+from harness import emit, figure, load1  # noqa: E402
 
 TARGET_S = 0.3
 
@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     steps = args.steps or (1000 if args.quick else 10_000)
     runs = args.runs or (5 if args.quick else 9)
-    load_before = os.getloadavg()[0]
+    load_before = load1()
 
     tmp = None
     if args.dir is None:
@@ -130,7 +130,6 @@ def main() -> None:
         "sql": [*base, "sql", "SELECT count(*) AS n FROM bundles", "--store", str(root)],
     }
     times = time_commands(commands, runs)
-    load_after = os.getloadavg()[0]
 
     med = {name: statistics.median(ts) for name, ts in times.items()}
     print(f"{'command':18} {'median s':>9} {'p90 s':>7}")
@@ -139,31 +138,23 @@ def main() -> None:
     figures = []
     for name in ("ls", "query steps", "sql"):
         figures.append(
-            {
-                "name": f"trajstore {name}, whole command wall time",
-                "target": f"<= {TARGET_S} s on a 10,000-step store",
-                "value": round(med[name], 4),
-                "unit": "s",
-                "met": med[name] <= TARGET_S and n_steps >= 10_000,
-                "reps": [round(t, 4) for t in times[name]],
-                "workload": n_steps,
-                "target_workload": 10_000,
-                "detail": (
+            figure(
+                f"trajstore {name}, whole command wall time",
+                f"<= {TARGET_S} s on a 10,000-step store",
+                med[name],
+                "s",
+                reps=times[name],
+                workload=n_steps,
+                target_workload=10_000,
+                detail=(
                     f"median of {runs} fresh processes on {n_steps} steps (p90 "
                     f"{p90(times[name]):.3f} s); baseline in the same rounds: python -c pass "
                     f"{med['python -c pass']:.3f} s, trajstore --help "
                     f"{med['trajstore --help']:.3f} s"
                 ),
-            }
+            )
         )
-    out = {
-        "figures": figures,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "load": [round(load_before, 2), round(load_after, 2)],
-    }
-    print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    emit(args.json, figures, load_before)
     if tmp is not None:
         tmp.cleanup()
 

@@ -35,8 +35,6 @@ shapes.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -48,6 +46,7 @@ from typing import Any
 import numpy as np
 import zstandard
 from blake3 import blake3
+from harness import emit, figure, load1, machine_line
 
 ROUTES_BASE = {"train_routed_experts": "rollout_routed_experts"}
 
@@ -183,7 +182,7 @@ def table(title: str, m: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 rollouts per run (< 2 min)")
-    ap.add_argument("--json", type=Path, help="write the issue-15 figures here")
+    ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     ap.add_argument(
         "--workdir", type=Path, help="temp files under this directory (created if missing)"
     )
@@ -191,7 +190,7 @@ def main() -> int:
         "--no-shared", action="store_true", help="skip the shared-prefill run (information only)"
     )
     args = ap.parse_args()
-    load0 = os.getloadavg()[0]
+    load0 = load1()
     rollouts = ["--rollouts", "2" if args.quick else "6", "--steps", "4", "--resumed", "0.1"]
     runs = [
         ("routed", "<= 0.23", 0.23, [*rollouts, "--samples", "128", "--routes"]),
@@ -203,7 +202,7 @@ def main() -> int:
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     figures = []
-    print(f"machine: nproc {os.cpu_count()}, load {load0:.2f}")
+    print(f"machine: {machine_line()}, load {load0:.2f}")
     for name, target, limit, gen_args in runs:
         with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
             cap = Path(tmp) / "capture"
@@ -218,30 +217,21 @@ def main() -> int:
         )
         if limit is not None:
             figures.append(
-                {
-                    "name": f"physical/logical bytes, {name} run",
-                    "target": target,
-                    "value": round(m["ratio"], 4),
-                    "unit": "ratio",
-                    "met": m["ratio"] <= limit,
-                    "exact": True,  # bytes stored: the same on every run
-                    "detail": detail,
-                }
+                figure(
+                    f"physical/logical bytes, {name} run",
+                    target,
+                    m["ratio"],
+                    "ratio",
+                    exact=True,  # bytes stored: the same on every run
+                    workload=int(rollouts[1]),
+                    target_workload=6,  # issue 15: gen_long_run's 6 rollouts
+                    workload_unit="rollouts",
+                    detail=detail,
+                )
             )
         else:
             print(f"(information only) {detail}")
-    load1 = os.getloadavg()[0]
-    print(f"\nmachine after: load {load1:.2f}")
-    for f in figures:
-        # bytes stored are exact (the same every run): one run decides
-        print(f"{f['name']}: {f['value']} (target {f['target']}) {'met' if f['met'] else 'MISSED'}")
-    if args.json:
-        doc = {
-            "figures": figures,
-            "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-            "load": [load0, load1],
-        }
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    emit(args.json, figures, load0)
     return 0
 
 

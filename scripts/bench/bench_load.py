@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -48,6 +47,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the serve helper the tests use
+from harness import emit, figure, load1  # noqa: E402
 from serving import served  # noqa: E402
 
 RUN = "bench"
@@ -217,7 +217,7 @@ def main() -> int:
         raise SystemExit("wrk not found (apt-get install -y wrk)")
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-load-"))
     root.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
+    load_before = load1()
     try:
         t0 = time.perf_counter()
         plan = build(root, args.steps, args.steps_per_rollout, args.batches, args.batch)
@@ -277,7 +277,6 @@ def main() -> int:
     during = summary(result)
     errors = during["non_2xx"] + sum(during["socket_errors"].values())
     doc = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "wrk": " ".join(cmd[:-1] + ["URL"]),
         "store": {"bundles": plan["bundles"], "steps": plan["steps"], "payload_urls": len(paths)},
         "during_ingest": during,
@@ -296,13 +295,19 @@ def main() -> int:
             "new_bundles_served_afterwards": served_live,
         },
         "server_peak_rss_mb": rss,
-        "load": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "cpus": os.cpu_count(),
         "errors": errors,
     }
     print(json.dumps(doc, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    fig = figure(
+        "requests failed during an ingest (non-2xx + socket errors)",
+        "<= 0",
+        errors,
+        "",
+        exact=True,  # a count
+        detail=f"wrk {' '.join(cmd[1:-1])}, while `trajstore ingest` published "
+        f"{ingest['bundles']} bundles; p99 {during['latency_ms']['p99']:.0f} ms",
+    )
+    emit(args.json, [fig], load_before, **doc)
     return 0 if doc["errors"] == 0 and doc["ingest"]["exit_codes_nonzero"] == 0 else 1
 
 

@@ -15,8 +15,8 @@ what computing the sums costs an ingest.
 
     .venv/bin/python scripts/bench/bench_mismatch.py [--steps 10000] [--ingest-bundles 8]
 
-Tiny smoke run (proves the script works; no figure): --steps 200 --ingest-bundles 2
---requests 20 --repeats 1.
+Tiny smoke run (proves the script works; no figure): --quick (--steps 200 --ingest-bundles 2
+--requests 20 --repeats 1 --commands 2). `--json PATH` writes the figures (harness.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import httpx
 import numpy as np
 
@@ -244,7 +245,14 @@ def main() -> int:
     ap.add_argument("--resp", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="the tiny smoke sizes below")
+    ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.ingest_bundles, args.requests, args.repeats = 200, 2, 20, 1
+        args.commands = 2
+    load_before = harness.load1()
+    size = {"workload": args.steps, "target_workload": 10_000}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp) / "store"
         docs = build_store(root, args.steps)
@@ -264,8 +272,10 @@ def main() -> int:
             with httpx.Client(base_url=url, timeout=60) as client:
                 med, p99 = p99_ms(client, "/v1/runs/bench/mismatch", {"top": 20}, args.requests)
                 print(f"REST mismatch?top=20: median {med:.1f} ms, p99 {p99:.1f} ms (<= 50 ms)")
+                rest = [(p99, "?top=20", med)]
                 med, p99 = p99_ms(client, "/v1/runs/bench/mismatch", {"limit": 100}, args.requests)
                 print(f"REST mismatch?limit=100: median {med:.1f} ms, p99 {p99:.1f} ms (<= 50 ms)")
+                rest.append((p99, "?limit=100", med))
                 secs, rows, cells = chart_fetch_s(client, "old_kl_k3")
                 print(f"web chart data: {rows} steps + {cells} heat-map cells in {secs:.2f} s")
         finally:
@@ -276,6 +286,46 @@ def main() -> int:
             f"ingest of {args.ingest_bundles} MoE bundles: {with_s:.2f} s with the mismatch "
             f"sums, {ratio:.3f}x the ingest without them (target <= 1.05x)"
         )
+    commands = [(top, "--top 20"), (first, "--first-above 0.03")]
+    harness.emit(
+        args.json,
+        [
+            *(
+                harness.figure(
+                    f"`trajstore query mismatch {what}`, whole command wall time",
+                    "<= 0.3 s at 10,000 steps",
+                    wall,
+                    "s",
+                    **size,
+                    detail=f"median of {args.commands} fresh processes on {args.steps} steps",
+                )
+                for wall, what in commands
+            ),
+            *(
+                harness.figure(
+                    f"`GET /v1/runs/{{run}}/mismatch{what}` p99",
+                    "<= 50 ms at 10,000 steps",
+                    p99,
+                    "ms",
+                    **size,
+                    detail=f"{args.requests} requests, median {med:.1f} ms",
+                )
+                for p99, what, med in rest
+            ),
+            harness.figure(
+                "ingest with the mismatch sums / without them",
+                "<= 1.05x",
+                ratio,
+                "x",
+                detail=(
+                    f"{args.ingest_bundles} MoE bundles (routes [T, 48, 8], four log-prob "
+                    f"payloads), best of {args.repeats} each: {with_s:.2f} s with the sums"
+                ),
+            ),
+        ],
+        load_before,
+        chart_fetch_s=secs,
+    )
     return 0
 
 

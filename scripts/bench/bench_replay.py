@@ -23,17 +23,15 @@ inflates far less than wall time; the load average is printed for context.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import harness
 import numpy as np
 
 from trajstore.bundle.writer import BundleContents, default_stage_contracts, write_bundle
@@ -118,15 +116,14 @@ def synth_contents(n_samples: int, mean_tokens: int = 1024, seed: int = 0) -> Bu
     )
 
 
-def timed(fn, repeat: int) -> tuple[float, object]:  # noqa: ANN001
-    """Median wall seconds of ``fn()`` over ``repeat`` runs, after one warm-up."""
+def timed(fn, repeat: int, times: list[float] | None = None) -> tuple[float, object]:  # noqa: ANN001
+    """Median wall seconds of ``fn()`` over ``repeat`` runs (kept in `times`) and the result
+    of the warm-up run before them."""
     result = fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+    out = harness.repeat(fn, repeat)
+    if times is not None:
+        times.extend(out)
+    return statistics.median(out), result
 
 
 def _note(sink: list[float], result: tuple[int, float]) -> tuple[int, float]:
@@ -152,30 +149,24 @@ def replay_in_process(bundle: Path) -> int:
     return report.exit_code
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--keep", type=Path, help="write the bundles here and keep them")
+    ap.add_argument("--small", action="store_true", help="32- and 16-sample steps (smoke)")
+    ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = ap.parse_args()
+    load_before = harness.load1()
+    n_big, n_small = (32, 16) if args.small else (512, 256)
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-replay-"))
     exe = Path(sys.executable).parent / "trajstore"
     try:
-        big = root / "step-512"
-        small = root / "step-256"
+        big = root / f"step-{n_big}"
+        small = root / f"step-{n_small}"
         if not big.exists():
-            write_bundle(big, synth_contents(512, seed=1))
+            write_bundle(big, synth_contents(n_big, seed=1))
         if not small.exists():
-            write_bundle(small, synth_contents(256, seed=2))
+            write_bundle(small, synth_contents(n_small, seed=2))
         tokens = load_all(big)
         size = sum(f.stat().st_size for f in (big / "payloads").glob("*.pt"))
 
@@ -195,31 +186,55 @@ def main() -> int:
             return code, cpu
 
         cpu_cli: list[float] = []
-        t_cli, (code, _) = timed(lambda: _note(cpu_cli, cli("replay", str(small))), args.repeat)
+        wall_cli: list[float] = []
+        t_cli, (code, _) = timed(
+            lambda: _note(cpu_cli, cli("replay", str(small))), args.repeat, wall_cli
+        )
         if code != 0:
             print(f"trajstore replay exited {code}", file=sys.stderr)
             return 1
         cpu_help: list[float] = []
         t_help, _ = timed(lambda: _note(cpu_help, cli("--help")), args.repeat)
 
+        print(f"machine: {harness.machine_line()}")
         print(
-            f"machine: {os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu_model()}"
+            f"{n_big}-sample step: {tokens // 6} response tokens, 6 payloads, "
+            f"{size / 2**20:.1f} MiB"
         )
-        print(f"python {platform.python_version()}, numpy {np.__version__}")
-        print(f"512-sample step: {tokens // 6} response tokens, 6 payloads, {size / 2**20:.1f} MiB")
         print(f"  load (torch.load of every payload)   {t_load * 1e3:8.1f} ms")
         print(f"  replay in process (gate + 6 stages)  {t_replay * 1e3:8.1f} ms")
         print(f"  replay / load ratio                  {t_replay / t_load:8.2f}")
-        print(f"256-sample step, replay in process     {t_replay_256 * 1e3:8.1f} ms")
+        print(f"{n_small}-sample step, replay in process     {t_replay_256 * 1e3:8.1f} ms")
         print(
-            f"`trajstore replay` 256 samples (CLI)   {t_cli * 1e3:8.1f} ms wall, "
+            f"`trajstore replay` {n_small} samples (CLI)   {t_cli * 1e3:8.1f} ms wall, "
             f"{statistics.median(cpu_cli) * 1e3:.1f} ms CPU   (target <= 700 ms wall)"
         )
         print(
             f"`trajstore --help`                     {t_help * 1e3:8.1f} ms wall, "
             f"{statistics.median(cpu_help) * 1e3:.1f} ms CPU"
         )
-        print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        harness.emit(
+            args.json,
+            [
+                harness.figure(
+                    f"`trajstore replay` of a {n_small}-sample step, whole command wall time",
+                    "<= 700 ms on a 256-sample step",
+                    t_cli * 1e3,
+                    "ms",
+                    reps=[x * 1e3 for x in wall_cli],
+                    workload=n_small,
+                    target_workload=256,
+                    detail=(
+                        f"median of {args.repeat} runs, page cache warm, ~1k response tokens "
+                        f"a sample; CPU {statistics.median(cpu_cli) * 1e3:.0f} ms; in process "
+                        f"{t_replay_256 * 1e3:.1f} ms; `trajstore --help` {t_help * 1e3:.0f} ms; "
+                        f"{n_big}-sample step: torch.load of every payload {t_load * 1e3:.1f} ms, "
+                        f"replay in process {t_replay * 1e3:.1f} ms"
+                    ),
+                )
+            ],
+            load_before,
+        )
         return 0
     finally:
         if args.keep is None:

@@ -26,8 +26,8 @@ In one run (same process, same machine state), on the store:
 `--cold` drops the page cache (`sync; echo 3 > /proc/sys/vm/drop_caches`,
 root only; the run stops if it cannot) before each replay throughput run, before
 the server starts and before the first payload download, so those figures are
-cold; without it they are warm. `--json OUT` writes every figure as JSON (run_all.py
-reads it).
+cold; without it they are warm. `--json OUT` writes the figures (harness.py) with every
+measurement under "results".
 
 Targets (issues 5 and 6): divergence query <= 100 ms, lookup <= 10 ms,
 replay-all >= 10 bundles/s per worker on 256-sample bundles, step GET p99 <= 10 ms.
@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import shutil
 import socket
@@ -48,29 +46,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
+from harness import emit, figure, load1, machine_line, say
 
 from trajstore.store import Store, export_bundles
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def pct(xs: list[float]) -> str:
     ms = np.asarray(xs) * 1e3
     return f"p50 {np.percentile(ms, 50):.2f} ms, p99 {np.percentile(ms, 99):.2f} ms (n={len(ms)})"
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 RESULTS: dict = {}
@@ -91,13 +76,7 @@ def drop_caches() -> None:
     """Empty the page cache (when --cold) so the next read comes from the disk."""
     if not COLD:
         return
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(
-            f"--cold: cannot drop the page cache ({e}); run as root or without --cold"
-        ) from None
+    harness.drop_caches()
 
 
 def dir_baseline(
@@ -214,7 +193,7 @@ def bench_api(
             RESULTS["get_step_first"] = quantiles(lat)
             say(
                 f"GET /v1/runs/{run}/steps/R:S, first touch of each of {len(order)} steps "
-                f"({'cold page cache' if COLD else 'warm page cache'}): {pct(lat)}; load {load()}"
+                f"({'cold page cache' if COLD else 'warm page cache'}): {pct(lat)}; load {load1()}"
             )
             rng = random.Random(1)
             ids = [rng.choice(steps) for _ in range(requests)]
@@ -230,7 +209,7 @@ def bench_api(
             RESULTS["get_step"] = {**quantiles(lat), "body_bytes": size}
             say(
                 f"GET /v1/runs/{run}/steps/R:S, {requests} random steps (after warm-up): "
-                f"{pct(lat)}; body {size} bytes; load {load()}"
+                f"{pct(lat)}; body {size} bytes; load {load1()}"
             )
 
             r, s = steps[0]
@@ -319,10 +298,8 @@ def main() -> int:
     if COLD:
         drop_caches()  # fail early when not allowed
 
-    say(
-        f"machine: nproc {len(os.sched_getaffinity(0))}, {cpu_model()}, python "
-        f"{platform.python_version()}, date {time.strftime('%Y-%m-%d %H:%M')}, load {load()}"
-    )
+    load_before = load1()
+    say(f"machine: {machine_line()}, date {time.strftime('%Y-%m-%d %H:%M')}, load {load_before}")
     if args.build:
         import make_big_store
 
@@ -338,7 +315,7 @@ def main() -> int:
             clip_every=args.clip_every,
             progress=sys.stderr.isatty(),
         )
-        say(f"built {truth['bundles']} bundles in {truth['build_seconds']} s; load {load()}")
+        say(f"built {truth['bundles']} bundles in {truth['build_seconds']} s; load {load1()}")
         root = args.build
         (root.parent / f"{root.name}.truth.json").write_text(json.dumps(truth, indent=1) + "\n")
     else:
@@ -371,13 +348,13 @@ def main() -> int:
         say(
             f"[dir]   export {n_dir} bundles (rollouts {lo}..{hi}) {t_exp:.1f} s; replay from "
             f"directories {t_dir:.1f} s = {dir_bps:.1f} bundles/s (1 process) {st_dir}; load "
-            f"{load()}"
+            f"{load1()}"
         )
         n_nl, t_nl = stored_nolink(root, run, lo, hi)
         RESULTS["stored_nolink"] = {"bundles": n_nl, "seconds": t_nl, "bps": n_nl / t_nl}
         say(
             f"[store] replay_stored(link=False) in process: {n_nl / t_nl:.1f} bundles/s "
-            f"({n_nl / t_nl / dir_bps:.2f}x dir); load {load()}"
+            f"({n_nl / t_nl / dir_bps:.2f}x dir); load {load1()}"
         )
         for w in (1, 2):
             drop_caches()
@@ -404,7 +381,7 @@ def main() -> int:
                 f"[store] replay_all workers={w}: {s.total} bundles in {s.seconds:.1f} s = "
                 f"{bps:.1f} bundles/s ({bps / w:.1f} per worker), ratio to directories "
                 f"{bps / dir_bps:.2f}x; pass {s.passed} diverged {s.diverged} refused "
-                f"{s.refused}; load {load()}"
+                f"{s.refused}; load {load1()}"
             )
 
         # -- 2. replay --all --record over the whole store
@@ -420,7 +397,7 @@ def main() -> int:
                 f"[store] replay_all --record workers=2, whole store: {s.total} bundles "
                 f"({s.skipped} already recorded) in {s.seconds:.0f} s = "
                 f"{(s.total - s.skipped) / s.seconds:.1f} bundles/s; histogram "
-                f"{dict(s.histogram)}; refused {s.refused}; load {load()}"
+                f"{dict(s.histogram)}; refused {s.refused}; load {load1()}"
             )
 
         # -- 3. divergence query
@@ -459,7 +436,7 @@ def main() -> int:
             RESULTS["query"] = quantiles(lat)
             say(
                 f"query_steps(first_divergent_stage=reward.post_process, limit=1000): {pct(lat)}; "
-                f"load {load()}"
+                f"load {load1()}"
             )
             lat = []
             for _ in range(args.queries):
@@ -482,14 +459,14 @@ def main() -> int:
                 lat.append(time.perf_counter() - t)
                 assert len(rows) == 1
             RESULTS["lookup_step"] = quantiles(lat)
-            say(f"catalog.lookup_step: {pct(lat)}; load {load()}")
+            say(f"catalog.lookup_step: {pct(lat)}; load {load1()}")
         lat = []
         for r, s in ids:
             t = time.perf_counter()
             (b,) = store.step(run, r, s)
             lat.append(time.perf_counter() - t)
         RESULTS["store_step"] = quantiles(lat)
-        say(f"Store.step (refs, no catalog): {pct(lat)}; load {load()}")
+        say(f"Store.step (refs, no catalog): {pct(lat)}; load {load1()}")
         store.close()
         t = time.perf_counter()
         out = subprocess.run(
@@ -523,10 +500,51 @@ def main() -> int:
             bench_api(root, run, steps, args.requests, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    say(f"done; load {load()}")
-    if args.json:
-        args.json.write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
+    say(f"done; load {load1()}")
+    emit(args.json, figures(RESULTS, args), load_before, results=RESULTS)
     return 0
+
+
+def figures(res: dict, args: argparse.Namespace) -> list[dict]:
+    """Issue 5's replay-all throughput and issue 6's step GET p99 (at the store's size)."""
+    truth = res["truth"]
+    spb, steps = truth["samples_per_bundle"], truth["steps"]
+    cold = "cold" if res["cold"] else "warm"
+    w1, w2 = res["replay_all_w1"], res["replay_all_w2"]
+    per_tok = truth["response_tokens_per_bundle"] / spb
+    out = [
+        figure(
+            "replay-all per worker, the slower of 1 and 2 workers",
+            ">= 10 bundles/s per worker with 256-sample bundles",
+            min(w1["per_worker"], w2["per_worker"]),
+            "bundles/s",
+            workload=spb,
+            target_workload=256,
+            detail=(
+                f"{cold} cache, distinct bundles of {spb} samples x ~{per_tok:.0f} tokens: "
+                f"{w1['per_worker']:.2f}/s with 1 worker, {w2['per_worker']:.2f}/s per worker "
+                f"with 2; exported directories {res['dir']['bps']:.2f}/s in 1 process; "
+                f"pass {w2['passed']}, diverged {w2['diverged']}"
+            ),
+        )
+    ]
+    if "get_step" in res:
+        gs, gf = res["get_step"], res["get_step_first"]
+        out.append(
+            figure(
+                "`GET /v1/runs/{run}/steps/{r}:{s}` p99, repeated and first touch (the worse)",
+                "<= 10 ms at 10,000 steps",
+                max(gs["p99_ms"], gf["p99_ms"]),
+                "ms",
+                workload=steps,
+                target_workload=10_000,
+                detail=(
+                    f"{steps} steps: {gs['n']} random requests p99 {gs['p99_ms']:.2f} ms; first "
+                    f"touch of each step ({cold}) p99 {gf['p99_ms']:.2f} ms"
+                ),
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

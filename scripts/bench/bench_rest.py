@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -53,6 +52,7 @@ from fastapi.responses import Response, StreamingResponse
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the free-port helper the tests use
+from harness import drop_caches, emit, load1, machine_line  # noqa: E402
 from serving import free_port  # noqa: E402
 
 RUN = "bench"
@@ -122,14 +122,6 @@ request = function()
   return wrk.format("GET", string.format("/v1/runs/%(run)s/steps/%%d:%%d", rollout, step))
 end
 """
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(f"cannot drop the page cache ({e}); run as root") from None
 
 
 def wait_ready(port: int, proc: subprocess.Popen, path: str) -> None:
@@ -470,12 +462,12 @@ def main() -> int:
         args.steps, args.samples, args.tokens, args.duration = 200, 16, 4_000_000, 5
         args.repeats = min(args.repeats, 3)
     args.workers = [int(w) for w in args.workers.split(",")]
-    if shutil.which("wrk") is None:
+    if shutil.which("wrk") is None and args.only != "cold":
         raise SystemExit("wrk not found: apt-get install -y wrk")
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-rest-"))
     root.mkdir(parents=True, exist_ok=True)
-    before = round(os.getloadavg()[0], 2)
-    print(f"machine: nproc {os.cpu_count()}, load {before:.2f}")
+    before = load1()
+    print(f"machine: {machine_line()}, load {before:.2f}")
     try:
         big = root / "big" / f"replay-{BIG_ROLLOUT}-0"
         if not (args.keep and (root / "store").is_dir() and big.is_dir()):
@@ -484,15 +476,7 @@ def main() -> int:
             print(f"reusing the store built earlier in {root} (same --steps expected)")
         looked = lookups(root, args) if args.only != "cold" else {}
         cold = cold_download(root, big, args.repeats) if args.only != "lookup" else None
-        after = round(os.getloadavg()[0], 2)
-        print(f"machine after: load {after:.2f}")
-        if args.json:
-            doc = {
-                "figures": figures(args, looked, cold),
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "load": [before, after],
-            }
-            args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        emit(args.json, figures(args, looked, cold), before)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

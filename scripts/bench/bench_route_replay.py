@@ -21,20 +21,12 @@ its replay estimate with these two rates.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+from harness import emit, load1, machine_line, say
 
 
 def main() -> int:
@@ -55,10 +47,8 @@ def main() -> int:
     from trajstore.store import Store
 
     args.dir.mkdir(parents=True)
-    say(
-        f"nproc {len(os.sched_getaffinity(0))}, date {time.strftime('%Y-%m-%d %H:%M')}, "
-        f"load {load()}"
-    )
+    load_before = load1()
+    say(f"{machine_line()}, date {time.strftime('%Y-%m-%d %H:%M')}, load {load_before}")
     stores: dict[str, Path] = {}
     sizes: dict[str, dict] = {}
     for variant in ("plain", "routes"):
@@ -80,7 +70,7 @@ def main() -> int:
                     )
                 ).one()
         sizes[variant] = {"bundles": bundles, "response_tokens": resp, "total_tokens": total}
-    say(f"generated and ingested: {sizes}; load {load()}")
+    say(f"generated and ingested: {sizes}; load {load1()}")
     # the routes draw from the same generator, so later rollouts' lengths shift a little:
     # the unrouted time is scaled to the routed run's response tokens below
     scale = sizes["routes"]["response_tokens"] / sizes["plain"]["response_tokens"]
@@ -112,17 +102,18 @@ def main() -> int:
         f"{per_mtok:.2f} s per million response tokens without routes; "
         f"+{per_mtl:.4f} s per million route token-layers ({token_layers:,} in the run)"
     )
-    say(f"load after: {load()}")
-    if args.json:
-        out = {
-            "sizes": sizes,
-            "seconds": times,
-            "median": med,
-            "s_per_m_response_tokens": per_mtok,
-            "s_per_m_route_token_layers": per_mtl,
-            "verdicts": verdicts,
-        }
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    # no target is set for these rates (docs/deployment.md scales with them): no figures
+    emit(
+        args.json,
+        [],
+        load_before,
+        sizes=sizes,
+        seconds=times,
+        median=med,
+        s_per_m_response_tokens=per_mtok,
+        s_per_m_route_token_layers=per_mtl,
+        verdicts=verdicts,
+    )
     return 0
 
 

@@ -16,13 +16,13 @@ store. Issue 8's target: train routes <= 0.35x of one route tensor's stored size
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import emit, figure, load1
 
 from trajstore.cas import LocalObjectStore, read_array, write_array
 
@@ -35,8 +35,9 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--diff", type=float, default=0.18, help="fraction of token-layers re-routed")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, help="write the results here as JSON")
+    ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = ap.parse_args()
+    load_before = load1()
     rng = np.random.default_rng(args.seed)
     lengths = [int(x) for x in rng.integers(300, 1500, args.samples)]
     t_total = sum(lengths)
@@ -93,8 +94,35 @@ def main() -> int:
         f"{res['delta_bytes_per_token_layer']:.2f} B/token-layer = {res['delta_vs_base']:.3f}x "
         f"the stored base ({res['delta_vs_raw']:.3f}x raw); target <= 0.35x"
     )
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    emit(
+        args.json,
+        [
+            figure(
+                "train routes identical (R3) / one route tensor's stored size",
+                "<= 0.01",
+                same_b / base_b,
+                "",
+                exact=True,
+                detail=f"{same_b} B of XOR delta against {base_b:,} B of stored rollout routes",
+            ),
+            figure(
+                "train routes with ~18% of token-layers redrawn / stored base",
+                "<= 0.35x",
+                res["delta_vs_base"],
+                "x",
+                exact=True,
+                detail=(
+                    f"{t_total:,} tokens x {args.layers} x {args.topk} uint8, "
+                    f"{diff.mean():.1%} of token-layers with the whole top-k redrawn: "
+                    f"{delta_b / 2**20:.2f} MiB stored, "
+                    f"{res['delta_bytes_per_token_layer']:.2f} B per token-layer "
+                    f"({res['delta_vs_raw']:.3f}x raw)"
+                ),
+            ),
+        ],
+        load_before,
+        results=res,
+    )
     return 0
 
 

@@ -28,14 +28,13 @@ Figures, all on that store:
   `--sync-reps` alternating pairs. Each pair adds 1,000 steps to the big store.
 
 `--quick`: 2,000 steps, 200 new, few repetitions (checks the script, not figures).
-Prints a table and one JSON object (also written to `--json`).
+Prints a table; `--json PATH` writes the figures (harness.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
@@ -48,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_catalog import build_store  # noqa: E402
 from bench_cli import cli, p90, time_commands  # noqa: E402
+from harness import emit, figure, load1  # noqa: E402
 
 CLI_TARGET_S = 0.3
 GET_P99_TARGET_MS = 10.0
@@ -272,7 +272,7 @@ def main() -> None:
     lookups = args.lookups or (100 if q else 1000)
     pages = args.pages or (3 if q else 15)
     sync_reps = args.sync_reps or (1 if q else 3)
-    load_before = os.getloadavg()[0]
+    load_before = load1()
     work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=args.dir.parent if args.dir else None))
     root = args.dir or work / "store"
     try:
@@ -287,68 +287,57 @@ def main() -> None:
         sync = time_sync(root, new, sync_reps, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    load_after = os.getloadavg()[0]
-    full = n_steps >= 100_000
     on = f"{n_steps} steps"
+    size = {"workload": n_steps, "target_workload": 100_000, "workload_unit": "steps"}
     figures = [
-        {
-            "name": f"trajstore {name}, whole command wall time",
-            "target": f"<= {CLI_TARGET_S} s on a 100,000-step store",
-            "value": round(med[name], 4),
-            "unit": "s",
-            "met": med[name] <= CLI_TARGET_S and full,
-            "reps": times[name],
-            "detail": f"median of {rounds} fresh processes on {on} (p90 {p90(times[name]):.3f} s);"
+        figure(
+            f"trajstore {name}, whole command wall time",
+            f"<= {CLI_TARGET_S} s on a 100,000-step store",
+            med[name],
+            "s",
+            reps=times[name],
+            **size,
+            detail=f"median of {rounds} fresh processes on {on} (p90 {p90(times[name]):.3f} s);"
             f" python -c pass {med['python -c pass']:.3f} s",
-        }
+        )
         for name in ("ls", "query steps", "sql")
     ]
     figures += [
-        {
-            "name": "GET /v1/runs/{run}/steps/{r}:{s}, p99",
-            "target": f"<= {GET_P99_TARGET_MS} ms on a 100,000-step store",
-            "value": round(rest["get_p99_ms"], 2),
-            "unit": "ms",
-            "met": rest["get_p99_ms"] <= GET_P99_TARGET_MS and full,
-            "reps": rest["get_p99_thirds_ms"],
-            "detail": f"{lookups} random steps of {on}, 1 worker, keep-alive; median "
+        figure(
+            "GET /v1/runs/{run}/steps/{r}:{s}, p99",
+            f"<= {GET_P99_TARGET_MS} ms on a 100,000-step store",
+            rest["get_p99_ms"],
+            "ms",
+            reps=rest["get_p99_thirds_ms"],
+            **size,
+            detail=f"{lookups} random steps of {on}, 1 worker, keep-alive; median "
             f"{rest['get_median_ms']:.2f} ms",
-        },
-        {
-            "name": "web view steps page data (summary, strip, first 50 steps)",
-            "target": f"<= {PAGE_TARGET_MS} ms on a 100,000-step store",
-            "value": round(rest["page_median_ms"], 1),
-            "unit": "ms",
-            "met": rest["page_median_ms"] <= PAGE_TARGET_MS and full,
-            "reps": rest["page_ms"],
-            "detail": f"median of {pages} loads on {on}; max {rest['page_max_ms']:.1f} ms; "
+        ),
+        figure(
+            "web view steps page data (summary, strip, first 50 steps)",
+            f"<= {PAGE_TARGET_MS} ms on a 100,000-step store",
+            rest["page_median_ms"],
+            "ms",
+            reps=rest["page_ms"],
+            **size,
+            detail=f"median of {pages} loads on {on}; max {rest['page_max_ms']:.1f} ms; "
             f"the generation's first load {rest['page_first_ms']:.1f} ms",
-        },
-        {
-            "name": f"catalog sync of {new} new steps, big store / empty store",
-            "target": f"<= {SYNC_RATIO_TARGET}x (1,000 steps into 100,000)",
-            "value": round(sync["ratio"], 3),
-            "unit": "x",
-            "met": sync["ratio"] <= SYNC_RATIO_TARGET and full and new >= 1000,
-            "reps": [b / e for b, e in zip(sync["big_runs_s"], sync["empty_runs_s"], strict=True)],
-            "detail": f"median of {sync_reps} pairs: {sync['big_s']:.3f} s into {on} vs "
+        ),
+        figure(
+            f"catalog sync of {new} new steps, big store / empty store",
+            f"<= {SYNC_RATIO_TARGET}x (1,000 steps into 100,000)",
+            sync["ratio"],
+            "x",
+            reps=[b / e for b, e in zip(sync["big_runs_s"], sync["empty_runs_s"], strict=True)],
+            **{**size, "workload": n_steps if new >= 1000 else 0},
+            detail=f"median of {sync_reps} pairs: {sync['big_s']:.3f} s into {on} vs "
             f"{sync['empty_s']:.3f} s into an empty store",
-        },
+        ),
     ]
     print(f"{'figure':62} {'value':>9}")
     for fig in figures:
         print(f"{fig['name']:62} {fig['value']:>9} {fig['unit']}")
-    out = {
-        "steps": n_steps,
-        "figures": figures,
-        "rest": rest,
-        "sync": sync,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "load": [round(load_before, 2), round(load_after, 2)],
-    }
-    print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    emit(args.json, figures, load_before, steps=n_steps, rest=rest, sync=sync)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xet_baseline import forget_trajstore_caches, isolate, require_xet, run_xet, tree_bytes
+from harness import forget_trajstore_caches, isolate, require_xet, run_xet, tree_bytes
 
 FULL = [
     "--rollouts", "3", "--prompts", "8", "--n", "8", "--prompt-len", "512",

@@ -20,7 +20,7 @@ every repetition; one warm-up repetition of each side first, dropped):
   process as a user runs it (durable: every pack and ref fsynced; the whole
   integrity gate), its per-process caches emptied first as in a new process
   (the interpreter's start and imports are not counted, nor are Xet's);
-- Xet (`xet_baseline.run_xet`): every file of the capture directory uploaded
+- Xet (`harness.run_xet`): every file of the capture directory uploaded
   offline into a fresh local CAS, the CAS written to disk included.
 The figure is the median of the per-repetition ratios (trajstore logical MB/s /
 Xet logical MB/s = Xet seconds / trajstore seconds), with their min-max;
@@ -28,7 +28,7 @@ logical bytes = the bundle files' bytes. Physical bytes: trajstore's store
 directory on disk (packs, loose objects, refs and claims: like for like with
 Xet's CAS directory), and the objects the refs reach (`trajstore stats`). For
 the routed run the script also prints torch.save of the payloads and zstd-3
-per file (the table `run_all.py` parses). `--json PATH` writes the figures;
+per file. `--json PATH` writes the figures (harness.py);
 `--quick` runs small sizes (a smoke test, not figures).
 """
 
@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -49,10 +48,13 @@ from pathlib import Path
 from typing import Any
 
 import zstandard
-from xet_baseline import (
+from harness import (
+    emit,
+    figure,
     files_under,
     forget_trajstore_caches,
     isolate,
+    load1,
     require_xet,
     run_xet,
     tree_bytes,
@@ -188,33 +190,37 @@ def figures_of(
     mbps_t = logical / res["ts_median_s"] / 1e6
     mbps_x = logical / res["xet_median_s"] / 1e6
     dir_ratio = res["store_dir_bytes"] / logical
+    size = {"workload": 1.0 if full else 0.0, "target_workload": 1.0,
+            "workload_unit": "x the target's run"}  # fmt: skip
     return [
-        {
-            "name": f"ingest_{name}_vs_xet",
-            "target": f">= {speed_t}x",
-            "value": round(ratio, 3),
-            "unit": "x",
-            "met": full and ratio >= speed_t,
-            "detail": (
+        figure(
+            f"ingest_{name}_vs_xet",
+            f">= {speed_t}x",
+            ratio,
+            "x",
+            reps=res["ratios"],
+            **size,
+            detail=(
                 f"{note}{label}: `trajstore ingest` (fsync on, whole gate) of {bundles} bundles, "
                 f"{logical / 1e6:.0f} MB ({shape}): {mbps_t:.0f} MB/s vs Xet local CAS "
                 f"{mbps_x:.0f} MB/s; median of {reps} per-rep ratios, range {lo:.3f}-{hi:.3f}; "
                 f"CPU s (all threads, medians) trajstore {res['ts_cpu_median_s']:.2f}, "
                 f"Xet {res['xet_cpu_median_s']:.2f}"
             ),
-        },
-        {
-            "name": f"ingest_{name}_physical_over_logical",
-            "target": f"<= {bytes_t}",
-            "value": round(dir_ratio, 4),
-            "unit": "",
-            "met": full and dir_ratio <= bytes_t,
-            "detail": (
+        ),
+        figure(
+            f"ingest_{name}_physical_over_logical",
+            f"<= {bytes_t}",
+            dir_ratio,
+            "",
+            exact=True,
+            **size,
+            detail=(
                 f"{note}{label}: store directory {res['store_dir_bytes']:,} B / {logical:,} B of "
                 f"bundle files (objects the refs reach: {phys / logical:.4f}); Xet's CAS "
                 f"directory {res['xet_cas_bytes'] / logical:.4f}"
             ),
-        },
+        ),
     ]
 
 
@@ -261,7 +267,7 @@ def main() -> int:
         args.reps = min(args.reps, 2)
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()[0]
+    load0 = load1()
     figures: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
@@ -270,15 +276,7 @@ def main() -> int:
             figures += routed_run(args, tmp)
         if not args.no_small:
             figures += small_run(args, tmp)
-    load1 = os.getloadavg()[0]
-    print(f"\nload (1 min) {load0:.2f} -> {load1:.2f}")
-    if args.json is not None:
-        doc = {
-            "figures": figures,
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "load": [round(load0, 2), round(load1, 2)],
-        }
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    emit(args.json, figures, load0)
     return 0
 
 

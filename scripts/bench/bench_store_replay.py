@@ -50,6 +50,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+from harness import emit, load1, say
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PY = sys.executable
@@ -58,23 +61,10 @@ TARGET = 0.6
 RUN = "long"
 
 
-def say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def load1() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
 def drop_caches(cold: bool) -> None:
     """Empty the page cache (with --cold) so the next read comes from the disk."""
-    if not cold:
-        return
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(f"--cold: cannot drop the page cache ({e}); run as root") from None
+    if cold:
+        harness.drop_caches()
 
 
 def build(work: Path, steps: int, samples: int, mean_tokens: int) -> Path:
@@ -334,15 +324,18 @@ def inproc_figures(
     return {"median_s": med, "cpu_median_s": cpu_med, "times_s": times, "cpu_s": cpus}
 
 
-def figure(name: str, value: float, detail: str) -> dict:
-    return {
-        "name": name,
-        "target": f">= {TARGET}x",
-        "value": round(value, 3),
-        "unit": "x",
-        "met": value >= TARGET,
-        "detail": detail,
-    }
+def figure(name: str, value: float, detail: str, samples: int) -> dict:
+    """A ratio to the exported directory; the target names 256-sample steps."""
+    return harness.figure(
+        name,
+        f">= {TARGET}x",
+        value,
+        "x",
+        workload=samples,
+        target_workload=256,
+        workload_unit="samples a step",
+        detail=detail,
+    )
 
 
 def main() -> int:
@@ -384,13 +377,16 @@ def main() -> int:
         inp = inproc_figures(
             store, exported, step, reps, args.cold, args.profile, args.baseline_src, rollout_dir
         )
-    after = load1()
     cache = "cold" if args.cold else "warm"
+
+    def fig(name: str, value: float, detail: str) -> dict:
+        return figure(name, value, detail, args.samples)
+
     size = f"256-sample step, {tokens} response tokens" if args.samples == 256 else f"{tokens} tok"
     m, n, c = cli["median_s"], inp["median_s"], cli["cpu_median_s"]
     nc = inp["cpu_median_s"]
     figures = [
-        figure(
+        fig(
             "store replay, CLI: `replay --store S --run R --step r:s` / `replay DIR`",
             m["dir"] / m["store"],
             f"whole command wall time, median of {reps} interleaved runs, page cache {cache}; "
@@ -398,12 +394,12 @@ def main() -> int:
             "(includes replaying the rollout bundle for the linkage check); CPU ratio "
             f"{c['dir'] / c['store']:.2f}x",
         ),
-        figure(
+        fig(
             "store replay, CLI --no-link / replay DIR",
             m["dir"] / m["store_nolink"],
             f"as above without the rollout linkage: store {m['store_nolink'] * 1e3:.0f} ms",
         ),
-        figure(
+        fig(
             "store replay in process, with linkage: replay_stored / replay_linked of the "
             "exported step and rollout directories",
             n["dir_linked"] / n["store"],
@@ -414,7 +410,7 @@ def main() -> int:
             f"{nc['store'] * 1e3:.0f} ms, all threads); against the step's directory alone "
             f"(no linkage: {n['dir'] * 1e3:.0f} ms) {n['dir'] / n['store']:.2f}x",
         ),
-        figure(
+        fig(
             "store replay in process, link=False",
             n["dir"] / n["store_nolink"],
             f"store {n['store_nolink'] * 1e3:.0f} ms; CPU ratio "
@@ -425,7 +421,7 @@ def main() -> int:
         nb = {k.removesuffix("_baseline"): v for k, v in n.items() if k.endswith("_baseline")}
         ncb = {k.removesuffix("_baseline"): v for k, v in nc.items() if k.endswith("_baseline")}
         figures.append(
-            figure(
+            fig(
                 "store replay in process, the --baseline-src code",
                 nb["dir"] / nb["store"],
                 f"same runs, interleaved, in a worker process: dir {nb['dir'] * 1e3:.0f} ms, "
@@ -437,7 +433,7 @@ def main() -> int:
         )
     if "store_baseline" in m:
         figures.append(
-            figure(
+            fig(
                 "store replay, CLI, the --baseline-src code",
                 m["dir"] / m["store_baseline"],
                 f"same runs, interleaved: store {m['store_baseline'] * 1e3:.0f} ms, "
@@ -445,18 +441,8 @@ def main() -> int:
                 f"{c['dir'] / c['store_baseline']:.2f}x",
             )
         )
-    command = shlex.join([".venv/bin/python", "scripts/bench/bench_store_replay.py", *sys.argv[1:]])
-    say(f"load (1 min) {before} -> {after}; {time.perf_counter() - t_start:.0f} s")
-    for f in figures:
-        say(f"{f['name']}: {f['value']}x ({'met' if f['met'] else 'missed'}); {f['detail']}")
-    if args.json:
-        doc = {
-            "figures": figures,
-            "command": command,
-            "load": [before, after],
-            "raw": {"cli": cli, "in_process": inp},
-        }
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    say(f"{time.perf_counter() - t_start:.0f} s")
+    emit(args.json, figures, before, raw={"cli": cli, "in_process": inp})
     return 0
 
 

@@ -19,13 +19,14 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import capture_figures, emit, load1
 
 VOCAB = 64
 
@@ -135,8 +136,9 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=32, help="max completion length")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = parser.parse_args()
+    load_before = load1()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -177,9 +179,23 @@ def main() -> None:
         "dropped": sum(r["dropped"] for r in runs["on"]),
         "errors": sum(r["errors"] for r in runs["on"]),
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    reps = result["per_rep_wall_ratio"]
+    emit(
+        args.json,
+        capture_figures(
+            "TRL loop (~80 ms steps), whole run incl. final flush",
+            result["wall_ratio_on_off"],
+            reps,
+            result["dropped"],
+            f"TRL GRPOTrainer, tiny Qwen3 (hidden {args.hidden}), {args.reps} on/off pairs of "
+            f"{args.steps} optimizer steps; steps {step['off'] * 1000:.0f} ms off / "
+            f"{step['on'] * 1000:.0f} ms on; writer CPU "
+            f"{result['other_threads_cpu_ms_per_step_on_minus_off']:.1f} ms a step; "
+            f"training-thread CPU {result['training_thread_cpu_ratio_on_off']:.3f}x",
+        ),
+        load_before,
+        results=result,
+    )
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ case). A block is one ``update_actor`` call on a fresh driver batch (two optimiz
 its time is wall time of that call (which includes the recording's copies and enqueue), its
 CPU time the process's. The driver's ``capture_batch`` is timed apart. Bytes: the step's
 bundles on disk (its rollout bundle and its step bundles) against verl's own
-``DataProto.save_to_disk`` of the same batch. Prints one JSON object.
+``DataProto.save_to_disk`` of the same batch. Reports through harness.emit.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from harness import ROOT, capture_figures, emit, load1
 
 
 def _size(path: Path) -> int:
@@ -36,17 +35,33 @@ def _size(path: Path) -> int:
 
 
 def main() -> None:
-    """verl prints progress to stdout: it goes to stderr, so stdout is the one JSON object."""
+    """verl prints progress to stdout: it goes to stderr while it runs."""
+    load_before = load1()
     with contextlib.redirect_stdout(sys.stderr):
-        result = measure()
-    print(json.dumps(result, indent=1))
+        result, args = measure()
+    emit(
+        args.json,
+        capture_figures(
+            "verl update_actor",
+            result["ratio"],
+            result["per_rep_ratio"],
+            result["dropped"],
+            f"verl ActorRolloutRefWorker on the CPU (tiny Qwen2, fsdp2), {args.rows} rows a "
+            f"batch, {args.reps} on/off pairs: update_actor {result['update_actor_s_off']:.2f} s "
+            f"off / {result['update_actor_s_on']:.2f} s on; CPU {result['cpu_ratio']:.3f}x; "
+            f"bytes per step {result['bytes_ratio']:.3f}x verl's save_to_disk",
+        ),
+        load_before,
+        results=result,
+    )
 
 
-def measure() -> dict[str, Any]:
+def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=6, help="on/off block pairs")
     parser.add_argument("--rows", type=int, default=16, help="samples per driver batch")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-verl-"))
     os.environ["TRAJSTORE_CAPTURE"] = "1"
@@ -98,10 +113,11 @@ def measure() -> dict[str, Any]:
     stored = list(per_step.values())
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     result: dict[str, Any] = {
-        "settings": vars(args),
+        "settings": {k: str(v) for k, v in vars(args).items()},
         "update_actor_s_off": off,
         "update_actor_s_on": on,
         "ratio": on / off,
+        "per_rep_ratio": [a / b for a, b in zip(times["on"], times["off"], strict=True)],
         "cpu_ratio": statistics.median(cpu["on"]) / statistics.median(cpu["off"]),
         "capture_batch_s": statistics.median(driver_s),
         "bytes_per_step": statistics.median(stored),
@@ -111,7 +127,7 @@ def measure() -> dict[str, Any]:
         "dropped": stats.dropped,
         "errors": stats.errors,
     }
-    return result
+    return result, args
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ target names and its repetitions decide it:
    -> `inconclusive`: another run could land on the other side;
 5. otherwise the median decides: `met` or `missed`.
 
-run_all.py and bench_perf.py decide every verdict of docs/benchmarks.md with `decide`;
-the hand-written tables there follow the same rule (tests/test_bench_verdicts.py pins it).
+run.py (`make bench`, through harness.Result.verdict) decides every verdict of
+docs/benchmarks.md with `decide`; the hand-measured figures there follow the same rule
+(tests/test_bench_verdicts.py pins it).
 """
 
 from __future__ import annotations

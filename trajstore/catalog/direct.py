@@ -2,11 +2,10 @@
 
 Why: SQLAlchemy + duckdb_engine cost about 0.6 s to import on a loaded 2-core box and
 their per-row result handling about 20 us a row, several times the whole budget of a
-command that lists 10,000 steps. This module imports neither. Its statements are the
-ones trajstore.catalog.queries builds with SQLAlchemy, written out for DuckDB (the same
-schema, filters and order; tests/test_catalog_direct.py checks every filter of both
-against each other, row for row), each run once without paging: keyset pages of a total
-order concatenate to the unpaged order.
+command that lists 10,000 steps. This module imports neither. `DirectCatalog` executes
+the statements every reader shares (trajstore.catalog.statements, run whole by
+trajstore.catalog.listings.Listings); REST runs the same ones a page at a time through
+SQLAlchemy (trajstore.catalog.queries).
 
 It also holds what both readers share without SQLAlchemy: the JSON form of a catalog
 value, the read-only SQL check, DuckDB's lock retry, and the *listing* record that lets a
@@ -25,13 +24,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from trajstore.catalog.listings import Listings
 from trajstore.catalog.revisions import HEAD_REVISION, KNOWN_REVISIONS
+from trajstore.catalog.statements import duckdb_sql
 from trajstore.errors import (
     CatalogDamagedError,
     StoreError,
     TrajstoreError,
     UsageError,
-    check_known_sample,
 )
 
 CATALOG_FILE = "catalog.duckdb"
@@ -158,33 +158,6 @@ _SAFE_PRAGMAS = {
 }
 _PRAGMA_RE = re.compile(r"^\s*pragma\s+([a-z_]+)", re.IGNORECASE)
 _EXPLAIN_RE = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?", re.IGNORECASE)
-
-
-def check_filter_words(status: str | None = None, **stages: str | None) -> None:
-    """Refuse a verdict filter that no row can match: a status or stage name outside the
-    replay vocabulary (a typo such as `loss` for `loss.policy` would list no rows, read
-    as "nothing diverged"). `stages` maps each stage filter's name to its value."""
-    from trajstore.vocab import STAGE_ORDER, STEP_STATUSES
-
-    if status is not None and status not in STEP_STATUSES:
-        raise UsageError(f"status must be one of {', '.join(STEP_STATUSES)}, got {status!r}")
-    for name, stage in stages.items():
-        if stage is not None and stage not in STAGE_ORDER:
-            raise UsageError(f"{name} must be one of {', '.join(STAGE_ORDER)}, got {stage!r}")
-
-
-#: the largest value of a BIGINT column (rollout ids, step ids); REST bounds ids the same way
-BIGINT_MAX = 2**63 - 1
-
-
-def check_rollout_range(rollout_from: int | None, rollout_to: int | None) -> None:
-    """Refuse a rollout bound that is not a rollout id: one past BIGINT reached the
-    database as an overflow (PostgreSQL: an internal error)."""
-    for name, value in (("rollout_from", rollout_from), ("rollout_to", rollout_to)):
-        if value is not None and (type(value) is not int or not 0 <= value <= BIGINT_MAX):
-            raise UsageError(
-                f"{name} must be a rollout id, an integer from 0 to {BIGINT_MAX}, got {value!r}"
-            )
 
 
 def check_readonly(sql: str) -> None:
@@ -350,8 +323,9 @@ class NeedsFullOpen(Exception):
     revision to migrate, documents not yet synced): open it the full way."""
 
 
-class DirectCatalog:
-    """A store's DuckDB catalog file held open through the `duckdb` module."""
+class DirectCatalog(Listings):
+    """A store's DuckDB catalog file held open through the `duckdb` module; its listings
+    (Listings: bundles, steps, divergences, ...) are the shared statements run whole."""
 
     def __init__(self, con: Any, file: str) -> None:
         self.con = con
@@ -411,11 +385,12 @@ class DirectCatalog:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _rows(self, sql: str, params: list) -> list[dict]:
-        """Rows as dicts of JSON values (queries._row). Converted per column type: text,
-        numbers and booleans pass as is (jsonable returns them unchanged), a naive
-        TIMESTAMP becomes its isoformat + "Z", the rest goes through jsonable."""
-        cur = self.con.execute(sql, params)
+    def execute(self, sql: str, params: dict, setup: tuple[str, ...] = ()) -> list[dict]:
+        """Rows of a shared statement (``:pN`` marks) as dicts of JSON values, as
+        queries.execute's. Converted per column type: text, numbers and booleans pass as
+        is (jsonable returns them unchanged), a naive TIMESTAMP becomes its isoformat +
+        "Z", the rest goes through jsonable. `setup` is for PostgreSQL: not run here."""
+        cur = self.con.execute(duckdb_sql(sql), params)
         names = [d[0] for d in cur.description]
         convert = []
         for n, (name, kind, *_) in enumerate(cur.description):
@@ -435,258 +410,9 @@ class DirectCatalog:
             out.append(item)
         return out
 
-    # -- the queries (trajstore.catalog.queries, unpaged) --------------------------------
-
-    def has_sample(self, sample_id: str, run: str | None = None) -> bool:
-        """Whether any bundle (of `run`, when given; removed ones too) holds `sample_id`."""
-        sql = "SELECT 1 FROM samples AS s JOIN bundles AS b ON b.key = s.bundle_key "
-        sql += "WHERE s.sample_id = ?" + (" AND b.run = ?" if run is not None else "")
-        params = [sample_id] + ([run] if run is not None else [])
-        return self.con.execute(sql + " LIMIT 1", params).fetchone() is not None
-
-    def run_names(self) -> list[str]:
-        """Every run the catalog knows (published once, even if removed since), sorted."""
-        return [row["run"] for row in self._rows("SELECT run FROM runs ORDER BY run", [])]
-
-    def bundles(
-        self,
-        run: str | None = None,
-        kind: str | None = None,
-        rollout_from: int | None = None,
-        rollout_to: int | None = None,
-        include_all_attempts: bool = False,
-        limit: int | None = None,
-        columns: tuple[str, ...] | None = None,
-    ) -> list[dict]:
-        """As list_bundles, every page; only `columns` when given (text output needs a
-        few: fetching all 31 columns of 10,000 rows costs ~150 ms here)."""
-        where, params = ["removed_at IS NULL"], []
-        if not include_all_attempts:
-            where.append("is_latest")
-        _eq(where, params, "run", run)
-        _eq(where, params, "kind", kind)
-        _range(where, params, "rollout_id", rollout_from, rollout_to)
-        selected = ", ".join(f'"{c}"' for c in columns) if columns else "*"
-        sql = (
-            f"SELECT {selected} FROM bundles "
-            f"WHERE {' AND '.join(where)} ORDER BY run, rollout_id, "
-            "coalesce(step_id, -1), coalesce(rank, -1), attempt, key"
-        )
-        return self._rows(sql + _limit(params, limit), params)
-
-    def steps(
-        self,
-        run: str | None = None,
-        first_divergent_stage: str | None = None,
-        rollout_from: int | None = None,
-        rollout_to: int | None = None,
-        status: str | None = None,
-        limit: int | None = None,
-        columns: tuple[str, ...] | None = None,
-    ) -> list[dict]:
-        """As query_steps (step order, DuckDB's plan: no stage prefilter), every page;
-        only `columns` (and the step's identity, ranks, bundle_keys) when given."""
-        from trajstore.vocab import UNREPLAYED
-
-        check_filter_words(status, first_divergent_stage=first_divergent_stage)
-        params: list = []
-        step_where = ["kind = 'step'", "is_latest"]
-        _range(step_where, params, "rollout_id", rollout_from, rollout_to)
-        _eq(step_where, params, "run", run)
-        latest_sql = _latest_results_sql(params, run, "step")
-        page_where: list[str] = []
-        _eq(page_where, params, "latest.first_divergent_stage", first_divergent_stage)
-        if status == UNREPLAYED:
-            page_where.append("latest.result_id IS NULL")
-        else:
-            _eq(page_where, params, "latest.status", status)
-        selected = [
-            expr
-            for name, expr in _STEP_PAGE_COLUMNS
-            if columns is None or name in columns or name in _STEP_IDENTITY
-        ]
-        page_sql = (
-            f"SELECT {', '.join(selected)} "
-            "FROM (SELECT run, rollout_id, step_id, attempt, count(*) AS num_bundles, "
-            "sum(num_samples) AS num_samples, sum(num_tokens) AS num_tokens, "
-            "max(published_at) AS published_at FROM bundles "
-            f"WHERE {' AND '.join(step_where)} GROUP BY run, rollout_id, step_id, attempt) "
-            f"AS steps LEFT OUTER JOIN ({latest_sql}) AS latest ON latest.run = steps.run "
-            "AND latest.rollout_id = steps.rollout_id AND latest.step_id = steps.step_id "
-            "AND latest.attempt = steps.attempt"
-            + (f" WHERE {' AND '.join(page_where)}" if page_where else "")
-            + " ORDER BY steps.run, steps.rollout_id, steps.step_id, steps.attempt"
-        )
-        page_sql += _limit(params, limit)
-        sql = (
-            "SELECT page.*, member.rank AS member_rank, member.key AS member_key "
-            f"FROM ({page_sql}) AS page JOIN bundles AS member ON member.kind = 'step' "
-            "AND member.is_latest AND member.run = page.run "
-            "AND member.rollout_id = page.rollout_id AND member.step_id = page.step_id "
-            "AND member.attempt = page.attempt ORDER BY page.run, page.rollout_id, "
-            "page.step_id, page.attempt, coalesce(member.rank, -1), member.key"
-        )
-        items: list[dict] = []
-        last = None
-        for row in self._rows(sql, params):
-            identity = (row["run"], row["rollout_id"], row["step_id"], row["attempt"])
-            rank, key = row.pop("member_rank"), row.pop("member_key")
-            if identity != last:
-                row["ranks"], row["bundle_keys"] = [], []
-                items.append(row)
-                last = identity
-            if rank is not None:
-                items[-1]["ranks"].append(rank)
-            items[-1]["bundle_keys"].append(key)
-        return items
-
-    def divergences(
-        self,
-        run: str | None = None,
-        stage: str | None = None,
-        min_abs_err: float | None = None,
-        sample_id: str | None = None,
-        rollout_from: int | None = None,
-        rollout_to: int | None = None,
-        limit: int | None = None,
-    ) -> list[dict]:
-        """As query_divergences, every page."""
-        check_filter_words(stage=stage)
-        if sample_id is not None:
-            check_known_sample(sample_id, self.has_sample(sample_id, run), run)
-        params: list = []
-        latest_sql = _latest_results_sql(params, run, None)
-        where: list[str] = []
-        _range(where, params, "latest.rollout_id", rollout_from, rollout_to)
-        _eq(where, params, "d.stage", stage)
-        if min_abs_err is not None:
-            where.append("d.abs_err >= ?")
-            params.append(float(min_abs_err))
-        _eq(where, params, "d.sample_id", sample_id)
-        sql = (
-            "SELECT latest.run, latest.kind, latest.rollout_id, latest.step_id, "
-            "latest.attempt, latest.bundle_key, latest.trajstore_version, latest.recorded_at, "
-            f"d.* FROM divergences AS d JOIN ({latest_sql}) AS latest "
-            "ON latest.result_id = d.result_id"
-            + (f" WHERE {' AND '.join(where)}" if where else "")
-            + " ORDER BY latest.run, latest.rollout_id, coalesce(latest.step_id, -1), "
-            "d.result_id, d.position"
-        )
-        return self._rows(sql + _limit(params, limit), params)
-
-    def router_metrics(
-        self,
-        run: str | None = None,
-        rollout_from: int | None = None,
-        rollout_to: int | None = None,
-        source: str | None = None,
-        limit: int | None = None,
-    ) -> list[dict]:
-        """As query_router_metrics, every page."""
-        params: list = []
-        where = ["b.is_latest"]
-        _range(where, params, "m.rollout_id", rollout_from, rollout_to)
-        _eq(where, params, "m.run", run)
-        _eq(where, params, "m.source", source)
-        sql = (
-            "SELECT m.*, lineage.mode, b.rank, b.attempt FROM router_metrics AS m "
-            "JOIN bundles AS b ON b.key = m.bundle_key "
-            "LEFT OUTER JOIN router_lineage AS lineage ON lineage.bundle_key = m.bundle_key "
-            f"WHERE {' AND '.join(where)} "
-            "ORDER BY m.run, m.rollout_id, coalesce(m.step_id, -1), m.id"
-        )
-        return self._rows(sql + _limit(params, limit), params)
-
-    def _named(self, sql: str, params: dict) -> list[dict]:
-        """trajstore.mismatch.query's `execute`: its statement with DuckDB's marks."""
-        from trajstore.mismatch.query import duckdb_sql
-
-        return self._rows(duckdb_sql(sql), params)
-
-    def mismatch(self, q: Any, limit: int | None = None) -> list[dict]:
-        """As query_mismatch, every page."""
-        from trajstore.mismatch.query import steps
-
-        return steps(self._named, q, limit)
-
-    def mismatch_layers(self, q: Any) -> list[dict]:
-        """As query_mismatch_layers."""
-        from trajstore.mismatch.query import layers
-
-        return layers(self._named, q)
-
     def readonly_sql(
         self, sql: str, *, max_rows: int = MAX_SQL_ROWS
     ) -> tuple[list[str], list[list]]:
         """As run_readonly_sql."""
         check_readonly(sql)
         return readonly_sql_duckdb(self.con, sql, max_rows)
-
-
-_STEP_IDENTITY = ("run", "rollout_id", "step_id", "attempt")
-#: the columns of a query_steps item before ranks and bundle_keys: (name, expression)
-_STEP_PAGE_COLUMNS = [
-    *((name, f"steps.{name}") for name in _STEP_IDENTITY),
-    *((name, f"steps.{name}") for name in ("num_bundles", "num_samples", "num_tokens")),
-    ("published_at", "steps.published_at"),
-    ("result_id", "latest.result_id"),
-    ("result_bundle_key", "latest.bundle_key AS result_bundle_key"),
-    *(
-        (name, f"latest.{name}")
-        for name in (
-            "status",
-            "first_divergent_stage",
-            "first_divergent_rank",
-            "root_bundle_key",
-            "recorded_at",
-            "trajstore_version",
-        )
-    ),
-]
-
-
-def _eq(where: list[str], params: list, column: str, value: Any) -> None:
-    if value is not None:
-        where.append(f"{column} = ?")
-        params.append(value)
-
-
-def _range(where: list[str], params: list, column: str, lo: int | None, hi: int | None) -> None:
-    check_rollout_range(lo, hi)
-    if lo is not None:
-        where.append(f"{column} >= ?")
-        params.append(lo)
-    if hi is not None:
-        where.append(f"{column} <= ?")
-        params.append(hi)
-
-
-def _limit(params: list, limit: int | None) -> str:
-    """A LIMIT clause; none for a limit no table can reach (past BIGINT, which the
-    database refuses), as the paged reader treats it."""
-    if isinstance(limit, bool) or (limit is not None and not isinstance(limit, int)):
-        raise UsageError(f"limit must be an integer >= 1, got {limit!r}")
-    if limit is not None and limit < 1:
-        raise UsageError(f"limit must be an integer >= 1, got {limit}")
-    if limit is None or limit > BIGINT_MAX:
-        return ""
-    params.append(int(limit))
-    return " LIMIT ?"
-
-
-def _latest_results_sql(params: list, run: str | None, kind: str | None) -> str:
-    """queries._latest_results: per cohort of latest bundles, its newest result (a whole
-    replay's before a partial one's: queries.whole_first)."""
-    where = ["rb.is_latest"]
-    _eq(where, params, "rb.kind", kind)
-    _eq(where, params, "rb.run", run)
-    return (
-        "SELECT * FROM (SELECT rb.run, rb.kind, rb.rollout_id, rb.step_id, rb.attempt, "
-        "r.id AS result_id, r.bundle_key, r.status, r.first_divergent_stage, "
-        "r.first_divergent_rank, r.root_bundle_key, r.recorded_at, r.trajstore_version, "
-        "row_number() OVER (PARTITION BY rb.run, rb.kind, rb.rollout_id, rb.step_id, "
-        "rb.attempt ORDER BY (r.selection IS NOT NULL), r.recorded_at DESC NULLS LAST, "
-        "r.id DESC) AS rn "
-        "FROM replay_results AS r JOIN bundles AS rb ON rb.key = r.bundle_key "
-        f"WHERE {' AND '.join(where)}) AS ranked WHERE ranked.rn = 1"
-    )

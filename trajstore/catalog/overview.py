@@ -16,12 +16,8 @@ import sqlalchemy as sa
 
 from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog
-from trajstore.catalog.queries import (
-    _latest_attempt_steps,
-    _latest_results,
-    _row,
-    stats,
-)
+from trajstore.catalog.queries import _row, executor, stats
+from trajstore.catalog.statements import step_verdicts
 from trajstore.errors import UsageError
 from trajstore.vocab import STEP_STATUSES, UNREPLAYED, Verdict
 
@@ -37,37 +33,15 @@ STATUS_SEVERITY: tuple[str, ...] = (
 )
 
 
-def _step_verdicts(run: str, rollout_from: int | None = None, rollout_to: int | None = None):
-    """(rollout_id, status, first_divergent_stage, step count) over the run's steps."""
-    steps = _latest_attempt_steps(run, rollout_from, rollout_to)
-    latest = _latest_results(run)
-    status = sa.func.coalesce(latest.c.status, UNREPLAYED)
-    identity = ("run", "rollout_id", "step_id", "attempt")
-    return (
-        sa.select(
-            steps.c.rollout_id,
-            status.label("status"),
-            latest.c.first_divergent_stage,
-            sa.func.count().label("n"),
-        )
-        .select_from(
-            steps.outerjoin(latest, sa.and_(*(latest.c[c] == steps.c[c] for c in identity)))
-        )
-        .group_by(steps.c.rollout_id, status, latest.c.first_divergent_stage)
-    )
-
-
 def run_summary(catalog: Catalog, run: str) -> dict[str, Any]:
     """Steps of a run by verdict, the first-divergent-stage histogram, bytes and dedup."""
     by_status = dict.fromkeys(STEP_STATUSES, 0)
     histogram: dict[str, int] = {}
-    with catalog.connect() as conn:
-        rows = conn.execute(_step_verdicts(run)).all()
-    for row in rows:
-        by_status[row.status] = by_status.get(row.status, 0) + row.n
-        if row.first_divergent_stage:
-            stage = row.first_divergent_stage
-            histogram[stage] = histogram.get(stage, 0) + row.n
+    for row in executor(catalog)(*step_verdicts(run)):
+        by_status[row["status"]] = by_status.get(row["status"], 0) + row["n"]
+        if row["first_divergent_stage"]:
+            stage = row["first_divergent_stage"]
+            histogram[stage] = histogram.get(stage, 0) + row["n"]
     sizes = stats(catalog, run=run)
     # physical: what the run's bundles added to the store (null: not recorded at ingest)
     logical, physical = sizes["logical_bytes"], sizes["physical_bytes"]
@@ -99,25 +73,25 @@ def step_strip(
     """
     if isinstance(bins, bool) or not 1 <= bins <= MAX_STRIP_BINS:
         raise UsageError(f"bins must be 1..{MAX_STRIP_BINS}, got {bins!r}")
-    with catalog.connect() as conn:
-        rows = conn.execute(_step_verdicts(run, rollout_from, rollout_to)).all()
+    rows = executor(catalog)(*step_verdicts(run, rollout_from, rollout_to))
     out: dict[str, Any] = {"run": run, "bins": [], "first_bad_rollout": None}
     if not rows:
         out.update(rollout_from=rollout_from, rollout_to=rollout_to, bin_width=None)
         return out
-    lo = min(row.rollout_id for row in rows) if rollout_from is None else rollout_from
-    hi = max(row.rollout_id for row in rows) if rollout_to is None else rollout_to
+    lo = min(row["rollout_id"] for row in rows) if rollout_from is None else rollout_from
+    hi = max(row["rollout_id"] for row in rows) if rollout_to is None else rollout_to
     width = -(-(hi - lo + 1) // bins)  # ceil: every rollout in exactly one bin
     counts: dict[int, dict[str, int]] = {}
     bad = (Verdict.DIVERGED.value, Verdict.REFUSED.value)
     for row in rows:
-        index = (row.rollout_id - lo) // width
+        rollout_id, status = row["rollout_id"], row["status"]
+        index = (rollout_id - lo) // width
         cell = counts.setdefault(index, dict.fromkeys(STEP_STATUSES, 0))
-        cell[row.status] = cell.get(row.status, 0) + row.n
-        if row.status in bad and (
-            out["first_bad_rollout"] is None or row.rollout_id < out["first_bad_rollout"]
+        cell[status] = cell.get(status, 0) + row["n"]
+        if status in bad and (
+            out["first_bad_rollout"] is None or rollout_id < out["first_bad_rollout"]
         ):
-            out["first_bad_rollout"] = row.rollout_id
+            out["first_bad_rollout"] = rollout_id
     for index in sorted(counts):
         cell = counts[index]
         start = lo + index * width

@@ -81,7 +81,7 @@ def synced_catalog(path: str | Path, url: str | None = None) -> Iterator[Any]:
 
 def _all_pages(fn: Any, limit: int | None, **kw: Any) -> list[dict]:
     """Every row of a paged catalog query (up to `limit`), page by page."""
-    from trajstore.catalog.queries import MAX_PAGE_SIZE
+    from trajstore.catalog.listings import MAX_PAGE_SIZE
 
     out: list[dict] = []
     cursor = None
@@ -131,16 +131,16 @@ class PagedReader:
         return self._pages("query_router_metrics", limit, **kw)
 
     def mismatch(self, q: Any, limit: int | None = None) -> list[dict]:
-        from trajstore.catalog.queries import mismatch_executor
+        from trajstore.catalog.queries import executor
         from trajstore.mismatch.query import steps
 
-        return steps(mismatch_executor(self.catalog), q, limit)
+        return steps(executor(self.catalog), q, limit)
 
     def mismatch_layers(self, q: Any) -> list[dict]:
-        from trajstore.catalog.queries import mismatch_executor
+        from trajstore.catalog.queries import executor
         from trajstore.mismatch.query import layers
 
-        return layers(mismatch_executor(self.catalog), q)
+        return layers(executor(self.catalog), q)
 
     def readonly_sql(self, sql: str) -> tuple[list[str], list[list]]:
         from trajstore.catalog.queries import run_readonly_sql

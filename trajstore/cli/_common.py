@@ -52,7 +52,7 @@ def target_selector(args: argparse.Namespace) -> dict[str, Any]:
 def rollout_id(text: str) -> int:
     """argparse type of --rollout-from/--rollout-to: a rollout id (an integer from 0 to
     the catalog's BIGINT maximum)."""
-    from trajstore.catalog.direct import BIGINT_MAX
+    from trajstore.catalog.statements import BIGINT_MAX
 
     try:
         value = int(text)

@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import EngineOutputError, UsageError
+from trajstore.integrations.adapter import blank_final_rows, route_dtype, with_final_rows
 
 __all__ = [
     "EngineOutputError",
@@ -762,33 +763,43 @@ def _decode(
     return _join(engine, sample_id, pieces, router, pad_token_id)
 
 
-def decode_sglang(
-    sample_id: str,
-    turns: SGLangTurn | Sequence[SGLangTurn],
-    *,
-    router: RouterSpec | None = None,
-    pad_token_id: int | None = None,
-) -> EngineSample:
+def _decoder(engine: str, turn: type, piece: Any, doc: str) -> Any:
+    """The public decoder of one engine: ``(sample_id, turns, *, router=None,
+    pad_token_id=None) -> EngineSample``."""
+
+    def decode(
+        sample_id: str,
+        turns: Any,
+        *,
+        router: RouterSpec | None = None,
+        pad_token_id: int | None = None,
+    ) -> EngineSample:
+        return _decode(engine, sample_id, turns, turn, piece, router, pad_token_id)
+
+    decode.__name__ = decode.__qualname__ = f"decode_{engine}"
+    decode.__doc__ = doc
+    return decode
+
+
+decode_sglang = _decoder(
+    "sglang",
+    SGLangTurn,
+    _sglang_piece,
     """One sample from its SGLang request(s): one turn, or the turns of a multi-turn or
     continued sample in order (each turn's ``input_ids`` continue the sample; its routes
     replace the rows from its ``routed_experts_start_len`` on, as slime joins them).
 
     Routes are decoded when ``router`` is given (their shape needs layers and top-k).
-    """
-    return _decode("sglang", sample_id, turns, SGLangTurn, _sglang_piece, router, pad_token_id)
-
-
-def decode_vllm(
-    sample_id: str,
-    turns: VLLMTurn | Sequence[VLLMTurn],
-    *,
-    router: RouterSpec | None = None,
-    pad_token_id: int | None = None,
-) -> EngineSample:
+    """,
+)
+decode_vllm = _decoder(
+    "vllm",
+    VLLMTurn,
+    _vllm_piece,
     """One sample from its vLLM request(s) (`VLLMTurn.from_request_output`); a later turn's
     prompt continues the sample, and its routes (the whole sequence) replace the earlier ones.
-    """
-    return _decode("vllm", sample_id, turns, VLLMTurn, _vllm_piece, router, pad_token_id)
+    """,
+)
 
 
 # --------------------------------------------------------------------------- for capture
@@ -796,10 +807,10 @@ def decode_vllm(
 
 def capture_route_dtype(num_experts: int) -> np.dtype:
     """The smallest signed dtype holding ``-1`` and every id below ``num_experts``."""
-    for dtype in (np.int8, np.int16, np.int32):
-        if num_experts - 1 <= np.iinfo(dtype).max:
-            return np.dtype(dtype)
-    raise UsageError(f"engines: {num_experts} experts do not fit int32 ids")
+    try:
+        return route_dtype(num_experts, signed=True)
+    except ValueError as exc:
+        raise UsageError(f"engines: {exc}") from None
 
 
 def rollout_routes(samples: Sequence[EngineSample], router: RouterSpec) -> np.ndarray:
@@ -807,21 +818,16 @@ def rollout_routes(samples: Sequence[EngineSample], router: RouterSpec) -> np.nd
     of every sample in order, each sample's last row ``-1`` (no route: the engine never fed
     that token), in `capture_route_dtype`."""
     dtype = capture_route_dtype(router.num_experts)
-    parts = []
+    tail = (router.num_layers, router.top_k)
     for s in samples:
         if s.routes is None:
             raise UsageError(f"engines: sample {s.sample_id!r} was decoded without a RouterSpec")
-        if s.routes.shape != (s.total_length - 1, router.num_layers, router.top_k):
+        if s.routes.shape != (s.total_length - 1, *tail):
             raise UsageError(
                 f"engines: sample {s.sample_id!r} routes {list(s.routes.shape)} do not match "
                 f"{s.total_length} tokens and the RouterSpec"
             )
-        out = np.full((s.total_length, router.num_layers, router.top_k), -1, dtype=dtype)
-        out[:-1] = s.routes
-        parts.append(out)
-    if not parts:
-        return np.zeros((0, router.num_layers, router.top_k), dtype=dtype)
-    return np.concatenate(parts)
+    return with_final_rows([s.routes for s in samples], tail, dtype)
 
 
 def rollout_log_probs(samples: Sequence[EngineSample]) -> np.ndarray:
@@ -840,15 +846,7 @@ def blank_final_tokens(routes: Any, total_lengths: Sequence[int]) -> np.ndarray:
     with ``-1`` on both sides router metrics leave it out (a dense slot); ``-1`` on one side
     only is ``expert_id_out_of_range``.
     """
-    arr = np.asarray(routes)
-    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim != 3:
-        raise UsageError(f"engines: routes must be integer [T, L, K], got {arr.dtype} {arr.shape}")
-    lengths = np.asarray(total_lengths, dtype=np.int64)
-    if (lengths < 1).any() or int(lengths.sum()) != arr.shape[0]:
-        raise UsageError(
-            f"engines: total_lengths sum to {int(lengths.sum())}, the routes have {arr.shape[0]} "
-            "rows"
-        )
-    out = arr.astype(np.promote_types(arr.dtype, np.int8), copy=True)
-    out[np.cumsum(lengths) - 1] = -1
-    return out
+    try:
+        return blank_final_rows(routes, total_lengths)
+    except ValueError as exc:
+        raise UsageError(f"engines: {exc}") from None

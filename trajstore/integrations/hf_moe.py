@@ -37,11 +37,13 @@ from typing import Any
 import numpy as np
 
 from trajstore.errors import UsageError
+from trajstore.integrations.adapter import FrameworkAdapter, pack, route_dtype
 
 __all__ = [
     "SUPPORTED_ROUTERS",
     "Generation",
     "MoERouting",
+    "HF_MOE",
     "UnsupportedMoEModel",
     "find_routers",
     "generate_with_routes",
@@ -106,11 +108,18 @@ def router_config(model: Any) -> dict[str, int]:
     }
 
 
-def route_dtype(num_experts: int) -> np.dtype:
-    """The smallest integer dtype for expert ids (uint8 up to 255 experts)."""
-    if num_experts <= np.iinfo(np.uint8).max:
-        return np.dtype(np.uint8)
-    return np.dtype(np.int16) if num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+class HFMoEAdapter(FrameworkAdapter):
+    """A transformers MoE model: its router settings as ``config.router``."""
+
+    name = "transformers"
+    module = "transformers"
+    extra = "trl"
+
+    def recompute_config(self, source: Any, **options: Any) -> dict[str, Any]:
+        return {"router": {**router_config(source), **options}}
+
+
+HF_MOE = HFMoEAdapter()
 
 
 @dataclass
@@ -422,7 +431,7 @@ def pack_routes(routes: Any, mask: Any, num_experts: int) -> np.ndarray:
     m = torch.as_tensor(mask).detach().cpu().bool()
     if r.shape[:2] != m.shape:
         raise ValueError(f"hf_moe: routes {list(r.shape)} and mask {list(m.shape)} differ")
-    packed = r[m].numpy()
+    packed = pack(r, m).numpy()
     if packed.size and packed.min() < 0:
         raise ValueError("hf_moe: a real token has no route (-1) to pack")
     if packed.size and packed.max() >= num_experts:

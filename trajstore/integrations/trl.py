@@ -29,10 +29,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import trl
 
 from trajstore.capture import CaptureManager
-from trajstore.replay.losses import CPU_SUM_ORDERS
+from trajstore.integrations.adapter import (
+    FrameworkAdapter,
+    SampleIds,
+    StepRecord,
+    cpu,
+    group_of_position,
+    keep_mask,
+    micro_batch_id,
+    pack,
+    per_token,
+    write_step,
+)
+from trajstore.replay.losses import CPU_SUM_ORDERS, METRIC_FIELDS
 from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
@@ -41,28 +52,27 @@ logger = logging.getLogger("trajstore.capture")
 TESTED_TRL = "1.16"
 #: the key the capture adds to TRL's generation batch: each row's global index
 ROW_KEY = "trajstore_row"
-#: the metrics TRL logs per micro-batch that replay recomputes
-LOGGED_METRICS: tuple[str, ...] = (
-    "kl",
-    "entropy",
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "cispo_clip_ratio",
-    "aux_loss",
-)
+#: the metrics TRL logs per micro-batch that replay recomputes (and the MoE aux loss)
+LOGGED_METRICS: tuple[str, ...] = (*METRIC_FIELDS, "aux_loss")
 
-__all__ = ["GRPOTrainer", "ROW_KEY", "trl_recompute_config"]
+__all__ = ["GRPOTrainer", "ROW_KEY", "TRL", "trl_recompute_config"]
 
 
-def _cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy that no later in-place update can reach, outside any graph."""
-    return tensor.detach().to("cpu", copy=True)
+class TrlAdapter(FrameworkAdapter):
+    """TRL (``pip install 'trajstore[trl]'``): its ``GRPOTrainer``'s settings as the
+    loss-family keys of replay-math.md."""
+
+    name = "TRL"
+    module = "trl"
+    extra = "trl"
+    tested = TESTED_TRL
+
+    def recompute_config(self, source: Any, **options: Any) -> dict[str, Any]:
+        return trl_recompute_config(source)
 
 
-def _pack(padded: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Right-padded [B, L] values as flat per-sample responses (row-major: sample 0, 1, ...)."""
-    return _cpu(padded)[keep]
+TRL = TrlAdapter()
+trl = TRL.require()
 
 
 def reward_sum_order(device: torch.device) -> str | None:
@@ -197,12 +207,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._trajstore = _TrlCapture()
-        if self._trajstore.enabled and not str(trl.__version__).startswith(TESTED_TRL + "."):
-            logger.warning(
-                "trajstore: TRL capture is written against TRL %s; this is %s",
-                TESTED_TRL,
-                trl.__version__,
-            )
+        if self._trajstore.enabled:
+            TRL.warn_untested(str(trl.__version__))
         if self._trajstore.enabled and self.accelerator.num_processes > 1:
             # rewards are gathered over processes, advantages are not: not captured yet
             logger.warning("trajstore: TRL capture supports one process; capture is off")
@@ -235,7 +241,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, ids)
         generation = self._trajstore.pending_generation
         if self._capturing() and generation is not None:
-            generation.rewards_per_func = _cpu(rewards_per_func)
+            generation.rewards_per_func = cpu(rewards_per_func)
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
@@ -255,14 +261,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         return output
 
     def _capture_rollout(self, generation: _Generation, output: dict[str, Any]) -> None:
-        weights = _cpu(self.reward_weights).to(torch.float32)
+        weights = cpu(self.reward_weights).to(torch.float32)
         per_func = generation.rewards_per_func
         if per_func is None:
             raise ValueError("no rewards were captured for this generation batch")
         raw = (per_func * weights.unsqueeze(0)).nansum(dim=1)
         raw[torch.isnan(per_func).all(dim=1)] = torch.nan
         generation.raw_rewards = raw
-        generation.advantages = _cpu(output["advantages"])
+        generation.advantages = cpu(output["advantages"])
         state = self._trajstore
         state.generations[generation.index] = generation
         # a step's rows come from the newest buffer (or, across a boundary, the one before)
@@ -272,7 +278,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         for index in [index for index in state.generations if index < keep_from]:
             del state.generations[index]
         lengths = torch.tensor(generation.completion_lengths)
-        keep = torch.arange(output["completion_ids"].shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        keep = keep_mask(lengths, output["completion_ids"].shape[1])
         mask = output["completion_mask"]
         if "tool_mask" in output:
             mask = mask * output["tool_mask"]
@@ -281,13 +287,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             for row in range(len(generation.completion_lengths))
         ]
         payloads: dict[str, Any] = {
-            "advantages": torch.repeat_interleave(generation.advantages, lengths),
-            "loss_mask": _pack(mask, keep),
+            "advantages": per_token(generation.advantages, lengths),
+            "loss_mask": pack(mask, keep),
         }
         if output.get("old_per_token_logps") is not None:
-            payloads["old_log_probs"] = _pack(output["old_per_token_logps"], keep)
+            payloads["old_log_probs"] = pack(output["old_per_token_logps"], keep)
         if output.get("ref_per_token_logps") is not None:
-            payloads["ref_log_probs"] = _pack(output["ref_per_token_logps"], keep)
+            payloads["ref_log_probs"] = pack(output["ref_per_token_logps"], keep)
         self.trajstore_capture.rollout(
             generation.index,
             samples,
@@ -306,10 +312,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         )
 
     def _sample_record(self, generation: _Generation, row: int) -> dict[str, Any]:
-        groups_per_batch = len(generation.completion_lengths) // generation.group_size
+        rows = len(generation.completion_lengths)
         return {
             "sample_id": f"g{generation.index}-s{row}",
-            "group_index": generation.index * groups_per_batch + row // generation.group_size,
+            "group_index": group_of_position(generation.index, row, rows, generation.group_size),
             "response_length": generation.completion_lengths[row],
             "total_length": generation.prompt_lengths[row] + generation.completion_lengths[row],
         }
@@ -322,9 +328,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._trajstore.loss_frame = _trl_loss_frame()
             logps, entropies, aux_loss = result
             self._trajstore.forward = (
-                _cpu(logps),
-                None if entropies is None else _cpu(entropies),
-                None if aux_loss is None else _cpu(aux_loss),
+                cpu(logps),
+                None if entropies is None else cpu(entropies),
+                None if aux_loss is None else cpu(aux_loss),
             )
         return result
 
@@ -372,7 +378,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if state.forward is None:
             raise ValueError("the loss's forward pass was not observed")
         logps, entropies, aux_loss = state.forward
-        rows = _cpu(inputs[ROW_KEY]).tolist()
+        rows = cpu(inputs[ROW_KEY]).tolist()
         if state.step is None:
             if recompute is None:
                 raise ValueError("a micro-batch arrived without an open step")
@@ -394,22 +400,22 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.loss_type in ("cispo", "dapo", "vespo"):
             # TRL's divisor is this count * accumulation / steps_per_generation (one process);
             # replay recomputes the count when the step holds the generation batch whole
-            generation_tokens = float(_cpu(inputs["num_items_in_batch"]))
+            generation_tokens = float(cpu(inputs["num_items_in_batch"]))
         state.step.micro_batches.append(
             {
                 "rows": rows,
                 "log_probs": logps,
-                "old_log_probs": logps if old is None else _cpu(old),
+                "old_log_probs": logps if old is None else cpu(old),
                 "entropy": entropies,
                 "ref_log_probs": None
                 if inputs.get("ref_per_token_logps") is None
-                else _cpu(inputs["ref_per_token_logps"]),
-                "kl": None if per_token_kl is None else _cpu(per_token_kl),
+                else cpu(inputs["ref_per_token_logps"]),
+                "kl": None if per_token_kl is None else cpu(per_token_kl),
                 "rollout_log_probs": None
                 if inputs.get("sampling_per_token_logps") is None
-                else _cpu(inputs["sampling_per_token_logps"]),
-                "mask": _cpu(mask),
-                "loss": float(_cpu(loss)),
+                else cpu(inputs["sampling_per_token_logps"]),
+                "mask": cpu(mask),
+                "loss": float(cpu(loss)),
                 "aux_loss": None if aux_loss is None else float(aux_loss),
                 "generation_loss_tokens": generation_tokens,
                 "logged": logged,
@@ -425,59 +431,53 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _write_step(self, step: _PendingStep) -> None:
         generations = self._trajstore.generations
-        manager = self.trajstore_capture
-        with manager.step(step.rollout_id, step.step_id, recompute=step.recompute) as capture:
-            if not capture.active:
-                return
-            records: dict[str, dict[str, Any]] = {}
-            seen: dict[int, int] = {}
-            for number, mb in enumerate(step.micro_batches):
-                mb_id = f"mb-{number:04d}"
-                samples, lengths = [], []
-                for row in mb["rows"]:
-                    generation = generations[self._generation_of(row)]
-                    local = row - generation.index * len(generation.completion_lengths)
-                    sample = self._sample_record(generation, local)
-                    seen[row] = seen.get(row, 0) + 1
-                    if seen[row] > 1:  # num_iterations > 1: one step consumes a row again
-                        sample["sample_id"] += f"-it{seen[row]}"
-                    sample["reward"] = float(generation.advantages[local])
-                    raw = float(generation.raw_rewards[local])
-                    if raw == raw:
-                        sample["raw_reward"] = raw
-                    samples.append(sample)
-                    lengths.append(generation.completion_lengths[local])
-                length = torch.tensor(lengths)
-                keep = torch.arange(mb["log_probs"].shape[1]).unsqueeze(0) < length.unsqueeze(1)
-                advantages = torch.tensor([sample["reward"] for sample in samples])
-                payloads = {
-                    "log_probs": mb["log_probs"][keep],
-                    "old_log_probs": mb["old_log_probs"][keep],
-                    "entropy": mb["entropy"][keep],
-                    "advantages": torch.repeat_interleave(advantages, length),
-                    "loss_mask": mb["mask"][keep],
-                }
-                if mb["ref_log_probs"] is not None:
-                    payloads["ref_log_probs"] = mb["ref_log_probs"][keep]
-                if mb["kl"] is not None:  # TRL's own per-token KL, bias-corrected or not
-                    payloads["kl"] = mb["kl"].expand_as(mb["log_probs"])[keep]
-                extra = {}
-                if mb["rollout_log_probs"] is not None:
-                    extra["rollout_log_probs"] = mb["rollout_log_probs"][keep]
-                capture.add(mb_id, samples=samples, **payloads, **extra)
-                record = {"loss": mb["loss"], **mb["logged"]}
-                if mb["aux_loss"] is not None:
-                    record["aux_loss"] = mb["aux_loss"]
-                if mb["generation_loss_tokens"] is not None:
-                    record["generation_loss_tokens"] = mb["generation_loss_tokens"]
-                records[mb_id] = record
-            capture.expect(
-                Stage.LOSS_POLICY,
-                {
-                    "loss": sum(record["loss"] for record in records.values()),
-                    "micro_batches": records,
-                },
-            )
+        records: dict[str, dict[str, Any]] = {}
+        micro_batches = []
+        ids = SampleIds()
+        for number, mb in enumerate(step.micro_batches):
+            mb_id = micro_batch_id(number)
+            samples, lengths = [], []
+            for row in mb["rows"]:
+                generation = generations[self._generation_of(row)]
+                local = row - generation.index * len(generation.completion_lengths)
+                sample = self._sample_record(generation, local)
+                # num_iterations > 1: one step consumes a row again
+                sample["sample_id"] = ids(sample["sample_id"], row)
+                sample["reward"] = float(generation.advantages[local])
+                raw = float(generation.raw_rewards[local])
+                if raw == raw:
+                    sample["raw_reward"] = raw
+                samples.append(sample)
+                lengths.append(generation.completion_lengths[local])
+            length = torch.tensor(lengths)
+            keep = keep_mask(length, mb["log_probs"].shape[1])
+            advantages = torch.tensor([sample["reward"] for sample in samples])
+            payloads = {
+                "log_probs": mb["log_probs"][keep],
+                "old_log_probs": mb["old_log_probs"][keep],
+                "entropy": mb["entropy"][keep],
+                "advantages": per_token(advantages, length),
+                "loss_mask": mb["mask"][keep],
+            }
+            if mb["ref_log_probs"] is not None:
+                payloads["ref_log_probs"] = mb["ref_log_probs"][keep]
+            if mb["kl"] is not None:  # TRL's own per-token KL, bias-corrected or not
+                payloads["kl"] = mb["kl"].expand_as(mb["log_probs"])[keep]
+            if mb["rollout_log_probs"] is not None:
+                payloads["rollout_log_probs"] = mb["rollout_log_probs"][keep]
+            micro_batches.append({"mb_id": mb_id, "samples": samples, "payloads": payloads})
+            record = {"loss": mb["loss"], **mb["logged"]}
+            if mb["aux_loss"] is not None:
+                record["aux_loss"] = mb["aux_loss"]
+            if mb["generation_loss_tokens"] is not None:
+                record["generation_loss_tokens"] = mb["generation_loss_tokens"]
+            records[mb_id] = record
+        expected = {
+            "loss": sum(record["loss"] for record in records.values()),
+            "micro_batches": records,
+        }
+        record = StepRecord(step.rollout_id, step.step_id, micro_batches, expected, step.recompute)
+        write_step(self.trajstore_capture, record)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``train``; afterwards every captured bundle is flushed to its destination."""

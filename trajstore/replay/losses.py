@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -341,20 +341,28 @@ def is_correction_ratio(
 
 @dataclass
 class MicroBatch:
-    """One ``compute_loss`` call's samples, flat per-token arrays, in bundle order."""
+    """One call of a trainer's loss (TRL's ``compute_loss``, verl's actor loss): its
+    samples' flat per-token arrays, in bundle order.
+
+    The loss family reads ``is_ratio`` / ``sampling_log_probs`` (TRL's IS correction),
+    ``aux_loss`` and ``token_normalizer``; verl's variants read ``is_weights`` (rollout IS
+    weights) and ``info`` (the global batch sizes its aggregation divided by).
+    """
 
     micro_batch_id: str
     lengths: np.ndarray
     log_probs: np.ndarray
     old_log_probs: np.ndarray
     advantages: np.ndarray
-    entropy: np.ndarray
     mask: np.ndarray
+    entropy: np.ndarray | None = None
     ref_log_probs: np.ndarray | None = None
     is_ratio: np.ndarray | None = None
     sampling_log_probs: np.ndarray | None = None
+    is_weights: np.ndarray | None = None
     aux_loss: float | None = None
     token_normalizer: float | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
 
 
 def micro_batch_loss(mb: MicroBatch, s: LossSettings) -> dict[str, float]:

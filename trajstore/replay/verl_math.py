@@ -45,7 +45,7 @@ from trajstore.replay.context import (
     is_number,
     outcome_of,
 )
-from trajstore.replay.losses import row_sums, scalar_comparer
+from trajstore.replay.losses import MicroBatch, row_sums, scalar_comparer
 from trajstore.replay.registry import CapabilityCheck, StageVariant, register_variant
 from trajstore.replay.source import BundleSource
 from trajstore.vocab import Capability, Payload, Stage, StageStatus
@@ -53,16 +53,10 @@ from trajstore.vocab import Capability, Payload, Stage, StageStatus
 #: the config key that selects these variants, their name and version
 KEY = "verl"
 VERSION = "verl-v1"
+#: verl's advantage estimators that replay transcribes (``algorithm.adv_estimator``)
 ESTIMATORS: tuple[str, ...] = (
-    "gae",
-    "grpo",
-    "grpo_passk",
-    "rloo",
-    "opo",
-    "gpg",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
+    *("gae", "grpo", "grpo_passk", "rloo", "opo", "gpg"),
+    *("reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"),
 )
 UNREPLAYABLE_ESTIMATORS: dict[str, str] = {
     "grpo_vectorized": "adv_estimator 'grpo_vectorized' is not transcribed (use grpo)",
@@ -382,22 +376,6 @@ def estimate(b: Batch, args: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]
 
 
 # --------------------------------------------------------------------------- the loss
-
-
-@dataclass
-class MicroBatch:
-    """One call of verl's actor loss: flat per-token arrays over its samples, in order."""
-
-    micro_batch_id: str
-    lengths: np.ndarray
-    log_probs: np.ndarray
-    old_log_probs: np.ndarray
-    advantages: np.ndarray
-    mask: np.ndarray
-    info: Mapping[str, Any]
-    entropy: np.ndarray | None = None
-    ref_log_probs: np.ndarray | None = None
-    is_weights: np.ndarray | None = None
 
 
 def _clip_ratios(args: Mapping[str, Any]) -> tuple[np.float32, np.float32]:

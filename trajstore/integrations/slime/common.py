@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from trajstore.integrations.adapter import FrameworkAdapter
+
 #: the index.json key (top level and per sample) holding what trajstore does not model
 EXT = "slime"
 #: a rollout dump's per-sample fields kept as payloads: field -> rows they cover
@@ -51,3 +55,16 @@ def rollout_file(rollout_id: int, evaluation: bool) -> str:
 
 def train_file(rollout_id: int) -> str:
     return f"train_{rollout_id}.pt"
+
+
+class SlimeAdapter(FrameworkAdapter):
+    """slime's dumps: read without importing slime (nothing to install); the arguments
+    replay reads (`trajstore.integrations.slime.config.read_args`) as ``config.slime``."""
+
+    name = "slime"
+
+    def recompute_config(self, source: Any, **options: Any) -> dict[str, Any]:
+        return {EXT: {**source, **options}}
+
+
+SLIME = SlimeAdapter()

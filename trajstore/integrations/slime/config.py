@@ -19,27 +19,23 @@ from typing import Any
 
 from trajstore.errors import UsageError
 
-#: slime's argument -> (type, slime's default); the flags of slime/utils/arguments.py
+
+def _typed_args(kind: type, **defaults: Any) -> dict[str, tuple[type, Any]]:
+    return {name: (kind, default) for name, default in defaults.items()}
+
+
+#: slime's argument -> (type, slime's default); the flags of slime/utils/arguments.py that
+#: replay reads (their order does not matter: a bundle's JSON is written with sorted keys)
 ARGS: dict[str, tuple[type, Any]] = {
-    "advantage_estimator": (str, "grpo"),
-    "n_samples_per_prompt": (int, 1),
-    "rollout_batch_size": (int, None),
-    "global_batch_size": (int, None),
-    "rewards_normalization": (bool, True),
-    "grpo_std_normalization": (bool, True),
-    "kl_coef": (float, 0.0),
-    "kl_loss_type": (str, "k1"),
-    "gamma": (float, 1.0),
-    "normalize_advantages": (bool, False),
-    "use_rollout_logprobs": (bool, False),
-    "reward_key": (str, None),
-    "use_opd": (bool, False),
-    "compute_advantages_and_returns": (bool, True),
-    "custom_advantage_function_path": (str, None),
-    "custom_reward_post_process_path": (str, None),
-    "use_routing_replay": (bool, False),
-    "use_rollout_routing_replay": (bool, False),
-    "num_experts": (int, None),
+    **_typed_args(str, advantage_estimator="grpo", kl_loss_type="k1", reward_key=None),
+    **_typed_args(str, custom_advantage_function_path=None, custom_reward_post_process_path=None),
+    **_typed_args(int, n_samples_per_prompt=1, rollout_batch_size=None, num_experts=None),
+    **_typed_args(int, global_batch_size=None),
+    **_typed_args(float, kl_coef=0.0, gamma=1.0),
+    **_typed_args(bool, rewards_normalization=True, grpo_std_normalization=True),
+    **_typed_args(bool, normalize_advantages=False, use_rollout_logprobs=False, use_opd=False),
+    **_typed_args(bool, compute_advantages_and_returns=True),
+    **_typed_args(bool, use_routing_replay=False, use_rollout_routing_replay=False),
 }
 #: flags that set a boolean without a value, and the value they set
 _SWITCHES: dict[str, tuple[str, bool]] = {

@@ -46,6 +46,7 @@ from trajstore.integrations.slime.common import (
     EVAL_SUFFIX,
     EXT,
     ROLLOUT_ARRAYS,
+    SLIME,
     SLIME_PER_TOKEN,
     TRAIN_RECORD_FIELDS,
     TRAIN_ROUTES,
@@ -63,20 +64,23 @@ _TEMPLATE_FIELD = re.compile(r"\{(rollout_id|rank)\}")
 
 
 @dataclass
-class RolloutDump:
+class _Dump:
+    """One slime dump file: its rollout, the pickled document and its samples."""
+
     path: Path
     rollout_id: int
     doc: dict[str, Any]
     samples: list[dict[str, Any]]
+
+
+@dataclass
+class RolloutDump(_Dump):
     evaluation: bool
 
 
 @dataclass
-class TrainDump:
-    path: Path
-    rollout_id: int
-    doc: dict[str, Any]
-    samples: list[dict[str, Any]]
+class TrainDump(_Dump):
+    pass
 
 
 # --------------------------------------------------------------------------- finding files
@@ -428,7 +432,7 @@ def rollout_bundle(
     sizes: dict[int, int] = {}
     for record in records:
         sizes[record["group_index"]] = sizes.get(record["group_index"], 0) + 1
-    cfg: dict[str, Any] = {EXT: {**args, "evaluation": dump.evaluation}}
+    cfg = SLIME.recompute_config(args, evaluation=dump.evaluation)
     n = args.get("n_samples_per_prompt") if args.get("args_given") else None
     if not dump.evaluation and n is not None and set(sizes.values()) == {n}:
         cfg["n_samples_per_prompt"] = n
@@ -453,24 +457,36 @@ def rollout_bundle(
         "weight_lineage": {"rollout_weight": _weight(dump.samples), "actor_weight": None},
     }
     header = _header(dump.doc, dump.path)
-    contents = BundleContents(
-        bundle_id=f"slime-{'eval' if dump.evaluation else 'rollout'}-{r}",
-        identity=identity,
-        samples=records,
-        config=cfg,
-        payloads=payloads,
-        expected=expected,
-        stage_contracts=contracts,
-        producer=PRODUCER,
-        extensions={EXT: {**header, "kind": "rollout", "evaluation": dump.evaluation}},
-    )
     sources = [str(dump.path)] + ([str(train.path)] if post else [])
-    return FrameworkBundle(
-        run=check_run_name(run + EVAL_SUFFIX) if dump.evaluation else run,
-        child=f"replay-rollout-{r}",
-        contents=contents,
-        sources=sources,
+    run_name = check_run_name(run + EVAL_SUFFIX) if dump.evaluation else run
+    return _bundle(
+        (run_name, f"replay-rollout-{r}", sources),
+        f"slime-{'eval' if dump.evaluation else 'rollout'}-{r}",
+        (identity, records, cfg, payloads, contracts),
+        expected,
+        {**header, "kind": "rollout", "evaluation": dump.evaluation},
     )
+
+
+def _bundle(where: tuple, name: str, parts: tuple, expected: dict, ext: dict) -> FrameworkBundle:
+    """One slime bundle ``name``: ``where`` it goes (run, capture child, the dump files it
+    came from) and its contents (``parts``: identity, sample records, config, payloads,
+    stage contracts; ``ext``: what index.json keeps under ``extensions.slime``)."""
+    identity, samples, config, payloads, contracts = parts
+    # BundleContents' fields in their order: bundle_id ... stage_contracts, producer
+    contents = BundleContents(
+        name,
+        identity,
+        samples,
+        config,
+        payloads,
+        expected,
+        contracts,
+        PRODUCER,
+        extensions={EXT: ext},
+    )
+    run, child, sources = where
+    return FrameworkBundle(run=run, child=child, contents=contents, sources=sources)
 
 
 def _weight(samples: list[dict[str, Any]]) -> str | None:
@@ -677,7 +693,7 @@ def _step_bundle(
             record["raw_reward"] = raw
         records.append(record)
 
-    cfg: dict[str, Any] = {EXT: {**args, "steps_in_dump": steps}}
+    cfg = SLIME.recompute_config(args, steps_in_dump=steps)
     router = _router(args, payloads.get(Payload.ROLLOUT_ROUTED_EXPERTS))
     if router is not None:
         cfg["router"] = router
@@ -704,31 +720,20 @@ def _step_bundle(
         "rank": {"dp": max(1, len(train.doc.get("dp_shards") or []))},
         "weight_lineage": {"rollout_weight": _weight(rollout.samples), "actor_weight": None},
     }
-    contents = BundleContents(
-        bundle_id=f"slime-step-{r}-{s}",
-        identity=identity,
-        samples=records,
-        config=cfg,
-        payloads=payloads,
-        expected={},
-        stage_contracts=contracts,
-        producer=PRODUCER,
-        extensions={
-            EXT: {
-                **header,
-                "kind": "train",
-                "step": s,
-                "steps": steps,
-                "num_samples": len(train.samples),
-                "derived": derived,
-            }
-        },
-    )
-    return FrameworkBundle(
-        run=run,
-        child=f"replay-{r}-{s}",
-        contents=contents,
-        sources=[str(train.path), str(rollout.path)],
+    extension = {
+        **header,
+        "kind": "train",
+        "step": s,
+        "steps": steps,
+        "num_samples": len(train.samples),
+        "derived": derived,
+    }
+    return _bundle(
+        (run, f"replay-{r}-{s}", [str(train.path), str(rollout.path)]),
+        f"slime-step-{r}-{s}",
+        (identity, records, cfg, payloads, contracts),
+        {},
+        extension,
     )
 
 

@@ -18,29 +18,27 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from trajstore.integrations.adapter import StepRecord, write_steps
 from trajstore.integrations.verl.records import (
     CONTRACT_VERSION,
     GROUP_KEY,
     KEY,
     ROW_KEY,
-    TESTED_VERL,
+    VERL,
     MicroBatchRecord,
     RolloutRecord,
-    StepRecord,
     algorithm_config,
     rollout_record,
     step_records,
-    verl_version,
 )
-from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
 
 #: the install hint of every ImportError this integration raises
-INSTALL_HINT = "pip install 'trajstore[verl]'"
+INSTALL_HINT = VERL.install_hint
 
 __all__ = [
     "CONTRACT_VERSION",
@@ -66,35 +64,24 @@ __all__ = [
 
 _LOCK = threading.Lock()
 _MANAGER: Any = None
-_WARNED = False
 
 
 def require_verl() -> Any:
     """The ``verl`` module, or an ImportError that says how to install it."""
-    try:
-        import verl
-    except ImportError as exc:
-        raise ImportError(f"the verl integration needs verl: {INSTALL_HINT}") from exc
-    return verl
+    return VERL.require()
 
 
 def capture_manager(**overrides: Any) -> Any:
     """This process's `CaptureManager` (made from the environment at the first call;
     ``overrides`` such as ``rank=`` apply to that first call only)."""
-    global _MANAGER, _WARNED
+    global _MANAGER
     with _LOCK:
         if _MANAGER is None:
             from trajstore.capture import CaptureManager
 
             _MANAGER = CaptureManager.from_env(**overrides)
-            version = verl_version()
-            if _MANAGER.enabled and version and version != TESTED_VERL and not _WARNED:
-                _WARNED = True
-                logger.warning(
-                    "trajstore: verl capture is written against verl %s; this is %s",
-                    TESTED_VERL,
-                    version,
-                )
+            if _MANAGER.enabled:
+                VERL.warn_untested()
         return _MANAGER
 
 
@@ -111,12 +98,13 @@ def tag_batch(batch: Any) -> Any:
     ``DataProto`` before ``update_actor``, so the actor's micro-batches know their rows."""
     import torch
 
-    from trajstore.integrations.verl.records import BatchView, _groups
+    from trajstore.integrations.adapter import groups_of_uids
+    from trajstore.integrations.verl.records import BatchView
 
     view = BatchView.of(batch)
     rows = int(view.tensors["responses"].shape[0])
     device = view.tensors["responses"].device
-    groups = _groups(view.non_tensor.get("uid"), rows)
+    groups = groups_of_uids(view.non_tensor.get("uid"), rows)
     target = batch.batch if hasattr(batch, "batch") else batch
     target[ROW_KEY] = torch.arange(rows, device=device)
     target[GROUP_KEY] = torch.tensor(groups, device=device)
@@ -135,40 +123,20 @@ def write_rollout(manager: Any, record: RolloutRecord) -> bool:
     )
 
 
-def write_steps(manager: Any, steps: Sequence[StepRecord]) -> int:
-    """Enqueue step records on ``manager``; how many were queued."""
-    queued = 0
-    for step in steps:
-        with manager.step(step.rollout_id, step.step_id, recompute=step.recompute) as capture:
-            if not capture.active:
-                continue
-            for mb in step.micro_batches:
-                capture.add(mb["mb_id"], samples=mb["samples"], **mb["payloads"])
-            capture.expect(Stage.LOSS_POLICY, step.expected_loss)
-        queued += 1
-    return queued
-
-
-def capture_batch(
-    batch: Any,
-    config: Any,
-    *,
-    step: int,
-    kl_coef: float | None = None,
-    metrics: Mapping[str, Any] | None = None,
-) -> bool:
+def capture_batch(batch: Any, config: Any, *, step: int, **options: Any) -> bool:
     """Capture verl's driver batch after ``update_actor`` as step ``step``'s rollout bundle.
 
-    ``config``: the trainer's whole config; ``step``: ``trainer.global_steps``; ``metrics``
-    (the step's, as verl logged them) or ``kl_coef``: the KL-in-reward coefficient applied
-    this step (needed under an adaptive controller). Off (False) unless capture is on;
-    never raises into training (an error is counted and logged).
+    ``config``: the trainer's whole config; ``step``: ``trainer.global_steps``; ``options``
+    as `rollout_record`'s: ``metrics=`` (the step's, as verl logged them) or ``kl_coef=``
+    (the KL-in-reward coefficient applied this step, needed under an adaptive controller).
+    Off (False) unless capture is on; never raises into training (an error is counted and
+    logged).
     """
     manager = capture_manager()
     if not manager.enabled or not manager.wants_rollout(step):
         return False
     try:
-        record = rollout_record(batch, config, step=step, kl_coef=kl_coef, metrics=metrics)
+        record = rollout_record(batch, config, step=step, **options)
     except Exception:  # noqa: BLE001 - capture never raises into training
         manager.stats.count_error("capturing a verl driver batch")
         return False

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
+from trajstore.integrations.adapter import cpu, write_step
 from trajstore.integrations.verl.records import (
     GROUP_KEY,
     ROW_KEY,
     MicroBatchRecord,
     step_records,
 )
-from trajstore.vocab import Stage
 
 logger = logging.getLogger("trajstore.capture")
 
@@ -46,10 +46,6 @@ logger = logging.getLogger("trajstore.capture")
 STEP_KEY = "trajstore_step"
 
 __all__ = ["STEP_KEY", "RecordingLoss", "capture_actor"]
-
-
-def _cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
 
 
 def _field(data: Any, name: str, default: Any = None) -> Any:
@@ -160,29 +156,29 @@ class RecordingLoss:
         actor_config = getattr(self.inner, "keywords", {}).get("config")
         dp_size = int(_field(data, "dp_size", 1) or 1)
         row_ids = (
-            _cpu(rows).tolist()
+            cpu(rows).tolist()
             if rows is not None
             else list(range(state.rows_in_update, state.rows_in_update + rows_in))
         )
         record = MicroBatchRecord(
             rows=row_ids,
-            log_probs=_cpu(log_probs).float(),
-            old_log_probs=_cpu(_dense(data, "old_log_probs")).float(),
-            advantages=_cpu(_dense(data, "advantages")).float(),
-            response_mask=_cpu(response_mask),
-            loss=float(_cpu(loss)),
+            log_probs=cpu(log_probs).float(),
+            old_log_probs=cpu(_dense(data, "old_log_probs")).float(),
+            advantages=cpu(_dense(data, "advantages")).float(),
+            response_mask=cpu(response_mask),
+            loss=float(cpu(loss)),
             metrics={name: _metric(value) for name, value in dict(metrics or {}).items()},
-            entropy=None if entropy is None else _cpu(entropy).float(),
+            entropy=None if entropy is None else cpu(entropy).float(),
             ref_log_probs=None
             if _dense(data, "ref_log_prob") is None
-            else _cpu(_dense(data, "ref_log_prob")).float(),
+            else cpu(_dense(data, "ref_log_prob")).float(),
             rollout_log_probs=None
             if _dense(data, "rollout_log_probs") is None
-            else _cpu(_dense(data, "rollout_log_probs")).float(),
+            else cpu(_dense(data, "rollout_log_probs")).float(),
             rollout_is_weights=None
             if _dense(data, "rollout_is_weights") is None
-            else _cpu(_dense(data, "rollout_is_weights")).float(),
-            groups=row_ids if groups is None else _cpu(groups).tolist(),  # untagged: own group
+            else cpu(_dense(data, "rollout_is_weights")).float(),
+            groups=row_ids if groups is None else cpu(groups).tolist(),  # untagged: own group
             response_lengths=None if lengths is None else [int(x) for x in lengths],
             optimizer_step=state.optimizer_step,
             dp_size=dp_size,
@@ -227,7 +223,7 @@ class RecordingLoss:
         rollout = data.get("routed_experts", None) if hasattr(data, "get") else None
         if rollout is not None:
             values = rollout.values() if getattr(rollout, "is_nested", False) else rollout
-            out["rollout_routed_experts"] = _cpu(values).to(torch.int32)
+            out["rollout_routed_experts"] = cpu(values).to(torch.int32)
         return out
 
     def _flush(self, state: _State) -> None:
@@ -243,30 +239,20 @@ class RecordingLoss:
                 recompute = dict(step.recompute)
                 if state.router is not None:
                     recompute["router"] = dict(state.router)
-                with manager.step(step.rollout_id, step.step_id, recompute=recompute) as capture:
-                    if not capture.active:
-                        continue
-                    for mb in step.micro_batches:
-                        mb_routes = dict(next(by_record, {}))
-                        prompt_lengths = mb_routes.pop("_prompt_lengths", None)
-                        if prompt_lengths is not None:
-                            for sample, p in zip(
-                                mb["samples"], prompt_lengths.tolist(), strict=True
-                            ):
-                                sample["total_length"] = int(p) + sample["response_length"]
-                        extra = {}
-                        if "rollout_log_probs" not in mb["payloads"] and mb_routes:
-                            extra["rollout_log_probs"] = mb["payloads"]["old_log_probs"]
-                        if mb_routes:
-                            extra["train_log_probs"] = mb["payloads"]["log_probs"]
-                        capture.add(
-                            mb["mb_id"],
-                            samples=mb["samples"],
-                            routes=mb_routes or None,
-                            **mb["payloads"],
-                            **extra,
-                        )
-                    capture.expect(Stage.LOSS_POLICY, step.expected_loss)
+                for mb in step.micro_batches:
+                    mb_routes = dict(next(by_record, {}))
+                    prompt_lengths = mb_routes.pop("_prompt_lengths", None)
+                    if prompt_lengths is not None:
+                        for sample, p in zip(mb["samples"], prompt_lengths.tolist(), strict=True):
+                            sample["total_length"] = int(p) + sample["response_length"]
+                    extra = {}
+                    if "rollout_log_probs" not in mb["payloads"] and mb_routes:
+                        extra["rollout_log_probs"] = mb["payloads"]["old_log_probs"]
+                    if mb_routes:
+                        extra["train_log_probs"] = mb["payloads"]["log_probs"]
+                    mb["payloads"] = {**mb["payloads"], **extra}
+                    mb["routes"] = mb_routes or None
+                write_step(manager, step, recompute)
         except Exception:  # noqa: BLE001 - capture never raises into training
             manager.stats.count_error("writing a verl step")
 
@@ -306,7 +292,7 @@ def _metric(value: Any) -> Any:
     values = getattr(value, "values", None)
     if isinstance(values, list):
         return float(values[-1]) if len(values) == 1 else float(value.aggregate())
-    return float(_cpu(value)) if isinstance(value, torch.Tensor) else value
+    return float(cpu(value)) if isinstance(value, torch.Tensor) else value
 
 
 def rank_overrides() -> dict[str, Any]:

@@ -26,7 +26,6 @@ Padding is removed per sample: a response's real tokens are its ``attention_mask
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,21 @@ from typing import Any
 
 import torch
 
+from trajstore.integrations.adapter import (
+    FrameworkAdapter,
+    SampleIds,
+    StepRecord,
+    config_get,
+    cpu,
+    groups_of_uids,
+    keep_mask,
+    last_token_lengths,
+    micro_batch_id,
+    pack,
+    plain,
+    trim_routes,
+)
+from trajstore.replay.verl_math import LOSS_FIELDS
 from trajstore.vocab import Stage
 
 #: the config key of a verl bundle (index.json ``config.verl``) and the records' version
@@ -44,27 +58,19 @@ TESTED_VERL = "0.9.1"
 #: batch fields the driver adds before ``update_actor`` so each micro-batch knows its rows
 ROW_KEY = "trajstore_row"
 GROUP_KEY = "trajstore_group"
-#: bundle payload -> verl batch key, for the per-token fields of the rollout bundle
+#: bundle payload -> verl batch key, for the per-token fields of the rollout bundle (in this
+#: order; verl names a field as the bundle does, but for its singular ``ref_log_prob``)
+_LOG_PROB_FIELDS = ("old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages")
+_VALUE_FIELDS = ("returns", "values", "token_level_scores", "token_level_rewards")
 ROLLOUT_TOKEN_FIELDS: dict[str, str] = {
-    "old_log_probs": "old_log_probs",
-    "ref_log_probs": "ref_log_prob",
-    "rollout_log_probs": "rollout_log_probs",
-    "advantages": "advantages",
-    "returns": "returns",
-    "values": "values",
-    "token_level_scores": "token_level_scores",
-    "token_level_rewards": "token_level_rewards",
-    "rollout_is_weights": "rollout_is_weights",
+    name: {"ref_log_probs": "ref_log_prob"}.get(name, name)
+    for name in (*_LOG_PROB_FIELDS, *_VALUE_FIELDS, "rollout_is_weights")
 }
-#: verl's loss metrics (``actor/`` prefix dropped) that a micro-batch record keeps
-LOSS_METRICS: tuple[str, ...] = (
-    "pg_loss",
-    "pg_clipfrac",
-    "ppo_kl",
-    "pg_clipfrac_lower",
-    "entropy_loss",
-    "kl_loss",
-)
+#: the optional per-token fields of a micro-batch record (attribute = bundle payload name)
+OPTIONAL_TOKEN_FIELDS = ("entropy", "ref_log_probs", "rollout_log_probs", "rollout_is_weights")
+#: verl's loss metrics (``actor/`` prefix dropped) that a micro-batch record keeps: the
+#: logged parts replay recomputes (the loss itself is recorded apart)
+LOSS_METRICS: tuple[str, ...] = tuple(name for name in LOSS_FIELDS if name != "loss")
 #: verl 0.9.1's defaults of ``actor.policy_loss`` (``PolicyLossConfig``), for keys a config omits
 POLICY_LOSS_DEFAULTS: dict[str, Any] = {
     "loss_mode": "vanilla",
@@ -83,52 +89,8 @@ BATCH_INFO: tuple[str, ...] = (
     "loss_scale_factor",
 )
 
-__all__ = [
-    "CONTRACT_VERSION",
-    "GROUP_KEY",
-    "KEY",
-    "ROW_KEY",
-    "MicroBatchRecord",
-    "RolloutRecord",
-    "StepRecord",
-    "algorithm_config",
-    "rollout_record",
-    "step_records",
-]
-
 
 # --------------------------------------------------------------------------- reading
-
-
-def plain(obj: Any) -> Any:
-    """A JSON-able copy of a config node: OmegaConf, dataclass, mapping, list or scalar."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if type(obj).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf  # verl's dependency; present wherever such a node is
-
-        return plain(OmegaConf.to_container(obj, resolve=True))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Mapping) or hasattr(obj, "items"):
-        return {str(k): plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    if hasattr(obj, "item"):
-        return obj.item()
-    return str(obj)
-
-
-def _get(node: Any, path: str, default: Any = None) -> Any:
-    """``node.a.b`` for a dotted path over mappings, OmegaConf nodes and dataclasses."""
-    for part in path.split("."):
-        if node is None:
-            return default
-        if isinstance(node, Mapping) or hasattr(node, "get") and not dataclasses.is_dataclass(node):
-            node = node.get(part)
-        else:
-            node = getattr(node, part, None)
-    return default if node is None else node
 
 
 @dataclass
@@ -152,18 +114,27 @@ class BatchView:
         raise TypeError(f"a verl batch is a DataProto or a mapping of fields, not {type(batch)}")
 
 
-def _cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)
+class VerlAdapter(FrameworkAdapter):
+    """verl: imported lazily (``pip install 'trajstore[verl]'``), its config as ``config.verl``."""
+
+    name = "verl"
+    module = "verl"
+    extra = "verl"
+    tested = TESTED_VERL
+
+    def is_tested(self, version: str | None) -> bool:
+        return not version or version == self.tested
+
+    def recompute_config(self, source: Any, **options: Any) -> dict[str, Any]:
+        return {KEY: algorithm_config(source, **options)}
+
+
+VERL = VerlAdapter()
 
 
 def verl_version() -> str | None:
     """The installed verl's version, read without importing verl."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("verl")
-    except PackageNotFoundError:
-        return None
+    return VERL.installed_version()
 
 
 # --------------------------------------------------------------------------- config
@@ -181,52 +152,52 @@ def algorithm_config(
     given, else replay reports the KL in reward unsupported. ``horizon``: the padded
     response length, which ``seq-mean-token-sum-norm`` divides by.
     """
-    algo = _get(config, "algorithm", {})
-    actor = _get(config, "actor_rollout_ref.actor", {})
-    ctrl = _get(algo, "kl_ctrl", {})
-    ctrl_type = str(_get(ctrl, "type", "fixed"))
-    use_kl_in_reward = bool(_get(algo, "use_kl_in_reward", False))
+    algo = config_get(config, "algorithm", {})
+    actor = config_get(config, "actor_rollout_ref.actor", {})
+    ctrl = config_get(algo, "kl_ctrl", {})
+    ctrl_type = str(config_get(ctrl, "type", "fixed"))
+    use_kl_in_reward = bool(config_get(algo, "use_kl_in_reward", False))
     applied = kl_coef
     if applied is None and ctrl_type == "fixed":
-        applied = float(_get(ctrl, "kl_coef", 0.001))
-    clip_ratio = float(_get(actor, "clip_ratio", 0.2))
-    policy_loss = {**POLICY_LOSS_DEFAULTS, **(plain(_get(actor, "policy_loss", {})) or {})}
-    correction = _get(algo, "rollout_correction", None)
+        applied = float(config_get(ctrl, "kl_coef", 0.001))
+    clip_ratio = float(config_get(actor, "clip_ratio", 0.2))
+    policy_loss = {**POLICY_LOSS_DEFAULTS, **(plain(config_get(actor, "policy_loss", {})) or {})}
+    correction = config_get(algo, "rollout_correction", None)
     out: dict[str, Any] = {
         "contract": CONTRACT_VERSION,
         "verl_version": verl_version(),
         # driver: algorithm.*
-        "adv_estimator": str(_get(algo, "adv_estimator", "gae")),
-        "gamma": float(_get(algo, "gamma", 1.0)),
-        "lam": float(_get(algo, "lam", 1.0)),
-        "norm_adv_by_std_in_grpo": bool(_get(algo, "norm_adv_by_std_in_grpo", True)),
+        "adv_estimator": str(config_get(algo, "adv_estimator", "gae")),
+        "gamma": float(config_get(algo, "gamma", 1.0)),
+        "lam": float(config_get(algo, "lam", 1.0)),
+        "norm_adv_by_std_in_grpo": bool(config_get(algo, "norm_adv_by_std_in_grpo", True)),
         "use_kl_in_reward": use_kl_in_reward,
-        "kl_penalty": str(_get(algo, "kl_penalty", "kl")),
+        "kl_penalty": str(config_get(algo, "kl_penalty", "kl")),
         "kl_ctrl_type": ctrl_type,
-        "kl_ctrl_coef": float(_get(ctrl, "kl_coef", 0.001)),
-        "kl_ctrl_target": float(_get(ctrl, "target_kl", 0.1)),
-        "kl_ctrl_horizon": int(_get(ctrl, "horizon", 10000)),
+        "kl_ctrl_coef": float(config_get(ctrl, "kl_coef", 0.001)),
+        "kl_ctrl_target": float(config_get(ctrl, "target_kl", 0.1)),
+        "kl_ctrl_horizon": int(config_get(ctrl, "horizon", 10000)),
         "kl_coef_applied": None if applied is None else float(applied),
-        "use_pf_ppo": bool(_get(algo, "use_pf_ppo", False)),
+        "use_pf_ppo": bool(config_get(algo, "use_pf_ppo", False)),
         "rollout_correction": None if correction is None else plain(correction),
         # actor: actor_rollout_ref.actor.*
         "loss_mode": str(policy_loss.get("loss_mode") or "vanilla"),
-        "loss_agg_mode": str(_get(actor, "loss_agg_mode", "token-mean")),
+        "loss_agg_mode": str(config_get(actor, "loss_agg_mode", "token-mean")),
         "clip_ratio": clip_ratio,
-        "clip_ratio_low": float(_get(actor, "clip_ratio_low", clip_ratio)),
-        "clip_ratio_high": float(_get(actor, "clip_ratio_high", clip_ratio)),
-        "clip_ratio_c": float(_get(actor, "clip_ratio_c", 3.0)),
-        "use_kl_loss": bool(_get(actor, "use_kl_loss", False)),
-        "kl_loss_coef": float(_get(actor, "kl_loss_coef", 0.001)),
-        "kl_loss_type": str(_get(actor, "kl_loss_type", "low_var_kl")),
-        "entropy_coeff": float(_get(actor, "entropy_coeff", 0.0)),
-        "loss_scale_factor": _get(actor, "loss_scale_factor", None),
+        "clip_ratio_low": float(config_get(actor, "clip_ratio_low", clip_ratio)),
+        "clip_ratio_high": float(config_get(actor, "clip_ratio_high", clip_ratio)),
+        "clip_ratio_c": float(config_get(actor, "clip_ratio_c", 3.0)),
+        "use_kl_loss": bool(config_get(actor, "use_kl_loss", False)),
+        "kl_loss_coef": float(config_get(actor, "kl_loss_coef", 0.001)),
+        "kl_loss_type": str(config_get(actor, "kl_loss_type", "low_var_kl")),
+        "entropy_coeff": float(config_get(actor, "entropy_coeff", 0.0)),
+        "loss_scale_factor": config_get(actor, "loss_scale_factor", None),
         "policy_loss": {k: v for k, v in policy_loss.items() if k != "rollout_correction"},
-        "tau_pos": float(_get(actor, "tau_pos", 1.0)),
-        "tau_neg": float(_get(actor, "tau_neg", 1.05)),
-        "ppo_epochs": int(_get(actor, "ppo_epochs", 1)),
-        "ppo_mini_batch_size": _get(actor, "ppo_mini_batch_size", None),
-        "rollout_n": _get(config, "actor_rollout_ref.rollout.n", None),
+        "tau_pos": float(config_get(actor, "tau_pos", 1.0)),
+        "tau_neg": float(config_get(actor, "tau_neg", 1.05)),
+        "ppo_epochs": int(config_get(actor, "ppo_epochs", 1)),
+        "ppo_mini_batch_size": config_get(actor, "ppo_mini_batch_size", None),
+        "rollout_n": config_get(config, "actor_rollout_ref.rollout.n", None),
         "horizon": horizon,
     }
     return plain(out)
@@ -250,23 +221,6 @@ class RolloutRecord:
     lengths: list[int]
 
 
-def _groups(uids: Any, rows: int) -> list[int]:
-    """``uid`` -> group index in order of first appearance (None: one group a sample)."""
-    if uids is None:
-        return list(range(rows))
-    seen: dict[Any, int] = {}
-    return [seen.setdefault(_hashable(uid), len(seen)) for uid in list(uids)]
-
-
-def _hashable(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
-
-
-def _flat(padded: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Right-padded [B, R] values flattened over each row's real tokens (row-major)."""
-    return _cpu(padded)[keep]
-
-
 def rollout_record(
     batch: Any,
     config: Any,
@@ -285,7 +239,7 @@ def rollout_record(
     t = view.tensors
     responses = t["responses"]
     rows, horizon = int(responses.shape[0]), int(responses.shape[1])
-    attention = _cpu(t["attention_mask"]).to(torch.int64)
+    attention = cpu(t["attention_mask"]).to(torch.int64)
     if "prompts" in t:
         prompt_width = int(t["prompts"].shape[1])
     else:
@@ -293,15 +247,15 @@ def rollout_record(
     response_attention = attention[:, prompt_width:]
     lengths = response_attention.sum(-1)
     prompt_lengths = attention[:, :prompt_width].sum(-1)
-    keep = torch.arange(horizon).unsqueeze(0) < lengths.unsqueeze(1)
-    mask = _cpu(t["response_mask"]) if "response_mask" in t else response_attention
-    groups = _groups(view.non_tensor.get("uid"), rows)
+    keep = keep_mask(lengths, horizon)
+    mask = cpu(t["response_mask"]) if "response_mask" in t else response_attention
+    groups = groups_of_uids(view.non_tensor.get("uid"), rows)
     metrics = dict(metrics or {})
     if kl_coef is None and "actor/reward_kl_penalty_coeff" in metrics:
         kl_coef = float(metrics["actor/reward_kl_penalty_coeff"])
-    recompute = algorithm_config(config, kl_coef=kl_coef, horizon=horizon)
-    scores = _cpu(t["token_level_scores"]).float() if "token_level_scores" in t else None
-    rewards = _cpu(t["token_level_rewards"]).float() if "token_level_rewards" in t else None
+    recompute = VERL.recompute_config(config, kl_coef=kl_coef, horizon=horizon)
+    scores = cpu(t["token_level_scores"]).float() if "token_level_scores" in t else None
+    rewards = cpu(t["token_level_rewards"]).float() if "token_level_rewards" in t else None
     samples = []
     for row in range(rows):
         sample: dict[str, Any] = {
@@ -315,19 +269,17 @@ def rollout_record(
         if rewards is not None:
             sample["reward"] = float(rewards[row][keep[row]].double().sum())
         samples.append(sample)
-    payloads = {"loss_mask": _flat(mask, keep).to(torch.int64)}
+    payloads = {"loss_mask": pack(mask, keep).to(torch.int64)}
     for name, key in ROLLOUT_TOKEN_FIELDS.items():
         if key in t:
-            payloads[name] = _flat(t[key], keep)
+            payloads[name] = pack(t[key], keep)
     routes = {}
     if "routed_experts" in t:
-        experts = _cpu(t["routed_experts"])
-        real = torch.cat([attention[:, :prompt_width], response_attention], dim=1).bool()
-        real = real[:, : experts.shape[1]]
-        routes["rollout_routed_experts"] = experts[real].to(torch.int32)
+        real = torch.cat([attention[:, :prompt_width], response_attention], dim=1)
+        routes["rollout_routed_experts"] = trim_routes(t["routed_experts"], real)
     expected: dict[str, dict[str, Any]] = {}
     if "reward_baselines" in t:  # remax's greedy-response rewards: an input, kept per sample
-        baselines = [float(x) for x in _cpu(t["reward_baselines"]).reshape(-1)]
+        baselines = [float(x) for x in cpu(t["reward_baselines"]).reshape(-1)]
         expected[Stage.ADVANTAGE_ESTIMATE] = {"reward_baselines": baselines}
     if "actor/reward_kl_penalty" in metrics:  # the KL apply_kl_penalty measured
         measured = float(metrics["actor/reward_kl_penalty"])
@@ -337,7 +289,7 @@ def rollout_record(
         samples=samples,
         payloads=payloads,
         routes=routes,
-        recompute={KEY: recompute},
+        recompute=recompute,
         expected=expected,
         groups=groups,
         lengths=[int(x) for x in lengths],
@@ -382,17 +334,6 @@ class MicroBatchRecord:
     dp_rank: int = 0
 
 
-@dataclass
-class StepRecord:
-    """One optimizer step's micro-batches as a step bundle's contents."""
-
-    rollout_id: int
-    step_id: int
-    micro_batches: list[dict[str, Any]]
-    expected_loss: dict[str, Any]
-    recompute: dict[str, Any]
-
-
 def _number(value: Any) -> float | None:
     if value is None:
         return None
@@ -413,19 +354,18 @@ def _metrics(record: MicroBatchRecord) -> dict[str, float]:
     return out
 
 
-def _micro_batch(record: MicroBatchRecord, number: int, seen: dict[int, int]) -> dict[str, Any]:
+def _micro_batch(record: MicroBatchRecord, number: int, ids: SampleIds) -> dict[str, Any]:
     """One record as ``StepCapture.add`` arguments plus its expected values."""
     rows = [
         int(r) for r in (record.rows.tolist() if hasattr(record.rows, "tolist") else record.rows)
     ]
-    mask = _cpu(record.response_mask)
+    mask = cpu(record.response_mask)
     horizon = int(mask.shape[-1])
     if record.response_lengths is not None:
         lengths = torch.tensor([int(x) for x in record.response_lengths])
     else:  # the last loss token ends the response (trailing masked tokens are not kept)
-        positions = torch.arange(1, horizon + 1).unsqueeze(0) * (mask != 0)
-        lengths = positions.max(dim=-1).values
-    keep = torch.arange(horizon).unsqueeze(0) < lengths.unsqueeze(1)
+        lengths = last_token_lengths(mask)
+    keep = keep_mask(lengths, horizon)
     if record.groups is None:  # a bundle's samples must name their semantic group
         raise ValueError(
             f"a micro-batch record has no groups: add {GROUP_KEY!r} to the batch "
@@ -434,30 +374,23 @@ def _micro_batch(record: MicroBatchRecord, number: int, seen: dict[int, int]) ->
     groups = [int(g) for g in record.groups]
     samples = []
     for i, row in enumerate(rows):
-        seen[row] = seen.get(row, 0) + 1
-        suffix = "" if seen[row] == 1 else f"-it{seen[row]}"
         samples.append(
             {
-                "sample_id": f"s{row}{suffix}",
+                "sample_id": ids(f"s{row}", row),
                 "group_index": groups[i],
                 "response_length": int(lengths[i]),
             }
         )
     payloads: dict[str, Any] = {
-        "log_probs": _flat(record.log_probs, keep).float(),
-        "old_log_probs": _flat(record.old_log_probs, keep).float(),
-        "advantages": _flat(record.advantages, keep).float(),
-        "loss_mask": _flat(mask, keep).to(torch.int64),
+        "log_probs": pack(record.log_probs, keep).float(),
+        "old_log_probs": pack(record.old_log_probs, keep).float(),
+        "advantages": pack(record.advantages, keep).float(),
+        "loss_mask": pack(mask, keep).to(torch.int64),
     }
-    optional = {
-        "entropy": record.entropy,
-        "ref_log_probs": record.ref_log_probs,
-        "rollout_log_probs": record.rollout_log_probs,
-        "rollout_is_weights": record.rollout_is_weights,
-    }
-    for name, value in optional.items():
+    for name in OPTIONAL_TOKEN_FIELDS:
+        value = getattr(record, name)
         if value is not None:
-            payloads[name] = _flat(value, keep).float()
+            payloads[name] = pack(value, keep).float()
     expected = {
         "loss": _number(record.loss),
         **_metrics(record),
@@ -469,7 +402,7 @@ def _micro_batch(record: MicroBatchRecord, number: int, seen: dict[int, int]) ->
         "dp_rank": int(record.dp_rank),
     }
     return {
-        "mb_id": f"mb-{number:04d}",
+        "mb_id": micro_batch_id(number),
         "samples": samples,
         "payloads": payloads,
         "expected": expected,
@@ -492,9 +425,9 @@ def step_records(
     out = []
     for optimizer_step, members in sorted(by_step.items()):
         horizon = int(members[0].response_mask.shape[-1])
-        recompute = {KEY: algorithm_config(config, kl_coef=kl_coef, horizon=horizon)}
-        seen: dict[int, int] = {}
-        batches = [_micro_batch(record, n, seen) for n, record in enumerate(members)]
+        recompute = VERL.recompute_config(config, kl_coef=kl_coef, horizon=horizon)
+        ids = SampleIds()
+        batches = [_micro_batch(record, n, ids) for n, record in enumerate(members)]
         per_mb = {mb["mb_id"]: mb["expected"] for mb in batches}
         total: dict[str, Any] = {"micro_batches": per_mb}
         for name in ("loss", "pg_loss", "entropy_loss", "kl_loss"):  # verl sums these
