@@ -33,7 +33,8 @@ from trajstore.bundle.writer import write_bundle
 from trajstore.capture import CaptureManager
 from trajstore.errors import DiskFullError, StoreError, disk_full_error
 from trajstore.store import Store
-from trajstore.store.ingest import Ingestor, ingest_paths
+from trajstore.store.ingest import Ingestor
+from trajstore.store.ingest_pipeline import ingest_paths
 from trajstore.store.maintenance import fsck
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,9 @@ from trajstore.bundle.writer import write_bundle
 from trajstore.cas import LocalObjectStore, write_array
 from trajstore.cas.arrays import ENCODE_CACHE
 from trajstore.store import Store, export_bundles
-from trajstore.store.ingest import IngestOutcome, _Recorder
+from trajstore.store.ingest import IngestOutcome, store_rank
+from trajstore.store.ingest_gate import VerifiedRank
+from trajstore.store.ingest_write import Recorder
 from trajstore.store.maintenance import fsck
 
 pytestmark = pytest.mark.unit
@@ -107,11 +109,11 @@ def test_a_window_named_from_memory_gives_the_same_record_and_accounting(tmp_pat
     routes = rng.integers(0, 128, (sum(lengths), 48, 8), dtype=np.uint8)
     ENCODE_CACHE.clear()
     objs = LocalObjectStore(tmp_path / "o")
-    cold = _Recorder(objs)
+    cold = Recorder(objs)
     a = write_array(cold, routes, lengths, dtype_tag="torch.uint8")
     objs.flush()
     ENCODE_CACHE._d.clear()  # the bytes are evicted, the names are remembered
-    warm = _Recorder(objs)
+    warm = Recorder(objs)
     b = write_array(warm, routes, lengths, dtype_tag="torch.uint8")
     assert a == b and cold.sizes == warm.sizes
 
@@ -121,7 +123,6 @@ def test_a_document_changed_after_the_gate_is_refused_not_stored(tmp_path: Path)
     cohort's ranks), a document is read again and must be what the gate checked."""
     from trajstore.bundle.reader import open_bundle
     from trajstore.errors import BundleError
-    from trajstore.store.ingest import _write_bundle_objects
 
     (target,) = _steps(tmp_path / "cap", range(1))
     b = open_bundle(target)  # the gate read and checked index.json
@@ -129,15 +130,14 @@ def test_a_document_changed_after_the_gate_is_refused_not_stored(tmp_path: Path)
     edit_json(target / "index.json", lambda d: d["samples"][0].update(reward=9.0))
     objs = LocalObjectStore(tmp_path / "o")
     with pytest.raises(BundleError, match="index.json: changed after the integrity gate"):
-        _write_bundle_objects(objs, b, {})
+        store_rank(objs, VerifiedRank(b, {}))
 
 
 def test_the_documents_stored_are_the_bytes_the_gate_checked(tmp_path: Path) -> None:
     """With the bytes the gate kept, documents are not read again: a file changed after
     the gate is not what is stored, the checked bytes are."""
     from trajstore.bundle.reader import open_bundle
-    from trajstore.store.ingest import _write_bundle_objects
-    from trajstore.store.stored_bundle import get_blob
+    from trajstore.cas.blobs import get_blob
 
     (target,) = _steps(tmp_path / "cap", range(1))
     checked = (target / "index.json").read_bytes()
@@ -145,7 +145,7 @@ def test_the_documents_stored_are_the_bytes_the_gate_checked(tmp_path: Path) -> 
     assert b.files["index.json"] == checked
     edit_json(target / "index.json", lambda d: d["samples"][0].update(reward=9.0))
     objs = LocalObjectStore(tmp_path / "o")
-    body, _ = _write_bundle_objects(objs, b, {})
+    body, _ = store_rank(objs, VerifiedRank(b, {}))
     assert get_blob(objs, body["documents"]["index"]) == checked
 
 
@@ -158,3 +158,24 @@ def test_a_writer_sees_a_gc_waiting_only_while_one_holds_the_turnstile(tmp_path:
         with gclock.collecting(store.objs):
             assert gclock.gc_waiting(store.objs)
         assert not gclock.gc_waiting(store.objs)
+
+
+def test_train_routes_are_stored_as_a_delta_against_the_rollout_routes(tmp_path: Path) -> None:
+    """`DELTA_BASES`: train routes equal to the rollout routes cost one record and no chunk
+    (each window XORs to zero), and read back bit-identical."""
+    from trajstore.examples import gen_long_run
+
+    cap = tmp_path / "capture"
+    args = ["--rollouts", "1", "--steps", "1", "--samples", "8", "--per-prompt", "4"]
+    args += ["--routes", "--layers", "4", "--topk", "2", "--route-diff", "0"]
+    assert gen_long_run.main([str(cap), *args]) == 0
+    with Store.open(tmp_path / "store") as store:
+        assert all(o.status == "published" for o in store.ingest([cap], run="r"))
+        (b,) = store.rollout("r", 0)
+        train = b.record("train_routed_experts")
+        assert train.base == b.ref["payloads"]["rollout_routed_experts"]["record"]
+        assert all(h is None for row in train.chunks for h in row)
+        assert (
+            b.payload_file("train_routed_experts")
+            == (cap / "replay-rollout-0" / "payloads" / "train_routed_experts.pt").read_bytes()
+        )

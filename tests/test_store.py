@@ -17,10 +17,10 @@ from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_conten
 from store_checks import tree_equal
 
 from trajstore.bundle.writer import write_bundle
+from trajstore.cas.blobs import get_json_blob, put_blob
 from trajstore.errors import BundleError, IntegrityError, NotFoundError, StoreError, UsageError
 from trajstore.store import Store, export_bundles
 from trajstore.store.maintenance import fsck, gc, stats
-from trajstore.store.stored_bundle import get_json_blob, put_blob
 
 pytestmark = pytest.mark.integration
 

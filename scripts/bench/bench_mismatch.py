@@ -219,7 +219,7 @@ def ingest_s(store: Path, bundles: list[Path]) -> float:
 
 def ingest_ratio(root: Path, args: argparse.Namespace) -> tuple[float, float]:
     """(seconds with the sums, ratio to without them), best of --repeats each."""
-    import trajstore.store.ingest as ingest
+    import trajstore.store.ingest_write as ingest
     from trajstore.mismatch.compute import not_computed
 
     bundles = make_bundles(root / "in", args.ingest_bundles, args.samples, args.resp, 256)

@@ -85,9 +85,9 @@ MANIFEST = {
 
 
 def _manifest(root: Path) -> tuple[str, dict]:
+    from trajstore.cas.blobs import put_blob
     from trajstore.jsonio import canonical_bytes
     from trajstore.store import Store
-    from trajstore.store.stored_bundle import put_blob
 
     with Store.open(root) as store:
         return put_blob(store.objs, canonical_bytes(MANIFEST)), MANIFEST

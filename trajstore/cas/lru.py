@@ -1,7 +1,7 @@
 """A thread-safe map of values bounded by their total size, least recently used out.
 
 The in-process caches use it: decoded chunks per store (`chunk_cache`), encoded
-windows per process (`arrays._EncodeCache`) and the REST server's payload bodies
+windows per process (`array_write._EncodeCache`) and the REST server's payload bodies
 (`api.payloads.BodyCache`, whose values size themselves).
 """
 

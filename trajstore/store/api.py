@@ -39,7 +39,8 @@ from trajstore.errors import (
 )
 from trajstore.jsonio import user_path
 from trajstore.refspace import LocalRefSpace, RefSpace
-from trajstore.store.ingest import Ingestor, IngestOutcome, check_run_name, ingest_paths
+from trajstore.store.ingest import Ingestor, IngestOutcome, check_run_name
+from trajstore.store.ingest_pipeline import ingest_paths
 from trajstore.store.layout import (
     MARKER,
     MARKER_TEXT,
@@ -218,10 +219,10 @@ class Store:
                 raise NotFoundError(f"run {run!r} has no published bundles")
             targets += mine
         self._refuse_part_of_a_cohort(live, targets)
-        from trajstore.store.ingest import _now
+        from trajstore.store.publish import now
 
         for k in dict.fromkeys(targets):
-            doc = {"tombstone_version": 1, "key": k, "removed_at": _now()}
+            doc = {"tombstone_version": 1, "key": k, "removed_at": now()}
             self.space.create_if_absent(
                 f"{TOMBSTONES_KEY}/{new_doc_name()}.json", json.dumps(doc, sort_keys=True).encode()
             )

@@ -77,7 +77,7 @@ def export_bundles(
 
 
 def _write_cohort_file(b: StoredBundle, dest: Path, fname: str) -> None:
-    from trajstore.store.stored_bundle import get_blob
+    from trajstore.cas.blobs import get_blob
 
     h = (b.ref.get("cohort_sentinels") or {}).get(fname)
     if h is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trajstore.cas import RepackResult, load_record, record_objects
@@ -54,13 +54,7 @@ class FsckReport:
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "objects_checked": self.objects_checked,
-            "refs_checked": self.refs_checked,
-            "problems": self.problems,
-            "warnings": self.warnings,
-        }
+        return {"ok": self.ok, **asdict(self)}
 
 
 def ref_closure(

@@ -35,24 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trajstore.bundle.checks import bundle_problems
-from trajstore.bundle.reader import open_bundle
+from trajstore.cas.blobs import put_blob_added
 from trajstore.errors import BundleError, NotFoundError, StoreError
 from trajstore.jsonio import canonical_bytes, read_json
 from trajstore.schema import CohortComplete, RankShard
 from trajstore.store import gclock
 from trajstore.store.api import Store
-from trajstore.store.ingest import (
-    REF_VERSION,
-    Ingestor,
-    _now,
-    _write_bundle_objects,
-    bundle_key,
-    check_run_name,
-    content_digest,
-    identity_of,
-)
-from trajstore.store.stored_bundle import put_blob_added
+from trajstore.store.ingest import check_run_name, identity_of, ref_fields, store_rank
+from trajstore.store.ingest_gate import verify_member
+from trajstore.store.publish import RefPublisher, bundle_key, content_digest, now
 
 SHARDS_KEY = "capture"
 SHARD_VERSION = 1
@@ -89,35 +80,14 @@ def _store_rank_shard(
 ) -> ShardOutcome:
     check_run_name(run)
     member = Path(member)
-    b = open_bundle(member, before_cohort=True)
-    problems = bundle_problems(b)
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise BundleError(f"{member}: {problems[0]}{more}")
-    if b.rank is None:
-        raise BundleError(f"{member}: not a cohort member (rank-<r>/)")
-    rank = b.rank
-    shard = read_json(member / f"COMPLETE.{rank}", f"COMPLETE.{rank}")
-    shard["relpath"] = f"rank-{rank}"  # as bundle.writer.write_rank writes the cohort shard
-    shard_bytes = canonical_bytes(shard)
-    expected = sorted(int(r) for r in b.complete.expected_ranks)
-    body, nbytes = _write_bundle_objects(store.objs, b, {f"COMPLETE.{rank}": shard_bytes})
+    r = verify_member(member)
+    shard = read_json(member / f"COMPLETE.{r.rank}", f"COMPLETE.{r.rank}")
+    shard["relpath"] = f"rank-{r.rank}"  # as bundle.writer.write_rank writes the cohort shard
+    body, nbytes = store_rank(store.objs, r, {f"COMPLETE.{r.rank}": canonical_bytes(shard)})
     store.objs.flush()  # every object is durable before the shard names it
-    run_, kind, rollout_id, step_id, _ = identity_of(run, b)
-    ref = {
-        "ref_version": REF_VERSION,
-        "run": run_,
-        "kind": kind,
-        "rollout_id": rollout_id,
-        "step_id": step_id,
-        "rank": rank,
-        "cohort_ranks": expected,
-        "bundle_id": b.bundle_id,
-        "format_version": b.manifest.format_version,
-        "physical_bytes": nbytes.referenced,
-        "added_bytes": nbytes.added,
-        **body,
-    }
+    _, kind, rollout_id, step_id, rank = identity_of(run, r)
+    ref = {**ref_fields(run, r, r.expected_ranks, nbytes), **body}
+    expected = r.expected_ranks
     doc = {"shard_version": SHARD_VERSION, "rank": rank, "shard": shard, "ref": ref}
     data = json.dumps(doc, sort_keys=True).encode()
     folder = f"{SHARDS_KEY}/{run}/{_anchor_name(kind, rollout_id, step_id)}"
@@ -204,7 +174,7 @@ def _try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[
     CohortComplete.from_dict(cohort)
     whole, whole_added = put_blob_added(store.objs, canonical_bytes(cohort))
     store.objs.flush()
-    ing = Ingestor(store.space, store.objs, store.refs)
+    publisher = RefPublisher(store.space, store.refs)
     keys = []
     live = store.refs.live()
     for r in expected:
@@ -214,13 +184,13 @@ def _try_publish_cohort(store: Store, folder: str, expected: list[int]) -> list[
         ref["cohort_sentinels"] = {**ref["cohort_sentinels"], "COMPLETE": whole}
         ref["content_digest"] = content_digest(ref["documents"], ref["cohort_sentinels"])
         identity = (ref["run"], ref["kind"], ref["rollout_id"], ref["step_id"])
-        attempt = ing._claim_attempt(identity, whole)
+        attempt = publisher.claim_attempt(identity, whole)
         key = bundle_key(*identity, r, attempt)
         keys.append(key)
         if key in live:
             continue
-        ref.update(key=key, attempt=attempt, published_at=_now())
-        ing._publish(key, json.dumps(ref, sort_keys=True, indent=1).encode())
+        ref.update(key=key, attempt=attempt, published_at=now())
+        publisher.publish(key, json.dumps(ref, sort_keys=True, indent=1).encode())
     # Published: the refs now keep the objects alive, the shards are done. A racing
     # publisher that already read them publishes the same refs; one that did not finds
     # the generation incomplete and does nothing.

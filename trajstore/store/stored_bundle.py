@@ -1,8 +1,7 @@
 """A published bundle read straight from the store: the replay engine's source interface.
 
 Documents (manifest/index/expected, sentinels, .pt envelopes) are zstd
-"blobs": objects whose bytes are one zstd frame, decoded against a bound so
-a corrupt or hostile object never allocates more than `MAX_BLOB_BYTES`.
+"blobs" (`trajstore.cas.blobs`), decoded against a bound.
 Payloads are CAS arrays (`trajstore.cas`); `payload_rows` fetches only the
 chunks of the selected samples, which is what makes replaying one group of
 a 4,000-token-per-sample step cheap.
@@ -16,89 +15,28 @@ payload or file, so nothing is handed out before every check has run.
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zstandard
 
 from trajstore.bundle.checks import PER_TOKEN_PAYLOADS
 from trajstore.cas import ArrayRecord, ObjectStore, load_record, read_array, read_rows
+from trajstore.cas.blobs import decode_json_blob, get_blob, get_json_blob
 from trajstore.errors import IntegrityError, NotFoundError, UsageError
-from trajstore.jsonio import NOT_PARSED, parse_json_fast, sha256_bytes
+from trajstore.jsonio import sha256_bytes
 from trajstore.pools import SharedPool
 from trajstore.schema import Index, Manifest
 
-MAX_BLOB_BYTES = 1 << 31
 #: a bundle whose per-token payloads are larger is not read ahead (`StoredBundle.prefetch`):
 #: a step read ahead while its rollout replays holds two bundles' payloads at once
 READ_AHEAD_MAX_BYTES = 512 << 20
 #: payloads read ahead at once (each read decodes a bounded run of rows at a time)
 READ_AHEAD_THREADS = min(2, os.cpu_count() or 1)
-_ctx = threading.local()
 #: the few threads that read payloads ahead (`StoredBundle.prefetch`)
 _prefetch_pool = SharedPool(READ_AHEAD_THREADS, "prefetch")
-
-
-def _cctx() -> zstandard.ZstdCompressor:
-    c = getattr(_ctx, "c", None)
-    if c is None:
-        c = _ctx.c = zstandard.ZstdCompressor(
-            level=3, write_checksum=False, write_content_size=True
-        )
-    return c
-
-
-def put_blob(objs: ObjectStore, data: bytes) -> str:
-    """Store `data` zstd-compressed (deterministic, so equal bytes give one object)."""
-    return objs.put(_cctx().compress(data))
-
-
-def put_blob_added(objs: ObjectStore, data: bytes) -> tuple[str, int]:
-    """`put_blob`, and the bytes this call stored (0 when the object was held already)."""
-    packed = _cctx().compress(data)
-    ((h, new),) = objs.put_many_added([packed])
-    return h, len(packed) if new else 0
-
-
-def get_blob(objs: ObjectStore, h: str) -> bytes:
-    """The bytes of blob `h` (the object is verified against its hash by `get`)."""
-    return _decode_blob(h, objs.get(h))
-
-
-def _decode_blob(h: str, data: bytes) -> bytes:
-    """The bytes of blob `h` whose (verified) object bytes are `data`."""
-    try:
-        size = zstandard.frame_content_size(data)
-        if size < 0 or size > MAX_BLOB_BYTES:
-            raise IntegrityError(f"blob object {h} declares an unusable size ({size})")
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
-    except zstandard.ZstdError as e:
-        raise IntegrityError(f"blob object {h} is not a valid zstd frame: {e}") from None
-    if len(out) != size:
-        raise IntegrityError(f"blob object {h} decodes to {len(out)} bytes, declared {size}")
-    return out
-
-
-def get_json_blob(objs: ObjectStore, h: str) -> Any:
-    return _decode_json_blob(h, objs.get(h))
-
-
-def _decode_json_blob(h: str, data: bytes) -> Any:
-    blob = _decode_blob(h, data)
-    # orjson where it gives the stdlib's result (an index's long loss-mask lists parse
-    # several times faster); anything else is parsed by the stdlib, which words the error
-    value = parse_json_fast(blob)
-    if value is not NOT_PARSED:
-        return value
-    try:
-        return json.loads(blob.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise IntegrityError(f"document object {h} is not JSON: {e}") from None
 
 
 def ref_objects(objs: ObjectStore, ref: dict[str, Any]) -> set[str]:
@@ -188,9 +126,7 @@ class StoredBundle:
         if self._index is None:
             h = self.ref["documents"]["index"]
             data = self._index_object  # kept until a parse succeeds (a retry raises again)
-            index = Index.from_dict(
-                _decode_json_blob(h, self.objs.get(h) if data is None else data)
-            )
+            index = Index.from_dict(decode_json_blob(h, self.objs.get(h) if data is None else data))
             self._index, self._index_object = index, None
             return index
         return self._index
