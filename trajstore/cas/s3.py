@@ -49,6 +49,7 @@ from trajstore.cas.objects import (
     object_hash,
 )
 from trajstore.errors import IntegrityError, NotFoundError, StoreError, TrajstoreError, UsageError
+from trajstore.listing import PACK_IDS, listing_margin_s, listing_start
 from trajstore.refspace import DocInfo, RefSpace
 
 __all__ = ["S3Location", "S3ObjectStore", "S3RefSpace", "is_s3_url", "parse_s3_url", "s3_client"]
@@ -143,19 +144,6 @@ def _obstore() -> Any:
 def _store_error(e: BaseException, what: str) -> StoreError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return StoreError(f"S3 {what}: {first[:300]}")
-
-
-def _pack_lower_bound(known: list[str], margin_s: float) -> str | None:
-    """Where an incremental listing of `packs/` starts: the newest known id's time (or
-    this host's clock if earlier) minus the margin, as a 16-hex-digit prefix; None (list
-    all) if nothing is known or an id is not of that form."""
-    if not known:
-        return None
-    stems = [pid.split("-", 1)[0] for pid in known]
-    if any(len(t) != 16 for t in stems):
-        return None
-    newest = min(max(int(t, 16) for t in stems), time.time_ns())  # a clock ahead hides nothing
-    return f"{max(newest - int(margin_s * 1e9), 0):016x}"
 
 
 class S3RefSpace(RefSpace):
@@ -442,8 +430,6 @@ class S3ObjectStore(ObjectStore):
         the newest of them minus the margin (pack ids start with their writer's clock in
         16 hex digits, so they sort by age): an open pays for what is new. Without a
         usable cache, or with an id of another form, the whole folder is listed."""
-        from trajstore.refspace import listing_margin_s
-
         cached = self._cached_pack_ids()
         with self._lock:
             for pid in cached:
@@ -451,7 +437,7 @@ class S3ObjectStore(ObjectStore):
                 entries = None if raw is None else self._parse_idx(raw)
                 if entries is not None:
                     self._add_pack(pid, entries)
-            after = _pack_lower_bound(list(self._members), listing_margin_s())
+            after = listing_start(max(self._members, default=None), listing_margin_s(), PACK_IDS)
             if after is None:
                 self.rescan()
                 return

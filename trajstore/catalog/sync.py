@@ -38,7 +38,8 @@ from trajstore.errors import (
     TrajstoreError,
     disk_full_error,
 )
-from trajstore.refspace import DEFAULT_MARGIN_S, DocRef, LocalRefSpace, RefSpace
+from trajstore.listing import DEFAULT_MARGIN_S, listing_start
+from trajstore.refspace import DocRef, LocalRefSpace, RefSpace
 from trajstore.vocab import Stage
 
 LoadDocument = Callable[[str], dict]
@@ -998,25 +999,6 @@ def sync_catalog(
     )
 
 
-def _lower_bound(mark: str | None, margin_ns: int, now_ns: int) -> str | None:
-    """The name an incremental listing starts after: the mark's time, or this host's
-    clock if that is earlier, minus the margin.
-
-    Taking the earlier of the two means a host whose clock runs ahead (its names raise
-    the mark into the future) cannot hide anything: every writer lists at least from
-    its own `now - margin`, which covers what it has just published itself.
-    """
-    if mark is None:
-        return None
-    try:
-        mark_ns = int(mark.split("-", 1)[0])
-    except ValueError:
-        return None
-    if mark_ns <= now_ns and margin_ns <= 0:
-        return mark
-    return f"{max(0, min(mark_ns, now_ns) - margin_ns):020d}"
-
-
 def _list_after(space: RefSpace, directory: str, after: str | None) -> list[str]:
     """Document names after `after` (all when None), sorted.
 
@@ -1070,13 +1052,12 @@ def sync_new(
     state = tables.sync_state
     with catalog.connect() as conn:
         marks = dict(conn.execute(sa.select(state.c.directory, state.c.high_water)).all())
-    margin_ns = int(margin_s * 1e9)
     now_ns = time.time_ns()
     counts: dict[str, int] = {}
     starts: dict[str, str | None] = {}
     listed = 0
     for directory in ("tombstones", "bundles", "results"):
-        after = _lower_bound(marks.get(directory), margin_ns, now_ns)
+        after = listing_start(marks.get(directory), margin_s, now_ns=now_ns)
         starts[directory] = after
         names = _list_after(store, directory, after)
         listed += len(names)
