@@ -31,6 +31,7 @@ __all__ = [
     "StagedDocs",
 ]
 
+
 @dataclass(frozen=True)
 class DocInfo:
     """One listed document: its name inside the listed folder and its modification time."""
