@@ -36,7 +36,6 @@ from trajstore.cas.objects import (
 )
 from trajstore.cas.packs import PACK_MAGIC, IndexCache, PackSet, loose_key, pack_key, read_runs
 from trajstore.errors import IntegrityError, NotFoundError, StoreError, TrajstoreError
-from trajstore.listing import listing_margin_s
 
 __all__ = ["PackedObjectStore"]
 
@@ -75,7 +74,7 @@ class PackedObjectStore(ObjectStore):
         #: pack indexes that failed their checksum; their objects read as missing
         self.corrupt_indexes = self.packs.corrupt
         with self._lock:
-            self.packs.open(listing_margin_s())
+            self.packs.open()
 
     @property
     def listed(self) -> int:

@@ -26,7 +26,7 @@ from blake3 import blake3
 
 from trajstore.cas.backend import Backend
 from trajstore.errors import StoreError
-from trajstore.listing import PACK_IDS, listing_start
+from trajstore.listing import PACK_IDS, listing_margin_s, listing_start
 
 __all__ = [
     "PACK_ID_RE",
@@ -187,7 +187,7 @@ class PackSet:
         #: pack indexes that failed their checksum; their objects read as missing
         self.corrupt: list[object] = []
 
-    def open(self, margin_s: float) -> None:
+    def open(self) -> None:
         """Without a cache: list `packs/`. With one: load the cached indexes, then list only
         the pack names from `listing_start` on (pack ids begin with their writer's clock,
         so they sort by age): an open pays for what is new."""
@@ -199,7 +199,7 @@ class PackSet:
             entries = None if raw is None else decode_pack_index(raw)
             if entries is not None:
                 self.add(pid, entries.copy())
-        after = listing_start(max(self.members, default=None), margin_s, PACK_IDS)
+        after = listing_start(max(self.members, default=None), listing_margin_s(), PACK_IDS)
         if after is None:
             self.rescan()
             return

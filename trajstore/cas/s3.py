@@ -17,6 +17,7 @@ is refused unless `AWS_ALLOW_HTTP=true`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -251,54 +252,39 @@ class S3Files(Backend):
     def where(self, key: str) -> str:
         return f"s3://{self.loc.bucket}/{self.loc.prefix}{key}"
 
-    def read(self, key: str) -> bytes | None:
+    def _request(self, what: str, key: str, call: str, *args: Any, **kwargs: Any) -> Any:
+        """obstore's `call` on `key`; FileNotFoundError passes, anything else is one line."""
         obstore = _obstore()
 
         try:
-            return bytes(obstore.get(self.client, self.loc.prefix + key).bytes())
-        except FileNotFoundError:
-            return None
-        except Exception as e:
-            raise _store_error(e, f"cannot read {self.where(key)}") from None
-
-    def read_ranges(self, key: str, starts: list[int], ends: list[int]) -> Sequence[bytes]:
-        obstore = _obstore()
-
-        try:
-            return obstore.get_ranges(self.client, self.loc.prefix + key, starts=starts, ends=ends)
+            return getattr(obstore, call)(self.client, self.loc.prefix + key, *args, **kwargs)
         except FileNotFoundError:
             raise
         except Exception as e:
-            raise _store_error(e, f"cannot read {self.where(key)}") from None
+            raise _store_error(e, f"cannot {what} {self.where(key)}") from None
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return bytes(self._request("read", key, "get").bytes())
+        except FileNotFoundError:
+            return None
+
+    def read_ranges(self, key: str, starts: list[int], ends: list[int]) -> Sequence[bytes]:
+        return self._request("read", key, "get_ranges", starts=starts, ends=ends)
 
     def exists(self, key: str) -> bool:
-        obstore = _obstore()
-
         try:
-            obstore.head(self.client, self.loc.prefix + key)
+            self._request("stat", key, "head")
         except FileNotFoundError:
             return False
-        except Exception as e:
-            raise _store_error(e, f"cannot stat {self.where(key)}") from None
         return True
 
     def write(self, key: str, pieces: list[bytes]) -> None:
-        obstore = _obstore()
-
-        try:
-            obstore.put(self.client, self.loc.prefix + key, b"".join(pieces))
-        except Exception as e:
-            raise _store_error(e, f"cannot write {self.where(key)}") from None
+        self._request("write", key, "put", b"".join(pieces))
 
     def delete(self, key: str) -> None:
-        obstore = _obstore()
-
-        try:
-            obstore.delete(self.client, self.loc.prefix + key)
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            raise _store_error(e, f"cannot delete {self.where(key)}") from None
+        with contextlib.suppress(FileNotFoundError):
+            self._request("delete", key, "delete")
 
     def _listing(self, folder: str, after: str | None = None) -> list[dict]:
         out = _list(self.client, self.loc, f"{self.loc.prefix}{folder}/", after)
