@@ -4,7 +4,7 @@ objects/ of a real store holding two runs that share content.
 
 The oracle is the store's files, read with os.stat: every object the store holds is a
 loose file under objects/ or a slice of a pack file, and a pack file is the 8-byte pack
-magic followed by its objects (trajstore.cas.objects). So the objects' bytes are the
+magic followed by its objects (trajstore.cas.packs). So the objects' bytes are the
 loose files plus the pack files minus 8 bytes each; the pack overhead left out is that
 magic and the .idx files (16 + 48 per object + 32 bytes each), which hold names, not
 objects. Nothing else writes objects here, so the runs' added bytes sum to exactly that.
@@ -35,7 +35,7 @@ from trajstore.store.shards import store_rank_shard
 pytestmark = pytest.mark.integration
 
 FIXTURE_STORE = Path(__file__).parent / "fixtures" / "store-format1"
-#: bytes in front of the objects of every pack file (`_PACK_MAGIC`)
+#: bytes in front of the objects of every pack file (`PACK_MAGIC`)
 PACK_MAGIC_BYTES = 8
 #: what migrations 0006's and 0005's downgrades run (DuckDB drops no column under an index)
 DOWN_TO_0004 = (

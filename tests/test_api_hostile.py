@@ -31,7 +31,7 @@ from serving import memory_kb
 from trajstore.api.errors import ApiError
 from trajstore.api.limits import QueueLimitedLock
 
-from trajstore.cas.objects import LocalObjectStore
+from trajstore.cas import LocalObjectStore
 from trajstore.store import Store
 
 pytestmark = pytest.mark.integration

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import zstandard
 
-from trajstore.cas import MemoryObjectStore, write_array
+from trajstore.cas import LocalObjectStore, MemoryObjectStore, write_array
 from trajstore.cas.arrays import ENCODE_CACHE, ZSTD_LEVEL
 from trajstore.cas.lru import BytesLRU
-from trajstore.cas.objects import LocalObjectStore, object_hash
+from trajstore.cas.objects import object_hash
 
 pytestmark = pytest.mark.unit
 

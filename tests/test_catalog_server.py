@@ -85,7 +85,8 @@ def test_sync_new_lists_only_refs_after_the_mark(tmp_path, make_bundle, catalog_
         second = sync_new(cat, root, store.load_document, margin_s=0)
         assert len(list_bundles(cat, limit=100)["items"]) == 6
     assert (first.listed, first.new_refs) == (5, 5)
-    assert (second.listed, second.new_refs) == (1, 1)
+    # the new ref, and the mark again (the listing starts at the mark's clock reading)
+    assert (second.listed, second.new_refs) == (2, 1)
     assert second.listed_after["bundles"] is not None
 
 
@@ -107,6 +108,25 @@ def test_sync_new_finds_a_ref_named_before_the_mark_within_the_margin(
         assert len(lookup_step(cat, "default", 7, 0)) == 1
     assert without_margin.new_refs == 0
     assert with_margin.new_refs == 1
+
+
+def test_sync_new_finds_a_ref_of_the_marks_clock_reading_named_before_it(
+    tmp_path, make_bundle, catalog_url
+):
+    """Margin 0: a ref whose name has the mark's clock reading but sorts before the mark
+    (another host, the same nanosecond) is listed, as the margin promises: only names
+    more than the margin before the mark's time can be missed."""
+    root = tmp_path / "store"
+    _publish(root, _bundles(make_bundle, 1))
+    with Store.open(root) as store, open_catalog(root, catalog_url) as cat:
+        sync_new(cat, root, store.load_document, margin_s=0)
+        (mark,) = (root / "refs" / "bundles").iterdir()
+        _publish(root, [make_bundle(rollout_id=7, step_id=0, seed=7)])
+        late = max((root / "refs" / "bundles").iterdir())
+        late.rename(late.with_name(f"{mark.name.split('-')[0]}-0-{'0' * 12}.json"))
+        same_time = sync_new(cat, root, store.load_document, margin_s=0)
+        assert len(lookup_step(cat, "default", 7, 0)) == 1
+    assert same_time.new_refs == 1
 
 
 def test_a_host_whose_clock_runs_ahead_does_not_hide_later_refs(tmp_path, make_bundle, catalog_url):
@@ -193,7 +213,7 @@ def test_a_writers_catalog_update_lists_only_the_refs_after_the_mark(
     with Store.open(root, catalog_url=pg_url) as store:
         update = store.index_new()
         assert len(store.bundles()) == 5
-    assert (update.listed, update.new_refs) == (1, 1)
+    assert (update.listed, update.new_refs) == (2, 1)  # the new ref and the mark
 
 
 def test_a_bad_margin_is_a_usage_error(tmp_path, pg_url, monkeypatch):
@@ -393,7 +413,7 @@ def test_s3_store_with_postgres_catalog_lists_refs_from_the_mark(s3_env, pg_url,
         again = sync_new(cat, store.space, store.load_document, margin_s=0)
         keys = [b["key"] for b in list_bundles(cat, limit=100)["items"]]
     assert len(names) == 3 and after_second == names[2:]
-    assert (again.listed, again.new_refs) == (1, 1)
+    assert (again.listed, again.new_refs) == (2, 1)  # the new ref and the mark
     assert len(keys) == 4
 
 

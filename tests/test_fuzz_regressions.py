@@ -20,7 +20,7 @@ from blake3 import blake3
 
 from trajstore.bundle.ptfile import read_pt_bytes
 from trajstore.bundle.reader import parse_expected
-from trajstore.cas.objects import LocalObjectStore
+from trajstore.cas import LocalObjectStore
 from trajstore.errors import BundleError, NotFoundError
 from trajstore.jsonio import parse_json
 from trajstore.replay.context import StageOutcome

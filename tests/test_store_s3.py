@@ -173,6 +173,22 @@ def test_a_damaged_pack_index_cache_is_ignored(s3_env: Any, tmp_path: Path) -> N
     assert np.array_equal(got, c.payloads["log_probs"].numpy())
 
 
+def test_an_s3_store_knows_the_objects_it_wrote_without_a_request(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    """`has_cached` (a writer skips encoding and putting a chunk it answers for) knows the
+    objects of a pack this handle wrote or listed, as on a directory: the one packed
+    object store over both backends."""
+    url = s3_env.fresh_url("known")
+    with Store.open(url) as store:
+        small, large = store.objs.put(b"s" * 100), store.objs.put(b"L" * (2 << 20))
+        assert store.objs.has_cached(small, 100)  # buffered
+        store.objs.flush()
+        assert store.objs.has_cached(small, 100) and store.objs.has_cached(large, 2 << 20)
+    with Store.open(url, create=False) as store:  # listed at the open
+        assert store.objs.has_cached(small, 100)
+
+
 def test_reading_two_samples_fetches_their_chunks_not_the_pack(
     s3_env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

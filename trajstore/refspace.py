@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from trajstore.errors import NotFoundError, StoreError, UsageError
+from trajstore.errors import NotFoundError, StoreError
 from trajstore.jsonio import atomic_create, fsync_path, temp_sibling
 from trajstore.pools import SharedPool
 
@@ -29,29 +29,7 @@ __all__ = [
     "LocalRefSpace",
     "RefSpace",
     "StagedDocs",
-    "listing_margin_s",
 ]
-
-#: the clock-skew margin of every incremental listing: the store's refs and packs and a
-#: server catalog's sync (writers and `replay --record` on PostgreSQL)
-MARGIN_ENV = "TRAJSTORE_CATALOG_MARGIN_S"
-DEFAULT_MARGIN_S = 300.0
-
-
-def listing_margin_s() -> float:
-    """How far before the newest name already known an incremental listing starts:
-    `TRAJSTORE_CATALOG_MARGIN_S` or 300 s. Names start with their writer's clock, so a
-    writer whose clock is behind by up to this much is still seen."""
-    raw = os.environ.get(MARGIN_ENV)
-    if not raw:
-        return DEFAULT_MARGIN_S
-    try:
-        margin = float(raw)
-    except ValueError:
-        margin = -1.0
-    if not margin >= 0:
-        raise UsageError(f"{MARGIN_ENV} must be a number of seconds >= 0, got {raw!r}")
-    return margin
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from typing import Any
 
 def instrument() -> tuple[dict[str, list[float]], collections.Counter]:
     """Wrap the phases and os.fsync with timers; the dicts they fill."""
-    from trajstore.cas import objects
+    from trajstore.cas import packed
     from trajstore.store import ingest
 
     phases: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
@@ -68,7 +68,7 @@ def instrument() -> tuple[dict[str, list[float]], collections.Counter]:
         ("gate", ingest.Ingestor, "gate"),
         ("write", ingest.Ingestor, "write"),
         ("publish refs", ingest.Ingestor, "publish_many"),
-        ("pack flush", objects.LocalObjectStore, "flush"),
+        ("pack flush", packed.PackedObjectStore, "flush"),
     ):
         setattr(cls, name, timed(label, getattr(cls, name)))
     real = os.fsync

@@ -1,10 +1,11 @@
 """Coverage-guided fuzzing of the pack index readers (`.idx` files of the CAS).
 
-The local store's ``LocalObjectStore._read_idx`` (a real store in a temp dir)
-and the S3 store's ``S3ObjectStore._parse_idx`` (a pure function) are fed the
-same bytes. The first input byte picks whether the harness re-signs the body
-with its BLAKE3 trailer (otherwise the fuzzer could never pass the checksum and
-would only exercise the refusal path); the next 4 bytes give the pack's size.
+The store's ``PackSet.read_index`` (a real local store in a temp dir,
+which checks the entries against the pack's size) and ``decode_pack_index``
+without a size (what a cached or S3 index is read with) are fed the same bytes.
+The first input byte picks whether the harness re-signs the body with its BLAKE3
+trailer (otherwise the fuzzer could never pass the checksum and would only
+exercise the refusal path); the next 4 bytes give the pack's size.
 
 Property: a reader returns None (corrupt index, counted) or entries whose every
 ``off + len`` (exact integers) lies inside the pack; it never raises.
@@ -24,8 +25,8 @@ import atheris
 with atheris.instrument_imports(include=["trajstore"]):
     from blake3 import blake3
 
-    from trajstore.cas.objects import LocalObjectStore
-    from trajstore.cas.s3 import S3ObjectStore
+    from trajstore.cas import LocalObjectStore
+    from trajstore.cas.packs import decode_pack_index
 
 _ROOT = Path(tempfile.mkdtemp(prefix="fuzz-idx-"))
 atexit.register(shutil.rmtree, _ROOT, True)
@@ -53,9 +54,9 @@ def one_input(data: bytes) -> None:
     (_PACKS / f"{_PID}.idx").write_bytes(raw)
     with open(_PACKS / f"{_PID}.pack", "wb") as f:
         f.truncate(pack_size)  # sparse: size without bytes
-    _check_entries(_STORE._read_idx(_PID), pack_size, "LocalObjectStore._read_idx")
+    _check_entries(_STORE.packs.read_index(_PID), pack_size, "PackSet.read_index")
     _STORE.corrupt_indexes.clear()
-    _check_entries(S3ObjectStore._parse_idx(raw), None, "S3ObjectStore._parse_idx")
+    _check_entries(decode_pack_index(raw), None, "decode_pack_index")
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ from trajstore.cas.arrays import (
     record_objects,
     write_array,
 )
+from trajstore.cas.local import LocalObjectStore
 from trajstore.cas.objects import (
-    LocalObjectStore,
     MemoryObjectStore,
     ObjectInfo,
     ObjectStore,

@@ -41,17 +41,9 @@ _EXPORTS = {
         "queries",
     ),
     **dict.fromkeys(
-        (
-            "IncrementalStats",
-            "ReindexStats",
-            "SyncStats",
-            "changes",
-            "reindex",
-            "sync_catalog",
-            "sync_new",
-        ),
-        "sync",
+        ("IncrementalStats", "SyncStats", "changes", "sync_catalog", "sync_new"), "sync"
     ),
+    **dict.fromkeys(("ReindexStats", "reindex"), "reindex"),
 }
 
 __all__ = sorted(_EXPORTS)

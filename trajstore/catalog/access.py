@@ -28,7 +28,7 @@ from trajstore.catalog.sync import (
     sync_catalog,
     sync_new,
 )
-from trajstore.refspace import listing_margin_s
+from trajstore.listing import listing_margin_s
 
 
 def is_server_url(url: str | None) -> bool:

@@ -329,7 +329,7 @@ def _index_results(store: Any, catalog_url: str | None, batch_id: str) -> None:
     from trajstore.catalog.access import is_server_url
     from trajstore.catalog.db import open_catalog
     from trajstore.catalog.sync import sync_new
-    from trajstore.refspace import listing_margin_s
+    from trajstore.listing import listing_margin_s
 
     if not is_server_url(catalog_url):
         return

@@ -25,6 +25,7 @@ from typing import Any
 
 from trajstore.errors import NotFoundError, StoreError
 from trajstore.jsonio import atomic_create
+from trajstore.listing import listing_margin_s, listing_start
 from trajstore.refspace import RefSpace
 
 __all__ = ["RefEntry", "RefIndex", "StoreLayout", "new_doc_name"]
@@ -60,26 +61,14 @@ class StoreLayout:
         return self.root / BUNDLE_REFS
 
     @property
-    def tombstones(self) -> Path:
-        return self.root / TOMBSTONES
-
-    @property
-    def claims(self) -> Path:
-        return self.root / CLAIMS
-
-    @property
-    def results(self) -> Path:
-        return self.root / RESULTS
-
-    @property
     def marker(self) -> Path:
         return self.root / MARKER
 
     def ensure(self) -> None:
         """Create the directory skeleton (idempotent, safe to race)."""
         try:
-            for d in (self.bundle_refs, self.tombstones, self.claims, self.results):
-                d.mkdir(parents=True, exist_ok=True)
+            for d in (BUNDLE_REFS, TOMBSTONES, CLAIMS, RESULTS):
+                (self.root / d).mkdir(parents=True, exist_ok=True)
             if not self.marker.exists():
                 atomic_create(self.marker, MARKER_TEXT, durable=False)
         except OSError as e:
@@ -117,18 +106,6 @@ class RefEntry:
 
 #: the format tag of a RefIndex cache file (anything else there is ignored and rebuilt)
 REFINDEX_CACHE_FORMAT = "trajstore-refindex-1"
-
-
-def _name_lower_bound(mark: str | None, margin_s: float) -> str | None:
-    """Where an incremental listing starts: the mark's time, or this host's clock if
-    earlier (a host whose clock runs ahead cannot push the mark past others' names),
-    minus the margin, as the 20-digit prefix of a document name; None (list all) for
-    no mark or a foreign one."""
-    stem = (mark or "")[:20]
-    if len(stem) != 20 or not stem.isdigit():
-        return None
-    start = min(int(stem), time.time_ns()) - int(margin_s * 1e9)
-    return f"{max(start, 0):020d}"
 
 
 def _entry_from_doc(name: str, d: dict[str, Any]) -> RefEntry:
@@ -203,10 +180,8 @@ class RefIndex:
         if not self._incremental:
             return list_docs(self.space, folder)
         if self._margin_s is None:
-            from trajstore.refspace import listing_margin_s
-
             self._margin_s = listing_margin_s()
-        after = None if full else _name_lower_bound(self._marks.get(folder), self._margin_s)
+        after = None if full else listing_start(self._marks.get(folder), self._margin_s)
         names = [
             n[:-5]
             for n in self.space.list_after(folder, after)  # type: ignore[attr-defined]
