@@ -51,6 +51,7 @@ validation owns that, and no metric could be trusted.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -208,12 +209,13 @@ def _sample_layout(
                 raise ValueError(
                     f"loss_mask of sample {i} has {len(sample_mask)} entries, expected {n}"
                 )
-        mask = (
-            np.concatenate([np.asarray(sample_mask).reshape(-1) for sample_mask in loss_masks])
-            if r_total
-            else (np.zeros(0, dtype=np.int8))
-        )
-    if mask.size and not np.isin(mask, (0, 1)).all():
+        try:  # one pass over the Python lists (no per-sample array)
+            mask = np.fromiter(
+                itertools.chain.from_iterable(loss_masks), dtype=np.float64, count=r_total
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError("loss_mask values must be 0 or 1") from exc
+    if mask.size and not ((mask == 0) | (mask == 1)).all():
         raise ValueError("loss_mask values must be 0 or 1")
     ends = np.cumsum(tl)
     resp_offsets = np.cumsum(rl) - rl
@@ -396,36 +398,25 @@ def _route_counts(
 # --------------------------------------------------------------------------- entry points
 
 
-def compute_router_metrics(
+def measure_routes(
     rollout_routes: np.ndarray | None,
     train_routes: np.ndarray | None,
     *,
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    loss_masks: Sequence[Sequence[int]] | np.ndarray,
+    t_total: int,
+    valid_pos: np.ndarray,
     num_experts: int,
     num_layers: int,
-    top_k: int,
-    rollout_log_probs: np.ndarray | None = None,
-    train_log_probs: np.ndarray | None = None,
-    dense_layers: Iterable[int] = (),
-) -> RouterMetrics:
-    """Measure rollout-vs-train route and log-prob consistency on valid response tokens.
-
-    Routes are [T, L, K] integer arrays (or anything `np.asarray` accepts, e.g. a
-    CPU torch tensor); log-probs are [R] floats; num_experts/num_layers/top_k come
-    from index.json config.router; dense_layers declares non-MoE layer indices.
-    """
-    t_total, r_total, valid_pos, valid_r = _sample_layout(
-        total_lengths, response_lengths, loss_masks
-    )
+    dense_layers: Iterable[int],
+    counts: RouterCounts,
+) -> set[str]:
+    """The route part of `compute_router_metrics` on a layout `_sample_layout` gave (T and
+    the flat positions of the valid tokens): fills the route sums of `counts` (whose
+    ``top_k`` is the configured K) and returns the route error codes."""
+    top_k = counts.top_k
     dense_set = sorted({int(i) for i in dense_layers})
     if any(i < 0 or i >= num_layers for i in dense_set):
         raise ValueError(f"dense_layers must lie in [0, {num_layers})")
     codes: set[str] = set()
-    counts = RouterCounts(valid_tokens=int(valid_pos.size), top_k=int(top_k))
-
-    # Routes.
     if rollout_routes is None or train_routes is None:
         codes.add("missing_route")
     else:
@@ -455,6 +446,43 @@ def compute_router_metrics(
                 codes.add("expert_id_out_of_range")
             else:
                 counts.routes_measured = True
+    return codes
+
+
+def compute_router_metrics(
+    rollout_routes: np.ndarray | None,
+    train_routes: np.ndarray | None,
+    *,
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    loss_masks: Sequence[Sequence[int]] | np.ndarray,
+    num_experts: int,
+    num_layers: int,
+    top_k: int,
+    rollout_log_probs: np.ndarray | None = None,
+    train_log_probs: np.ndarray | None = None,
+    dense_layers: Iterable[int] = (),
+) -> RouterMetrics:
+    """Measure rollout-vs-train route and log-prob consistency on valid response tokens.
+
+    Routes are [T, L, K] integer arrays (or anything `np.asarray` accepts, e.g. a
+    CPU torch tensor); log-probs are [R] floats; num_experts/num_layers/top_k come
+    from index.json config.router; dense_layers declares non-MoE layer indices.
+    """
+    t_total, r_total, valid_pos, valid_r = _sample_layout(
+        total_lengths, response_lengths, loss_masks
+    )
+    counts = RouterCounts(valid_tokens=int(valid_pos.size), top_k=int(top_k))
+    codes = measure_routes(
+        rollout_routes,
+        train_routes,
+        t_total=t_total,
+        valid_pos=valid_pos,
+        num_experts=num_experts,
+        num_layers=num_layers,
+        dense_layers=dense_layers,
+        counts=counts,
+    )
 
     # Log-probs.
     diff: np.ndarray | None = None
