@@ -99,24 +99,24 @@ def _worst_per_sample(
     # the first maximum of each sample: the least index holding it
     at = np.minimum.reduceat(np.where(at_best, np.arange(a.shape[1]), a.shape[1]), first, axis=1)
     samples = owner[first].tolist()
-    offsets = (valid_r - starts[owner]).tolist()
-    rollout = r.tolist()
-    out = []
-    for p, row in enumerate(at.tolist()):
-        trainer, abs_d = t[p].tolist(), a[p].tolist()
-        out.append(
-            [
-                {
-                    "sample_id": str(sample_ids[s]),
-                    "position": s,
-                    "offset": offsets[i],
-                    "rollout": rollout[i],
-                    "trainer": trainer[i],
-                    "abs_dlogp": abs_d[i],
-                }
-                for s, i in zip(samples, row, strict=True)
-            ]
-        )
+    offsets = (valid_r[at] - starts[owner[at]]).tolist()  # only the chosen tokens
+    rollout = r[at].tolist()
+    trainer = np.take_along_axis(t, at, 1).tolist()
+    abs_d = np.take_along_axis(a, at, 1).tolist()
+    out = [
+        [
+            {
+                "sample_id": str(sample_ids[s]),
+                "position": s,
+                "offset": offsets[p][j],
+                "rollout": rollout[p][j],
+                "trainer": trainer[p][j],
+                "abs_dlogp": abs_d[p][j],
+            }
+            for j, s in enumerate(samples)
+        ]
+        for p in range(len(t))
+    ]
     return out
 
 
