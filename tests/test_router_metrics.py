@@ -453,6 +453,24 @@ def _oracle_routes(a, b, tl, rl, masks, num_experts, dense_layers=()):
     }
 
 
+def _oracle_and_kernel(a, b, tl, rl, masks, num_experts, dense_layers=()):
+    """(`_oracle_routes`'s codes and counts, `compute_router_metrics`) of the same routes."""
+    codes, want = _oracle_routes(a, b, tl, rl, masks, num_experts, dense_layers)
+    _, n_layers, k = a.shape
+    m = compute_router_metrics(
+        a,
+        b,
+        total_lengths=tl,
+        response_lengths=rl,
+        loss_masks=masks,
+        num_experts=num_experts,
+        num_layers=n_layers,
+        top_k=k,
+        dense_layers=dense_layers,
+    )
+    return codes, want, m
+
+
 def _random_routes(rng, t, n_layers, k, num_experts, dtype):
     rows = [rng.choice(num_experts, size=k, replace=False) for _ in range(t * n_layers)]
     return np.array(rows, dtype=np.int64).reshape(t, n_layers, k).astype(dtype)
@@ -530,18 +548,7 @@ def test_route_counts_equal_a_set_oracle(
     for x in (a, b):  # a declared dense layer holds anything (here: a fixed id repeated)
         if dense_layers:
             x[:, dense_layers] = 0
-    codes, want = _oracle_routes(a, b, tl, rl, masks, num_experts, dense_layers)
-    m = compute_router_metrics(
-        a,
-        b,
-        total_lengths=tl,
-        response_lengths=rl,
-        loss_masks=masks,
-        num_experts=num_experts,
-        num_layers=n_layers,
-        top_k=k,
-        dense_layers=dense_layers,
-    )
+    codes, want, m = _oracle_and_kernel(a, b, tl, rl, masks, num_experts, dense_layers)
     got_route_codes = [c for c in m.metric_error if c != "empty_response_mask"]
     assert got_route_codes == codes
     if want is None:
@@ -572,17 +579,7 @@ def test_route_counts_across_chunks_equal_a_set_oracle():
     for pos in rng.integers(0, t, 300):
         b[pos, rng.integers(n_layers)] = [88, 89] if 88 not in a[pos].reshape(-1) else [0, 1]
     masks = [list(rng.integers(0, 2, size=r)) for r in rl]
-    codes, want = _oracle_routes(a, b, tl, rl, masks, num_experts)
-    m = compute_router_metrics(
-        a,
-        b,
-        total_lengths=tl,
-        response_lengths=rl,
-        loss_masks=masks,
-        num_experts=num_experts,
-        num_layers=n_layers,
-        top_k=k,
-    )
+    codes, want, m = _oracle_and_kernel(a, b, tl, rl, masks, num_experts)
     assert m.metric_error == codes == []
     assert {name: getattr(m.counts, name) for name in want} == want
     assert want["route_mismatches"] > 0

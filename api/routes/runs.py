@@ -148,14 +148,8 @@ def mismatch_samples(
     query = {"run": run, "rollout_id": rollout_id, "step_id": step_id, "pair": pair}
     try:
         after = decode_cursor("mismatch_samples", query, cursor, "i")
-        found = sample_worst(
-            mismatch_executor(state.snap.catalog),
-            state.store.load_document,
-            run,
-            rollout_id,
-            step_id,
-            pair,
-        )
+        execute = mismatch_executor(state.snap.catalog)
+        found = sample_worst(execute, state.store.load_document, run, rollout_id, step_id, pair)
     except UsageError as exc:
         raise ApiError(400, "bad_filter", str(exc)) from None
     if found is None:
