@@ -497,23 +497,54 @@ def test_router_compare_reads_the_stored_sums_and_recompute_agrees(compared_stor
     assert code == 0, err
     assert json.loads(out) == stored
     # the stored sums are what compare reads: change one ref's count, rebuild the catalog
-    ref = next(
-        p
-        for p in (compared_store / "refs" / "bundles").glob("*.json")
-        if json.loads(p.read_text())["run"] == "base"
-        and json.loads(p.read_text())["rollout_id"] == 1
-    )
-    doc = json.loads(ref.read_text())
-    doc["mismatch"]["routes"]["mismatches"] += 1
-    ref.write_text(json.dumps(doc))
-    with Store.open(compared_store, create=False) as store:
-        store.reindex()
+    _tamper_base_step_1(compared_store)
     code, out, _ = cli(capsys, *argv, "--json")
     step = json.loads(out)["steps"][0]["runs"]["base"]
     assert step["route_mismatch_rate"] == pytest.approx(4 / 12)  # 3 of 12 differ in truth
     code, _, err = cli(capsys, *argv, "--recompute")
     assert code == 1
     assert "run base step 1:0: route_mismatch_rate stored" in err
+
+
+def _tamper_base_step_1(store_dir) -> None:
+    """Add one route mismatch to the stored sums of run base, step 1 (not to its payloads)."""
+    ref = next(
+        p
+        for p in (store_dir / "refs" / "bundles").glob("*.json")
+        if json.loads(p.read_text())["run"] == "base"
+        and json.loads(p.read_text())["rollout_id"] == 1
+    )
+    doc = json.loads(ref.read_text())
+    doc["mismatch"]["routes"]["mismatches"] += 1
+    ref.write_text(json.dumps(doc))
+    with Store.open(store_dir, create=False) as store:
+        store.reindex()
+
+
+def test_rest_router_compare_reads_the_stored_sums_and_recompute_checks_them(
+    compared_store, capsys
+):
+    """GET /v1/router/compare is `router compare --json` (the stored sums, no payload);
+    ``recompute=true`` checks them against the payloads as ``--recompute`` does (409)."""
+    from test_api import serve
+
+    argv = ["router", "compare", "--store", str(compared_store), "--run", "base", "--run", "fix"]
+    params = {"run": ["base", "fix"]}
+    with serve(compared_store) as client:
+        page = client.get("/v1/router/compare", params=params).json()
+        checked = client.get("/v1/router/compare", params={**params, "recompute": True})
+    assert checked.status_code == 200, checked.text
+    assert page.pop("next_cursor") is None
+    assert page == json.loads(cli(capsys, *argv, "--json")[1])
+    _tamper_base_step_1(compared_store)
+    with serve(compared_store) as client:
+        page = client.get("/v1/router/compare", params=params).json()
+        checked = client.get("/v1/router/compare", params={**params, "recompute": True})
+    step = page["steps"][0]["runs"]["base"]
+    assert step["route_mismatch_rate"] == pytest.approx(4 / 12)  # the stored sum; 3 in truth
+    assert checked.status_code == 409
+    assert checked.json()["error"] == "recompute_disagrees"
+    assert "run base step 1:0: route_mismatch_rate stored" in checked.json()["detail"]
 
 
 def test_ranks_storing_their_own_shards_carry_the_sums(tmp_path):

@@ -402,3 +402,184 @@ def test_identical_inputs_measure_exactly_zero(lengths, seed, dtype):
     assert m.f_tau_2 == 0.0
     assert m.kl_k1 == 0.0
     assert m.kl_k3 == 0.0
+
+
+# ---------------------------------------------------------------- the route kernel against sets
+
+
+def _oracle_routes(a, b, tl, rl, masks, num_experts, dense_layers=()):
+    """router-metrics.md's route rules, token by token and layer by layer, in plain Python
+    sets: (metric_error codes of the route family, counts) with counts None on an error."""
+    n_layers, k = a.shape[1], a.shape[2]
+    keep = [layer for layer in range(n_layers) if layer not in set(dense_layers)]
+    signed = any(np.issubdtype(x.dtype, np.signedinteger) for x in (a, b))
+    for x in (a, b):
+        lowest = -1 if np.issubdtype(x.dtype, np.signedinteger) else 0
+        ids = [int(v) for v in x[:, keep].reshape(-1)]
+        if any(v < lowest or v >= num_experts for v in ids):
+            return ["expert_id_out_of_range"], None
+    valid = []
+    start = 0
+    for t, r, m in zip(tl, rl, masks, strict=True):
+        valid += [start + t - r + j for j in range(r) if m[j]]
+        start += t
+    per_mis, per_obs = [0] * n_layers, [0] * n_layers
+    missing_slots = tokens_any = 0
+    for pos in valid:
+        any_layer = False
+        for layer in keep:
+            ra, rb = [int(v) for v in a[pos, layer]], [int(v) for v in b[pos, layer]]
+            dense_a, dense_b = ra == [-1] * k, rb == [-1] * k
+            if signed and dense_a and dense_b:
+                continue
+            if dense_a != dense_b or -1 in ra or -1 in rb:
+                return ["expert_id_out_of_range"], None
+            if len(set(ra)) < k or len(set(rb)) < k:
+                return ["expert_id_out_of_range"], None
+            per_obs[layer] += 1
+            if set(ra) != set(rb):
+                per_mis[layer] += 1
+                missing_slots += k - len(set(ra) & set(rb))
+                any_layer = True
+        tokens_any += any_layer
+    return [], {
+        "per_layer_mismatches": per_mis,
+        "per_layer_valid_token_layers": per_obs,
+        "route_mismatches": sum(per_mis),
+        "valid_token_layers": sum(per_obs),
+        "missing_slots": missing_slots,
+        "mismatched_tokens": tokens_any,
+        "valid_tokens": len(valid),
+    }
+
+
+def _oracle_and_kernel(a, b, tl, rl, masks, num_experts, dense_layers=()):
+    """(`_oracle_routes`'s codes and counts, `compute_router_metrics`) of the same routes."""
+    codes, want = _oracle_routes(a, b, tl, rl, masks, num_experts, dense_layers)
+    _, n_layers, k = a.shape
+    m = compute_router_metrics(
+        a,
+        b,
+        total_lengths=tl,
+        response_lengths=rl,
+        loss_masks=masks,
+        num_experts=num_experts,
+        num_layers=n_layers,
+        top_k=k,
+        dense_layers=dense_layers,
+    )
+    return codes, want, m
+
+
+def _random_routes(rng, t, n_layers, k, num_experts, dtype):
+    rows = [rng.choice(num_experts, size=k, replace=False) for _ in range(t * n_layers)]
+    return np.array(rows, dtype=np.int64).reshape(t, n_layers, k).astype(dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), min_size=1, max_size=4),
+    n_layers=st.integers(1, 4),
+    shape=st.sampled_from(
+        # (top_k, num_experts, dtype): 8 x uint8 is one 64-bit word per row; 3 x int16 is
+        # 6 bytes (2-byte words); experts >= 64 and >= 256; K > 16 sorts
+        [
+            (2, 8, np.int32),
+            (8, 128, np.uint8),
+            (8, 70, np.int8),
+            (3, 300, np.int16),
+            (1, 4, np.int64),
+            (4, 1000, np.uint16),
+            (17, 40, np.int16),
+        ]
+    ),
+    flips=st.integers(0, 6),
+    defect=st.sampled_from(
+        ["none", "permute", "dup_equal", "dup_train", "dense", "dense_one_side", "partial"]
+        + ["partial_train"]
+    ),
+    dense_layer=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_route_counts_equal_a_set_oracle(
+    lengths, n_layers, shape, flips, defect, dense_layer, seed
+):
+    """Every route number and error of the vectorised kernel equals plain Python sets, on
+    random routes with flipped experts, permuted rows, repeated ids (on both sides alike,
+    or on the training side only), dense -1 rows, -1 on one side only or part of a row,
+    masked tokens, empty masks and declared dense layers."""
+    k, num_experts, dtype = shape
+    rng = np.random.default_rng(seed)
+    rl = [r for r, _ in lengths]
+    tl = [r + p for r, p in lengths]
+    t = sum(tl)
+    masks = [list(rng.integers(0, 2, size=r)) for r in rl]
+    a = _random_routes(rng, t, n_layers, k, num_experts, dtype)
+    b = a.copy()
+    for _ in range(flips if t else 0):  # replace one slot by an expert not in the row
+        pos, layer, slot = rng.integers(t), rng.integers(n_layers), rng.integers(k)
+        free = sorted(set(range(num_experts)) - {int(v) for v in b[pos, layer]})
+        b[pos, layer, slot] = free[rng.integers(len(free))]
+    signed = np.issubdtype(np.dtype(dtype), np.signedinteger)
+    # a defect lands on a compared token (when there is one) 3 times in 4
+    starts = np.cumsum([0, *tl])[:-1]
+    compared = [
+        int(s) + t_ - r + j
+        for s, t_, r, m in zip(starts, tl, rl, masks, strict=True)
+        for j in range(r)
+        if m[j]
+    ]
+    pos = int(rng.choice(compared)) if compared and rng.random() < 0.75 else rng.integers(t or 1)
+    layer = rng.integers(n_layers)
+    if t and defect == "permute":
+        b = b[..., rng.permutation(k)].copy()
+    elif t and defect in ("dup_equal", "dup_train") and k > 1:
+        i, j = rng.choice(k, size=2, replace=False)
+        for x in (a, b) if defect == "dup_equal" else (b,):
+            x[pos, layer, j] = x[pos, layer, i]
+    elif t and signed and defect in ("dense", "dense_one_side", "partial", "partial_train"):
+        if defect.startswith("partial"):
+            for x in (a, b) if defect == "partial" else (b,):
+                x[pos, layer, 0] = -1
+        else:
+            for x in (a, b) if defect == "dense" else (a,):
+                x[pos, layer] = -1
+    dense_layers = [n_layers - 1] if dense_layer and n_layers > 1 else []
+    for x in (a, b):  # a declared dense layer holds anything (here: a fixed id repeated)
+        if dense_layers:
+            x[:, dense_layers] = 0
+    codes, want, m = _oracle_and_kernel(a, b, tl, rl, masks, num_experts, dense_layers)
+    got_route_codes = [c for c in m.metric_error if c != "empty_response_mask"]
+    assert got_route_codes == codes
+    if want is None:
+        _assert_route_null(m)
+        return
+    c = m.counts
+    got = {name: getattr(c, name) for name in want}
+    assert got == want
+    if want["valid_tokens"] == 0 or want["valid_token_layers"] == 0:
+        assert "empty_response_mask" in m.metric_error
+        _assert_route_null(m)
+    else:
+        assert m.route_mismatch_rate == want["route_mismatches"] / want["valid_token_layers"]
+        assert m.token_any_mismatch == want["mismatched_tokens"] / want["valid_tokens"]
+        assert m.expert_slot_mismatch == want["missing_slots"] / (k * want["valid_token_layers"])
+
+
+def test_route_counts_across_chunks_equal_a_set_oracle():
+    """A bundle larger than one vectorised chunk (2**18 token-layers): tokens on both sides
+    of a chunk boundary, partly masked, with flips and permuted rows."""
+    rng = np.random.default_rng(7)
+    n_layers, k, num_experts = 4, 2, 90
+    rl, tl = [40_000, 30_000], [40_010, 30_000]
+    t = sum(tl)
+    a = np.argsort(rng.random((t * n_layers, num_experts)), axis=1)[:, :k].reshape(t, n_layers, k)
+    a = a.astype(np.uint8)
+    b = a[..., ::-1].copy()
+    for pos in rng.integers(0, t, 300):
+        b[pos, rng.integers(n_layers)] = [88, 89] if 88 not in a[pos].reshape(-1) else [0, 1]
+    masks = [list(rng.integers(0, 2, size=r)) for r in rl]
+    codes, want, m = _oracle_and_kernel(a, b, tl, rl, masks, num_experts)
+    assert m.metric_error == codes == []
+    assert {name: getattr(m.counts, name) for name in want} == want
+    assert want["route_mismatches"] > 0

@@ -97,6 +97,42 @@ def test_rest_pages_equal_the_cli_rows(store, base):
     assert "old_kl_k3" in heat["metrics"]
 
 
+def test_rest_serves_every_samples_worst_token_of_a_step(store, base):
+    """GET /v1/runs/{run}/mismatch/{R:S}/samples: the per-sample document stored with the
+    sums, worst first, paged; the injected token leads, the listing's worst is its first."""
+    step = DRIFT[0]
+    path = f"/v1/runs/drift/mismatch/{step}:0/samples"
+    with httpx.Client(base_url=base) as client:
+        whole = client.get(path, params={"pair": "old"}).json()
+        walked, cursor = [], None
+        while True:
+            page = client.get(
+                path, params={"pair": "old", "limit": 1, **({"cursor": cursor} if cursor else {})}
+            ).json()
+            walked += page["items"]
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        every = client.get(path).json()["items"]
+        bad_pair = client.get(path, params={"pair": "nope"})
+        no_step = client.get("/v1/runs/drift/mismatch/99:0/samples")
+        listing = client.get(
+            "/v1/runs/drift/mismatch",
+            params={"metric": "old_abs_dlogp_max", "rollout_from": step, "rollout_to": step},
+        ).json()["items"]
+    items = whole["items"]
+    assert walked == items and whole["next_cursor"] is None and whole["without_document"] == []
+    # one row per sample with a masked-in token (contents(): 4 samples), the injected first
+    assert sorted(w["sample_id"] for w in items) == ["s-0", "s-1", "s-2", "s-3"]
+    assert (items[0]["sample_id"], items[0]["offset"]) == WORST
+    assert items[0]["abs_dlogp"] == pytest.approx(1.9) and items[0]["pair"] == "old"
+    assert all(w["abs_dlogp"] == pytest.approx(0.4) for w in items[1:])
+    assert {w["pair"] for w in every} == {"old", "current", "train"} and len(every) == 12
+    assert listing[0]["worst"] == {k: v for k, v in items[0].items() if k != "rank"}
+    assert bad_pair.status_code == 400 and "unknown pair 'nope'" in bad_pair.text
+    assert no_step.status_code == 404
+
+
 # --------------------------------------------------------------------------- the browser
 
 _MISSING = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.exists()]

@@ -126,12 +126,21 @@ def router_compare(
     run: Annotated[list[str], Query(min_length=2, max_length=20, description="two or more")],
     rollout_from: OptId = None,
     rollout_to: OptId = None,
+    recompute: Annotated[
+        bool,
+        Query(
+            description="also recompute the page's steps from their payloads; 409 unless both agree"
+        ),
+    ] = False,
     limit: Limit = None,
     cursor: Cursor = None,
 ) -> models.RouterComparison:
     """`trajstore router compare --format json` over a page of steps (the union of the
-    runs' steps in range, in step order); ratios and stability cover that page."""
-    from trajstore.router.compare import compare_store
+    runs' steps in range, in step order), from the sums stored with each bundle (no
+    payload is read); ratios and stability cover that page. ``recompute``: as the CLI's
+    ``--recompute``, every step of the page again from its payloads, 409
+    ``recompute_disagrees`` unless both agree."""
+    from trajstore.router.compare import compare_store, compare_stored, disagreements
 
     for name in run:
         check_run(state.view, name)
@@ -140,5 +149,17 @@ def router_compare(
         state, run, rollout_from, rollout_to, limit or DEFAULT_PAGE_SIZE, cursor
     )
     with state.replay_lock:  # the store's ref index is not thread-safe
-        comparison = compare_store(state.store, run, steps=steps)
+        comparison = compare_stored(state.store, run, steps=steps)
+        differ = (
+            disagreements(comparison, compare_store(state.store, run, steps=steps))
+            if recompute
+            else []
+        )
+    if differ:
+        more = f" (+{len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise ApiError(
+            409,
+            "recompute_disagrees",
+            f"stored and recomputed metrics disagree: {differ[0]}{more}",
+        )
     return models.RouterComparison(**json_safe(comparison.to_dict()), next_cursor=next_cursor)

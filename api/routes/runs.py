@@ -9,12 +9,22 @@ from fastapi.responses import Response
 
 from trajstore.catalog import list_runs
 from trajstore.catalog.overview import MAX_STRIP_BINS, run_summary, step_strip
-from trajstore.catalog.queries import MAX_PAGE_SIZE, query_mismatch, query_mismatch_layers
+from trajstore.catalog.queries import (
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
+    decode_cursor,
+    encode_cursor,
+    mismatch_executor,
+    query_mismatch,
+    query_mismatch_layers,
+)
+from trajstore.errors import UsageError
 from trajstore.jsonio import json_safe
 
 from .. import models
 from ..detail import check_range, check_run
-from ..params import Cursor, Limit, OptId, RunName
+from ..errors import ApiError
+from ..params import Cursor, Id, Limit, OptId, RunName, Text
 from ..state import StateDep
 
 router = APIRouter()
@@ -117,3 +127,44 @@ def mismatch_layers(
         state.snap.catalog, run, rollout_from=rollout_from, rollout_to=rollout_to
     )
     return models.Open(**json_safe({"items": items, "metrics": sorted(METRICS)}))
+
+
+@router.get("/runs/{run}/mismatch/{rollout_id}:{step_id}/samples", response_model=models.Open)
+def mismatch_samples(
+    state: StateDep,
+    run: RunName,
+    rollout_id: Id,
+    step_id: Id,
+    pair: Text = None,
+    limit: Limit = None,
+    cursor: Cursor = None,
+) -> models.Open:
+    """Every sample's worst token of one step (the per-sample document stored with its
+    mismatch sums), worst first, paged; ``pair`` keeps one log-prob pair (old, current,
+    train). The step listing's ``worst`` is this list's first item."""
+    from trajstore.mismatch.query import sample_worst
+
+    check_run(state.view, run)
+    query = {"run": run, "rollout_id": rollout_id, "step_id": step_id, "pair": pair}
+    try:
+        after = decode_cursor("mismatch_samples", query, cursor, "i")
+        execute = mismatch_executor(state.snap.catalog)
+        found = sample_worst(execute, state.store.load_document, run, rollout_id, step_id, pair)
+    except UsageError as exc:
+        raise ApiError(400, "bad_filter", str(exc)) from None
+    if found is None:
+        raise ApiError(404, "not_found", f"run {run!r} has no step {rollout_id}:{step_id}")
+    offset = after[0] if after else 0
+    end = offset + (limit or DEFAULT_PAGE_SIZE)
+    page = {
+        "run": run,
+        "rollout_id": rollout_id,
+        "step_id": step_id,
+        "attempt": found["attempt"],
+        "items": found["items"][offset:end],
+        "without_document": found["without_document"],
+        "next_cursor": encode_cursor("mismatch_samples", query, [end])
+        if end < len(found["items"])
+        else None,
+    }
+    return models.Open(**json_safe(page))

@@ -73,15 +73,11 @@ def cmd_mismatch(args: argparse.Namespace, cat: Any, emit_rows: Any) -> int:
 
     if args.run is None:
         raise UsageError("query mismatch needs --run RUN")
+    filters = ("above", "top", "layer", "rollout_from", "rollout_to", "first_above")
     q = MismatchQuery(
         run=args.run,
         metric=args.metric or DEFAULT_METRIC,
-        above=args.above,
-        top=args.top,
-        layer=args.layer,
-        rollout_from=args.rollout_from,
-        rollout_to=args.rollout_to,
-        first_above=args.first_above,
+        **{name: getattr(args, name) for name in filters},
     )
     plot = None
     if args.plot:

@@ -17,7 +17,7 @@ import numpy as np
 
 from trajstore.mismatch import MISMATCH_VERSION
 from trajstore.mismatch.metrics import CLIP_CONFIG_KEYS, PAIRS, ROLLOUT_PAYLOAD, THRESHOLDS
-from trajstore.router.metrics import ROUTE_ERRORS, _sample_layout, compute_router_metrics
+from trajstore.router.metrics import ROUTE_ERRORS, RouterCounts, _sample_layout, measure_routes
 
 ROLLOUT_ROUTES = "rollout_routed_experts"
 TRAIN_ROUTES = "train_routed_experts"
@@ -38,76 +38,85 @@ def clip_cap(config: Mapping[str, Any] | None) -> float | None:
     return None
 
 
-def _pair_sums(
-    rollout: np.ndarray,
-    trainer: np.ndarray,
-    valid_r: np.ndarray,
-    clip_c: float | None,
-) -> dict[str, Any]:
-    d = trainer[valid_r] - rollout[valid_r]
+def _pair_sums(r: np.ndarray, t: np.ndarray, clip_c: float | None) -> list[dict[str, Any]]:
+    """The sums of each pair, at once: `r` [n] the sampler's log-probs of the valid tokens,
+    `t` [P, n] the trainer side of P pairs (n > 0, all finite). Each value is the one a
+    pair's own 1-D computation gives (a row's reduction is the 1-D reduction of it)."""
+    d = t - r
     a = np.abs(d)
-    pr, pt = np.exp(rollout[valid_r]), np.exp(trainer[valid_r])
+    pr, pt = np.exp(r), np.exp(t)
     dp = np.abs(pt - pr)
     ratio = np.exp(d)
-    n = int(d.size)
-    out: dict[str, Any] = {
-        "n": n,
-        "abs_dlogp_sum": float(a.sum()),
-        "abs_dlogp_max": float(a.max()) if n else None,
-        "abs_dp_sum": float(dp.sum()),
-        "abs_dp_max": float(dp.max()) if n else None,
-        "d_sum": float(d.sum()) + 0.0,
-        "k3_sum": float((np.expm1(d) - d).sum()),
-        "mult_sum": float(np.exp(a).sum()),
-        "pr_sum": float(pr.sum()),
-        "pt_sum": float(pt.sum()),
-        "pr2_sum": float((pr * pr).sum()),
-        "pt2_sum": float((pt * pt).sum()),
-        "prpt_sum": float((pr * pt).sum()),
-        **{f"gt_{name}": int(np.count_nonzero(a > value)) for name, value in THRESHOLDS},
-        "ratio_min": float(ratio.min()) if n else None,
-        "ratio_max": float(ratio.max()) if n else None,
-        "clip_c": clip_c,
-        "clip_count": int(np.count_nonzero(ratio > clip_c)) if clip_c is not None else None,
-        "error": None,
+    n = int(r.size)
+    columns: dict[str, list[Any]] = {
+        "abs_dlogp_sum": a.sum(1).tolist(),
+        "abs_dlogp_max": a.max(1).tolist(),
+        "abs_dp_sum": dp.sum(1).tolist(),
+        "abs_dp_max": dp.max(1).tolist(),
+        "d_sum": (d.sum(1) + 0.0).tolist(),
+        "k3_sum": (np.expm1(d) - d).sum(1).tolist(),
+        "mult_sum": np.exp(a).sum(1).tolist(),
+        "pr_sum": [float(pr.sum())] * len(t),
+        "pt_sum": pt.sum(1).tolist(),
+        "pr2_sum": [float((pr * pr).sum())] * len(t),
+        "pt2_sum": (pt * pt).sum(1).tolist(),
+        "prpt_sum": (pr * pt).sum(1).tolist(),
+        **{
+            f"gt_{name}": np.count_nonzero(a > value, axis=1).tolist() for name, value in THRESHOLDS
+        },
+        "ratio_min": ratio.min(1).tolist(),
+        "ratio_max": ratio.max(1).tolist(),
+        "clip_c": [clip_c] * len(t),
+        "clip_count": np.count_nonzero(ratio > clip_c, axis=1).tolist()
+        if clip_c is not None
+        else [None] * len(t),
+        "error": [None] * len(t),
     }
-    return out
+    return [
+        {"n": n, **{field: values[p] for field, values in columns.items()}} for p in range(len(t))
+    ]
 
 
 def _worst_per_sample(
-    rollout: np.ndarray,
-    trainer: np.ndarray,
+    r: np.ndarray,
+    t: np.ndarray,
     response_lengths: Sequence[int],
     valid_r: np.ndarray,
     sample_ids: Sequence[str],
-) -> list[dict[str, Any]]:
-    """Per sample with a masked-in token: its token of largest |d| (first on ties).
+) -> list[list[dict[str, Any]]]:
+    """Per pair (rows of `t` [P, n], against `r` [n], the valid tokens' log-probs), per
+    sample with a masked-in token: its token of largest |d| (first on ties).
 
     `valid_r` is increasing, so each sample's valid tokens are one contiguous run."""
-    if not valid_r.size:
-        return []
     rl = np.asarray(response_lengths, dtype=np.int64)
     ends = np.cumsum(rl)
     starts = ends - rl
     owner = np.searchsorted(ends, valid_r, side="right")
-    a = np.abs(trainer[valid_r] - rollout[valid_r])
     first = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-    best = np.maximum.reduceat(a, first)
-    hit = np.flatnonzero(a == np.repeat(best, np.diff(np.r_[first, a.size])))
-    _, at = np.unique(owner[hit], return_index=True)  # the first maximum of each sample
-    out = []
-    for i in hit[at].tolist():
-        s, r = int(owner[i]), int(valid_r[i])
-        out.append(
+    a = np.abs(t - r)
+    best = np.maximum.reduceat(a, first, axis=1)
+    at_best = a == np.repeat(best, np.diff(np.r_[first, a.shape[1]]), axis=1)
+    # the first maximum of each sample: the least index holding it
+    at = np.minimum.reduceat(np.where(at_best, np.arange(a.shape[1]), a.shape[1]), first, axis=1)
+    samples = owner[first].tolist()
+    offsets = (valid_r[at] - starts[owner[at]]).tolist()  # only the chosen tokens
+    rollout = r[at].tolist()
+    trainer = np.take_along_axis(t, at, 1).tolist()
+    abs_d = np.take_along_axis(a, at, 1).tolist()
+    out = [
+        [
             {
                 "sample_id": str(sample_ids[s]),
                 "position": s,
-                "offset": r - int(starts[s]),
-                "rollout": float(rollout[r]),
-                "trainer": float(trainer[r]),
-                "abs_dlogp": float(a[i]),
+                "offset": offsets[p][j],
+                "rollout": rollout[p][j],
+                "trainer": trainer[p][j],
+                "abs_dlogp": abs_d[p][j],
             }
-        )
+            for j, s in enumerate(samples)
+        ]
+        for p in range(len(t))
+    ]
     return out
 
 
@@ -134,14 +143,19 @@ def compute_mismatch(
     """(ref entry without its document digest, document) of one bundle.
 
     `payloads(name)` gives a payload as an array (log-probs as floats: bf16 widened),
-    or None when the bundle has none.
+    or None when the bundle has none. The sample layout is computed once; the pairs
+    that can be measured are measured together (`_pair_sums`).
     """
-    _, r_total, valid_pos, valid_r = _sample_layout(total_lengths, response_lengths, loss_masks)
-    clip_c = clip_cap(config)
+    t_total, r_total, valid_pos, valid_r = _sample_layout(
+        total_lengths, response_lengths, loss_masks
+    )
     entry: dict[str, Any] = {"version": MISMATCH_VERSION, "pairs": {}, "worst": {}}
     document: dict[str, Any] = {"version": MISMATCH_VERSION, "worst_per_sample": {}}
     rollout_raw = payloads(ROLLOUT_PAYLOAD)
     rollout, rollout_error = _checked_logprobs(rollout_raw, r_total, ROLLOUT_PAYLOAD)
+    r_valid = rollout[valid_r] if rollout is not None else None
+    r_finite: bool | None = None  # computed once, when a pair needs it
+    measured: dict[str, np.ndarray] = {}
     for pair, name in PAIRS:
         raw = payloads(name)
         trainer, error = _checked_logprobs(raw, r_total, name)
@@ -150,30 +164,32 @@ def compute_mismatch(
             error = f"missing_logprob: the bundle has neither {ROLLOUT_PAYLOAD} nor {name}"
         if error is None and not valid_r.size:
             error = "empty_response_mask: no masked-in response token"
-        if error is None and not (
-            np.isfinite(rollout[valid_r]).all() and np.isfinite(trainer[valid_r]).all()
-        ):
-            error = f"non_finite_logprob: NaN or Inf at a masked-in token of {name} or rollout"
-        if error is not None:
-            entry["pairs"][pair] = {"error": error}
-            continue
-        entry["pairs"][pair] = _pair_sums(rollout, trainer, valid_r, clip_c)
-        per_sample = _worst_per_sample(rollout, trainer, response_lengths, valid_r, sample_ids)
-        document["worst_per_sample"][pair] = per_sample
-        entry["worst"][pair] = sorted(per_sample, key=lambda w: -w["abs_dlogp"])[:REF_WORST]
-    entry["routes"] = _route_sums(
-        payloads, total_lengths, response_lengths, loss_masks, config, valid_pos.size
-    )
+        if error is None:
+            t_valid = trainer[valid_r]
+            if r_finite is None:
+                r_finite = bool(np.isfinite(r_valid).all())
+            if not (r_finite and np.isfinite(t_valid).all()):
+                error = f"non_finite_logprob: NaN or Inf at a masked-in token of {name} or rollout"
+        entry["pairs"][pair] = {"error": error}  # replaced by the sums when measured
+        if error is None:
+            measured[pair] = t_valid
+    if measured:
+        t = np.stack(list(measured.values()))
+        sums = _pair_sums(r_valid, t, clip_cap(config))
+        worst = _worst_per_sample(r_valid, t, response_lengths, valid_r, sample_ids)
+        for pair, pair_sums, per_sample in zip(measured, sums, worst, strict=True):
+            entry["pairs"][pair] = pair_sums
+            document["worst_per_sample"][pair] = per_sample
+            entry["worst"][pair] = sorted(per_sample, key=lambda w: -w["abs_dlogp"])[:REF_WORST]
+    entry["routes"] = _route_sums(payloads, config, t_total, valid_pos)
     return entry, document
 
 
 def _route_sums(
     payloads: Callable[[str], np.ndarray | None],
-    total_lengths: Sequence[int],
-    response_lengths: Sequence[int],
-    loss_masks: Sequence[Sequence[int]],
     config: Mapping[str, Any] | None,
-    valid_tokens: int,
+    t_total: int,
+    valid_pos: np.ndarray,
 ) -> dict[str, Any]:
     router = (config or {}).get("router")
     keys = ("num_experts", "num_layers", "top_k")
@@ -186,23 +202,22 @@ def _route_sums(
     if a is None or b is None:
         which = ROLLOUT_ROUTES if a is None else TRAIN_ROUTES
         return {"error": f"missing_route: the bundle has no {which}"}
-    m = compute_router_metrics(
+    c = RouterCounts(valid_tokens=int(valid_pos.size), top_k=int(router["top_k"]))
+    codes = measure_routes(
         a,
         b,
-        total_lengths=total_lengths,
-        response_lengths=response_lengths,
-        loss_masks=loss_masks,
+        t_total=t_total,
+        valid_pos=valid_pos,
         num_experts=router["num_experts"],
         num_layers=router["num_layers"],
-        top_k=router["top_k"],
         dense_layers=router.get("dense_layers") or (),
+        counts=c,
     )
-    codes = [c for c in m.metric_error if c in ROUTE_ERRORS]
-    if codes:
-        return {"error": f"{codes[0]}: see docs/router-metrics.md"}
-    c = m.counts
+    errors = [code for code in ROUTE_ERRORS if code in codes]
+    if errors:
+        return {"error": f"{errors[0]}: see docs/router-metrics.md"}
     return {
-        "valid_tokens": int(valid_tokens),
+        "valid_tokens": int(valid_pos.size),
         "valid_token_layers": c.valid_token_layers,
         "mismatches": c.route_mismatches,
         "missing_slots": c.missing_slots,

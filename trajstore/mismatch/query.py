@@ -72,6 +72,19 @@ def worst_pair(metric: str) -> tuple[str, ...]:
     return ("train", "old", "current")
 
 
+def _run_where(q: MismatchQuery, params: dict[str, Any]) -> list[str]:
+    """The conditions selecting `q`'s run (``:p0``, in `params` already) and rollout range
+    among the latest bundles, adding the range's parameters to `params`."""
+    where = ["b.is_latest", "m.run = :p0"]
+    if q.rollout_from is not None:
+        params["p2"] = q.rollout_from
+        where.append("m.rollout_id >= :p2")
+    if q.rollout_to is not None:
+        params["p3"] = q.rollout_to
+        where.append("m.rollout_id <= :p3")
+    return where
+
+
 def step_sql(q: MismatchQuery, limit: int | None = None, offset: int = 0) -> tuple[str, dict]:
     """The statement listing `q`'s steps: STEP_COLUMNS plus ``worst`` (the steps' bundle
     keys and worst-token JSON, one line per rank)."""
@@ -94,13 +107,7 @@ def step_sql(q: MismatchQuery, limit: int | None = None, offset: int = 0) -> tup
             f"CAST(sum(l.mismatches) AS DOUBLE PRECISION) / nullif({obs}, 0) END"
         )
         tokens = obs
-    where = ["b.is_latest", "m.run = :p0"]
-    if q.rollout_from is not None:
-        params["p2"] = q.rollout_from
-        where.append("m.rollout_id >= :p2")
-    if q.rollout_to is not None:
-        params["p3"] = q.rollout_to
-        where.append("m.rollout_id <= :p3")
+    where = _run_where(q, params)
     inner = (
         "SELECT m.run, m.kind, m.rollout_id, m.step_id, max(b.attempt) AS attempt, "
         f"count(*) AS ranks, {value} AS value, {tokens} AS tokens, {reason} AS reason, "
@@ -139,13 +146,7 @@ def step_sql(q: MismatchQuery, limit: int | None = None, offset: int = 0) -> tup
 def layer_sql(q: MismatchQuery) -> tuple[str, dict]:
     """Route mismatch rate per (step, layer) of `q`'s run and range (the heat map)."""
     params: dict[str, Any] = {"p0": q.run}
-    where = ["b.is_latest", "m.run = :p0", "m.route_error IS NULL"]
-    if q.rollout_from is not None:
-        params["p2"] = q.rollout_from
-        where.append("m.rollout_id >= :p2")
-    if q.rollout_to is not None:
-        params["p3"] = q.rollout_to
-        where.append("m.rollout_id <= :p3")
+    where = [*_run_where(q, params), "m.route_error IS NULL"]
     sql = (
         "SELECT m.kind, m.rollout_id, m.step_id, l.layer, sum(l.mismatches) AS mismatches, "
         "sum(l.observations) AS observations FROM mismatch_metrics AS m "
@@ -205,3 +206,51 @@ def layers(execute: Execute, q: MismatchQuery) -> list[dict[str, Any]]:
         row["rate"] = row["mismatches"] / obs if obs else None
         out.append(row)
     return out
+
+
+#: the latest bundles (ranks) of one actor step and the digests of their documents
+_DOCUMENT_SQL = (
+    "SELECT m.bundle_key, b.rank, b.attempt, m.document FROM mismatch_metrics AS m "
+    "JOIN bundles AS b ON b.key = m.bundle_key WHERE b.is_latest AND m.run = :p0 "
+    "AND m.kind = 'step' AND m.rollout_id = :p1 AND m.step_id = :p2 "
+    "ORDER BY coalesce(b.rank, -1)"
+)
+
+
+def sample_worst(
+    execute: Execute,
+    load_document: Callable[[str], dict[str, Any]],
+    run: str,
+    rollout_id: int,
+    step_id: int,
+    pair: str | None = None,
+) -> dict[str, Any] | None:
+    """Every sample's worst token of one step (the per-sample document each bundle's
+    mismatch sums were stored with), worst first: ``items`` of ``pair``, ``bundle_key``,
+    ``rank``, ``sample_id``, ``position``, ``offset``, ``rollout``, ``trainer``,
+    ``abs_dlogp``; ``without_document``: the step's bundles stored without one (a ref
+    stored before the sums existed, whose sums ``reindex`` computed). None when the run
+    has no such step. `pair` keeps one log-prob pair."""
+    names = [name for name, _ in PAIRS]
+    if pair is not None and pair not in names:
+        raise UsageError(f"unknown pair {pair!r}; known: {', '.join(names)}")
+    rows = execute(_DOCUMENT_SQL, {"p0": run, "p1": rollout_id, "p2": step_id})
+    if not rows:
+        return None
+    items: list[dict[str, Any]] = []
+    missing = []
+    for row in rows:
+        if not row["document"]:
+            missing.append(row["bundle_key"])
+            continue
+        per_pair = load_document(row["document"]).get("worst_per_sample") or {}
+        for name in names:
+            if pair in (None, name):
+                items += [
+                    {"pair": name, "bundle_key": row["bundle_key"], "rank": row["rank"], **w}
+                    for w in per_pair.get(name) or []
+                ]
+    items.sort(
+        key=lambda w: (-w["abs_dlogp"], names.index(w["pair"]), w["rank"] or 0, w["position"])
+    )
+    return {"attempt": max(r["attempt"] for r in rows), "items": items, "without_document": missing}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,15 +36,6 @@ from trajstore.router.stage import (
     recompute_router_metrics,
 )
 
-#: per-step columns, in display order (one name per number: router-metrics.md)
-STEP_COLUMNS: tuple[str, ...] = (
-    "route_mismatch_rate",
-    "token_any_mismatch",
-    "f_tau_2",
-    "kl_k3",
-    "logprob_abs_diff",
-    "valid_token_layers",
-)
 #: metrics whose run-to-last-run ratio is reported
 RATIO_METRICS: tuple[str, ...] = (
     "route_mismatch_rate",
@@ -53,6 +44,8 @@ RATIO_METRICS: tuple[str, ...] = (
     "kl_k3",
     "logprob_abs_diff",
 )
+#: per-step columns, in display order (one name per number: router-metrics.md)
+STEP_COLUMNS: tuple[str, ...] = (*RATIO_METRICS, "valid_token_layers")
 
 
 @dataclass
@@ -105,6 +98,26 @@ def _metrics_or_missing(source: BundleSource) -> RouterMetrics:
     return recompute_router_metrics(source)
 
 
+def _add_recorded(
+    recorded: Any,
+    metrics: RouterMetrics,
+    manifest: Callable[[], Any],
+    stability: dict[str, int],
+) -> bool:
+    """Add one bundle's producer-recorded stability counters (its expected.json
+    ``router.consistency``, `recorded`) to `stability`; return whether the metrics it
+    recorded disagree with `metrics` within its manifest's tolerance (`manifest()` is
+    read only when it recorded some)."""
+    if not isinstance(recorded, dict):
+        return False
+    for key in STABILITY_COUNTERS:
+        v = recorded.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            stability[key] = stability.get(key, 0) + v
+    atol, rtol = manifest().tolerance(STAGE)
+    return bool(compare_recorded(recorded, metrics, atol=atol, rtol=rtol))
+
+
 def step_metrics(
     sources: Sequence[BundleSource], run: str, rollout_id: int, step_id: int
 ) -> StepMetrics:
@@ -114,14 +127,7 @@ def step_metrics(
     disagrees = False
     for src, metrics in zip(sources, per_rank, strict=True):
         recorded = src.expected.get(STAGE)
-        if not isinstance(recorded, dict):
-            continue
-        for key in STABILITY_COUNTERS:
-            v = recorded.get(key)
-            if isinstance(v, int) and not isinstance(v, bool):
-                stability[key] = stability.get(key, 0) + v
-        atol, rtol = src.manifest.tolerance(STAGE)
-        disagrees |= bool(compare_recorded(recorded, metrics, atol=atol, rtol=rtol))
+        disagrees |= _add_recorded(recorded, metrics, lambda src=src: src.manifest, stability)
     mode = None
     router = sources[0].index.config.get("router") if sources else None
     if isinstance(router, dict):
@@ -477,15 +483,12 @@ def compare_stored(
                 if not m["recorded"]:
                     continue
                 recorded = store.load_document(m["expected_hash"]).get(STAGE)
-                if not isinstance(recorded, dict):
-                    continue
-                for key in STABILITY_COUNTERS:
-                    v = recorded.get(key)
-                    if isinstance(v, int) and not isinstance(v, bool):
-                        stability[key] = stability.get(key, 0) + v
-                manifest = Manifest.from_dict(store.load_document(m["manifest_hash"]))
-                atol, rtol = manifest.tolerance(STAGE)
-                disagrees |= bool(compare_recorded(recorded, metrics, atol=atol, rtol=rtol))
+                disagrees |= _add_recorded(
+                    recorded,
+                    metrics,
+                    lambda m=m: Manifest.from_dict(store.load_document(m["manifest_hash"])),
+                    stability,
+                )
             mode = members[0]["mode"]
             cells[(run, (rid, sid))] = StepMetrics(
                 run, rid, sid, aggregate(per_rank), mode, stability, disagrees

@@ -51,6 +51,7 @@ validation owns that, and no metric could be trusted.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -85,7 +86,7 @@ METRIC_NAMES: tuple[str, ...] = (
 )
 
 _LN2 = math.log(2.0)
-_CHUNK_OBS = 1 << 18  # (token, layer) observations per vectorised chunk: stays in cache
+_CHUNK_OBS = 1 << 17  # (token, layer) observations per vectorised chunk: stays in cache
 
 
 @dataclass
@@ -208,12 +209,13 @@ def _sample_layout(
                 raise ValueError(
                     f"loss_mask of sample {i} has {len(sample_mask)} entries, expected {n}"
                 )
-        mask = (
-            np.concatenate([np.asarray(sample_mask).reshape(-1) for sample_mask in loss_masks])
-            if r_total
-            else (np.zeros(0, dtype=np.int8))
-        )
-    if mask.size and not np.isin(mask, (0, 1)).all():
+        try:  # one pass over the Python lists (no per-sample array)
+            mask = np.fromiter(
+                itertools.chain.from_iterable(loss_masks), dtype=np.float64, count=r_total
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError("loss_mask values must be 0 or 1") from exc
+    if mask.size and not ((mask == 0) | (mask == 1)).all():
         raise ValueError("loss_mask values must be 0 or 1")
     ends = np.cumsum(tl)
     resp_offsets = np.cumsum(rl) - rl
@@ -223,74 +225,105 @@ def _sample_layout(
 
 
 # --------------------------------------------------------------------------- routes
+#
+# The comparison reads each route array once, in chunks of valid tokens. A row is one
+# (token, layer)'s K ids. Rows whose bytes are equal on both sides (the common case)
+# hold the same set and need no set comparison; they are found by one compare per
+# machine word of the row. Only the rows that differ are compared as sets (|A ∩ B| by
+# K x K equalities on those rows alone). The well-formedness rules (no repeated id, -1
+# only as a whole dense row on both sides) are checked on the rollout side for every
+# valid row (pairwise equalities of K contiguous slot arrays, no sort) and on the
+# training side for the differing rows only: a row equal to its rollout row is as well
+# formed as it. No per-token Python, no sort (except for K > _PAIRWISE_MAX_K).
+
+_PAIRWISE_MAX_K = 16  # up to this K, repeated ids are found by K(K-1)/2 equalities
 
 
-def _sort_rows(x: np.ndarray) -> np.ndarray:
-    """Sort each column of a [K, M] array (K small): an insertion sorting network."""
-    k = x.shape[0]
-    if k > 16:
-        return np.sort(x, axis=0)
-    x = x.copy()
-    lo = np.empty(x.shape[1], dtype=x.dtype)
-    for i in range(1, k):
-        for j in range(i, 0, -1):
-            np.minimum(x[j - 1], x[j], out=lo)
-            np.maximum(x[j - 1], x[j], out=x[j])
-            x[j - 1] = lo
-    return x
+def _row_words(f: np.ndarray) -> np.ndarray:
+    """The C-contiguous [M, K] id array `f` as [M, W] unsigned machine words (W small)."""
+    nbytes = f.shape[1] * f.itemsize
+    word = next(size for size in (8, 4, 2, 1) if nbytes % size == 0)
+    return f.view(np.dtype(f"u{word}"))
+
+
+def _rows_equal(wa: np.ndarray, wb: np.ndarray) -> np.ndarray:
+    """[M] bool: rows m of the [M, W] word arrays are equal (one compare per word)."""
+    eq = wa[:, 0] == wb[:, 0]
+    for w in range(1, wa.shape[1]):
+        eq &= wa[:, w] == wb[:, w]
+    return eq
+
+
+def _repeats(t: np.ndarray) -> np.ndarray:
+    """[M] bool: column m of the [K, M] id array `t` holds an id twice."""
+    k, m = t.shape
+    if k > _PAIRWISE_MAX_K:
+        s = np.sort(t, axis=0)
+        return (s[1:] == s[:-1]).any(0)
+    out = np.zeros(m, dtype=bool)
+    hit = np.empty((k, m), dtype=bool)
+    for i in range(k - 1):
+        n = k - 1 - i
+        np.equal(t[i + 1 :], t[i], out=hit[:n])  # slot i against every later slot
+        out |= np.logical_or.reduce(hit[:n], axis=0)
+    return out
+
+
+def _dense_columns(t: np.ndarray) -> tuple[np.ndarray, bool]:
+    """([M] bool: column m of `t` is all -1, whether a column holds -1 only partly)."""
+    neg = t == -1
+    all_neg = neg.all(0)
+    return all_neg, bool((neg.any(0) != all_neg).any())
 
 
 def _compare_chunk(
-    a: np.ndarray, b: np.ndarray, signed: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-    """Compare [C, L, K] chunks: (mismatch[C, L], missing slots[C, L], dense[C, L], malformed)."""
-    c, n_layers, k = a.shape
-    at = np.ascontiguousarray(a.reshape(-1, k).T)
-    bt = np.ascontiguousarray(b.reshape(-1, k).T)
-    n_slots = at.shape[1]
+    ca: np.ndarray, cb: np.ndarray, check_dense: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]:
+    """Compare [C, L, K] chunks (C-contiguous, one dtype): (flat indices of the mismatching
+    rows, their missing slots, [C*L] dense rows or None when there are none, malformed).
+
+    Without `check_dense` neither side holds a negative id, so no row is dense."""
+    k = ca.shape[2]
+    fa, fb = ca.reshape(-1, k), cb.reshape(-1, k)
+    wa, wb = _row_words(fa), _row_words(fb)
+    diff = np.flatnonzero(~_rows_equal(wa, wb))
+    ta = np.ascontiguousarray(fa.T)
+    # the differing rows, gathered a row (a few words) at a time, then slot-major
+    xa = np.ascontiguousarray(wa[diff].view(fa.dtype).T)
+    xb = np.ascontiguousarray(wb[diff].view(fb.dtype).T)
+    rep_a, rep_b = _repeats(ta), _repeats(xb)
+    dense = None
     malformed = False
-    if signed:
-        neg_a, neg_b = at == -1, bt == -1
-        all_a, all_b = neg_a.all(0), neg_b.all(0)
-        dense = all_a & all_b
-        if (neg_a.any(0) != all_a).any() or (neg_b.any(0) != all_b).any() or (all_a != all_b).any():
-            malformed = True
-    else:
-        dense = np.zeros(n_slots, dtype=bool)
-    sa, sb = _sort_rows(at), _sort_rows(bt)
-    if k > 1:
-        live = ~dense
-        if ((sa[1:] == sa[:-1]).any(0) & live).any() or ((sb[1:] == sb[:-1]).any(0) & live).any():
-            malformed = True
-    same = np.ones(n_slots, dtype=bool)
-    for i in range(k):
-        same &= sa[i] == sb[i]
-    missing = np.zeros(n_slots, dtype=np.int32)
-    diff = np.flatnonzero(~same)
-    if diff.size:
-        xa, xb = sa[:, diff], sb[:, diff]
-        inter = np.zeros(diff.size, dtype=np.int32)
-        hit = np.empty(diff.size, dtype=bool)
-        for i in range(k):
-            hit[:] = False
-            for j in range(k):
-                hit |= xa[i] == xb[j]
-            inter += hit
-        missing[diff] = k - inter
-    shape = (c, n_layers)
-    return (~same).reshape(shape), missing.reshape(shape), dense.reshape(shape), malformed
+    if check_dense:
+        dense, partial_a = _dense_columns(ta)
+        dense_b, partial_b = _dense_columns(xb)
+        malformed = partial_a or partial_b or bool((dense[diff] != dense_b).any())
+        rep_a &= ~dense
+        rep_b &= ~dense_b
+    if malformed or rep_a.any() or rep_b.any():
+        return diff[:0], diff[:0], dense, True
+    # |A ∩ B| of each differing row: slot i of A found among B's slots, summed over i
+    inter = (xa[:, None, :] == xb[None, :, :]).any(1).sum(0)
+    partial = inter < k  # the rest hold the same set in another order
+    return diff[partial], k - inter[partial], dense, False
 
 
-def _out_of_range(x: np.ndarray, num_experts: int, keep_layers: np.ndarray | None) -> bool:
-    """Any id outside [0, num_experts) other than -1 in a non-declared-dense layer."""
-    if x.size == 0:
-        return False
+def _id_range(x: np.ndarray, keep_layers: np.ndarray | None) -> tuple[int, int] | None:
+    """(min, max) id outside declared-dense layers, None when there is none."""
     if keep_layers is not None:
         x = x[:, keep_layers]
-        if x.size == 0:
-            return False
-    lo_ok = int(x.min()) >= (-1 if np.issubdtype(x.dtype, np.signedinteger) else 0)
-    return not (lo_ok and int(x.max()) < num_experts)
+    if x.size == 0:
+        return None
+    lo = int(x.min()) if np.issubdtype(x.dtype, np.signedinteger) else 0
+    return lo, int(x.max())
+
+
+def _out_of_range(x: np.ndarray, lo_hi: tuple[int, int] | None, num_experts: int) -> bool:
+    """Any id outside [0, num_experts) other than -1 in a non-declared-dense layer."""
+    if lo_hi is None:
+        return False
+    lo_ok = lo_hi[0] >= (-1 if np.issubdtype(x.dtype, np.signedinteger) else 0)
+    return not (lo_ok and lo_hi[1] < num_experts)
 
 
 def _work_dtype(da: np.dtype, db: np.dtype, num_experts: int) -> np.dtype:
@@ -312,39 +345,101 @@ def _route_counts(
     valid_pos: np.ndarray,
     keep_layers: np.ndarray | None,
     counts: RouterCounts,
+    negative_ids: bool = True,
 ) -> bool:
-    """Fill the route sums of `counts`; return True if a malformed row was found."""
+    """Fill the route sums of `counts`; return True if a malformed row was found (the
+    route sums are then left at 0: no route metric is reported). `negative_ids` False
+    promises that neither side holds a negative id (no dense row to look for)."""
     n_layers_all = a.shape[1]
     per_layer_mis = np.zeros(n_layers_all, dtype=np.int64)
     per_layer_obs = np.zeros(n_layers_all, dtype=np.int64)
     layer_idx = np.arange(n_layers_all) if keep_layers is None else keep_layers
     n_layers = layer_idx.size
     signed = np.issubdtype(a.dtype, np.signedinteger) or np.issubdtype(b.dtype, np.signedinteger)
+    check_dense = signed and negative_ids
     step = max(1, _CHUNK_OBS // max(1, n_layers))
     work = _work_dtype(a.dtype, b.dtype, num_experts)
-    malformed = False
+    missing_slots = mismatched_tokens = 0
     if n_layers:
         for start in range(0, valid_pos.size, step):
             pos = valid_pos[start : start + step]
             ca, cb = a[pos].astype(work, copy=False), b[pos].astype(work, copy=False)
             if keep_layers is not None:
                 ca, cb = ca[:, keep_layers], cb[:, keep_layers]
-            mis, missing, dense, bad = _compare_chunk(ca, cb, signed)
-            malformed |= bad
-            live = ~dense
-            mis &= live
-            per_layer_mis[layer_idx] += mis.sum(0)
-            per_layer_obs[layer_idx] += live.sum(0)
-            counts.missing_slots += int(missing[live].sum())
-            counts.mismatched_tokens += int(mis.any(1).sum())
+            rows, missing, dense, bad = _compare_chunk(
+                np.ascontiguousarray(ca), np.ascontiguousarray(cb), check_dense
+            )
+            if bad:
+                return True
+            per_layer_mis[layer_idx] += np.bincount(rows % n_layers, minlength=n_layers)
+            live = pos.size if dense is None else pos.size - dense.reshape(-1, n_layers).sum(0)
+            per_layer_obs[layer_idx] += live
+            missing_slots += int(missing.sum())
+            tokens = rows // n_layers  # increasing: a token's rows are adjacent
+            mismatched_tokens += int(np.count_nonzero(tokens[1:] != tokens[:-1])) + (
+                tokens.size > 0
+            )
+    counts.missing_slots += missing_slots
+    counts.mismatched_tokens += mismatched_tokens
     counts.per_layer_mismatches = per_layer_mis.tolist()
     counts.per_layer_valid_token_layers = per_layer_obs.tolist()
     counts.route_mismatches = int(per_layer_mis.sum())
     counts.valid_token_layers = int(per_layer_obs.sum())
-    return malformed
+    return False
 
 
 # --------------------------------------------------------------------------- entry points
+
+
+def measure_routes(
+    rollout_routes: np.ndarray | None,
+    train_routes: np.ndarray | None,
+    *,
+    t_total: int,
+    valid_pos: np.ndarray,
+    num_experts: int,
+    num_layers: int,
+    dense_layers: Iterable[int],
+    counts: RouterCounts,
+) -> set[str]:
+    """The route part of `compute_router_metrics` on a layout `_sample_layout` gave (T and
+    the flat positions of the valid tokens): fills the route sums of `counts` (whose
+    ``top_k`` is the configured K) and returns the route error codes."""
+    top_k = counts.top_k
+    dense_set = sorted({int(i) for i in dense_layers})
+    if any(i < 0 or i >= num_layers for i in dense_set):
+        raise ValueError(f"dense_layers must lie in [0, {num_layers})")
+    codes: set[str] = set()
+    if rollout_routes is None or train_routes is None:
+        codes.add("missing_route")
+    else:
+        a, b = np.asarray(rollout_routes), np.asarray(train_routes)
+        for x in (a, b):
+            if not np.issubdtype(x.dtype, np.integer):
+                raise TypeError(f"route tensors must be integer, got {x.dtype}")
+        if a.ndim != 3 or b.ndim != 3 or a.shape != b.shape or a.shape[0] != t_total:
+            codes.add("route_shape_mismatch")
+        for x in (a, b):
+            if x.ndim == 3 and x.shape[1] != num_layers:
+                codes.add("layer_count_mismatch")
+            if x.ndim == 3 and x.shape[2] != top_k:
+                codes.add("topk_mismatch")
+        keep = None
+        if dense_set:
+            keep = np.setdiff1d(np.arange(num_layers), dense_set)
+        ranges = {}
+        for side, x in (("a", a), ("b", b)):
+            if x.ndim == 3 and (keep is None or x.shape[1] == num_layers):
+                ranges[side] = _id_range(x, keep)
+                if _out_of_range(x, ranges[side], num_experts):
+                    codes.add("expert_id_out_of_range")
+        if not codes:
+            negative = any(r is not None and r[0] < 0 for r in ranges.values())
+            if _route_counts(a, b, num_experts, valid_pos, keep, counts, negative):
+                codes.add("expert_id_out_of_range")
+            else:
+                counts.routes_measured = True
+    return codes
 
 
 def compute_router_metrics(
@@ -370,39 +465,17 @@ def compute_router_metrics(
     t_total, r_total, valid_pos, valid_r = _sample_layout(
         total_lengths, response_lengths, loss_masks
     )
-    dense_set = sorted({int(i) for i in dense_layers})
-    if any(i < 0 or i >= num_layers for i in dense_set):
-        raise ValueError(f"dense_layers must lie in [0, {num_layers})")
-    codes: set[str] = set()
     counts = RouterCounts(valid_tokens=int(valid_pos.size), top_k=int(top_k))
-
-    # Routes.
-    if rollout_routes is None or train_routes is None:
-        codes.add("missing_route")
-    else:
-        a, b = np.asarray(rollout_routes), np.asarray(train_routes)
-        for x in (a, b):
-            if not np.issubdtype(x.dtype, np.integer):
-                raise TypeError(f"route tensors must be integer, got {x.dtype}")
-        if a.ndim != 3 or b.ndim != 3 or a.shape != b.shape or a.shape[0] != t_total:
-            codes.add("route_shape_mismatch")
-        for x in (a, b):
-            if x.ndim == 3 and x.shape[1] != num_layers:
-                codes.add("layer_count_mismatch")
-            if x.ndim == 3 and x.shape[2] != top_k:
-                codes.add("topk_mismatch")
-        keep = None
-        if dense_set:
-            keep = np.setdiff1d(np.arange(num_layers), dense_set)
-        for x in (a, b):
-            in_shape = x.ndim == 3 and (keep is None or x.shape[1] == num_layers)
-            if in_shape and _out_of_range(x, num_experts, keep):
-                codes.add("expert_id_out_of_range")
-        if not codes:
-            if _route_counts(a, b, num_experts, valid_pos, keep, counts):
-                codes.add("expert_id_out_of_range")
-            else:
-                counts.routes_measured = True
+    codes = measure_routes(
+        rollout_routes,
+        train_routes,
+        t_total=t_total,
+        valid_pos=valid_pos,
+        num_experts=num_experts,
+        num_layers=num_layers,
+        dense_layers=dense_layers,
+        counts=counts,
+    )
 
     # Log-probs.
     diff: np.ndarray | None = None
