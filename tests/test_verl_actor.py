@@ -387,7 +387,9 @@ def test_a_skipped_step_leaves_the_next_steps_routes_its_own(tmp_path, monkeypat
     micro-batches with routes) is not captured, step 1 is. Each captured sample's stored
     rollout routes are the ``routed_experts`` rows this test fed verl for that sample, and
     each micro-batch holds the rows verl's loader gave it (no shuffle: step 1 is rows 4..7);
-    a skipped step's routes must not be handed to the next step's micro-batches."""
+    a skipped step's routes must not be handed to the next step's micro-batches (they were,
+    before 91f348b, whenever one flush held several optimizer steps: two update_actor calls
+    here, so a flush per call would hold both steps of call 1)."""
     from trajstore.bundle.reader import open_target
 
     model_dir = h.save_tiny_model(tmp_path / "model", moe=True)
