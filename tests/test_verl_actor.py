@@ -380,3 +380,56 @@ def test_r3_from_verls_rollout_routes_compares_to_zero_mismatch(moe, capsys):
     assert sum(by_run["verl-baseline"]) > 0
     assert by_run["verl-r3"] == [0] * len(by_run["verl-r3"])
     assert cli(["replay", "--store", str(moe), "--run", "verl-r3", "--all"]) == 0
+
+
+def test_a_skipped_step_leaves_the_next_steps_routes_its_own(tmp_path, monkeypatch):
+    """``TRAJSTORE_CAPTURE_STEPS=1:1,2:1``: optimizer step 0 of each verl step (two
+    micro-batches with routes) is not captured, step 1 is. Each captured sample's stored
+    rollout routes are the ``routed_experts`` rows this test fed verl for that sample, and
+    each micro-batch holds the rows verl's loader gave it (no shuffle: step 1 is rows 4..7);
+    a skipped step's routes must not be handed to the next step's micro-batches (they were,
+    before 91f348b, whenever one flush held several optimizer steps: two update_actor calls
+    here, so a flush per call would hold both steps of call 1)."""
+    from trajstore.bundle.reader import open_target
+
+    model_dir = h.save_tiny_model(tmp_path / "model", moe=True)
+    out = tmp_path / "capture"
+    _capture_env(
+        monkeypatch,
+        TRAJSTORE_CAPTURE="1",
+        TRAJSTORE_CAPTURE_DIR=str(out),
+        TRAJSTORE_CAPTURE_STEPS="1:1,2:1",
+    )
+    cfg = h.trainer_config(model_dir)
+    worker = h.build_worker(cfg)
+    capture_actor(worker, cfg, routes="record")
+    fed, real = {}, {}
+    for step in STEPS:
+        batch = h.prepare(h.make_batch(seed=step), worker, cfg)
+        rows, seq = batch.batch["attention_mask"].shape
+        g = torch.Generator().manual_seed(step)  # per token and layer: 2 distinct experts of 8
+        fed[step] = torch.rand(rows, seq, 2, 8, generator=g).argsort(-1)[..., :2].int()
+        real[step] = batch.batch["attention_mask"].bool()
+        batch.batch["routed_experts"] = fed[step].clone()
+        tv.tag_batch(batch)
+        batch.meta_info[STEP_KEY] = step
+        h.update_actor(worker, batch, cfg)
+    stats = tv.close()
+    assert stats.errors == 0, stats
+    for step in STEPS:
+        (bundle,) = open_target(out / f"replay-{step}-1", verify_payloads=True).bundles
+        samples = bundle.index.samples
+        assert [(s.sample_id, s.micro_batch_id) for s in samples] == [
+            ("s4", "mb-0000"), ("s5", "mb-0000"), ("s6", "mb-0001"), ("s7", "mb-0001"),
+        ]  # fmt: skip
+        stored = torch.from_numpy(bundle.payload("rollout_routed_experts").copy())
+        offset = 0
+        for s in samples:
+            row = int(s.sample_id[1:])
+            expected = fed[step][row][real[step][row]]  # fed for this sample's real tokens
+            assert s.total_length == expected.shape[0], (step, s.sample_id)
+            got = stored[offset : offset + s.total_length]
+            assert torch.equal(got, expected), (step, s.sample_id)
+            offset += s.total_length
+        assert offset == stored.shape[0]
+    assert sorted(p.name for p in out.iterdir()) == ["replay-1-1", "replay-2-1"]
