@@ -110,6 +110,22 @@ def test_direct_rows_equal_the_sqlalchemy_queries(store: Path, method: str, kw: 
     assert json.dumps(fast, sort_keys=True) == json.dumps(full, sort_keys=True)
 
 
+COUNTED = [(method, kw) for method, kw in CASES if "limit" not in kw]
+
+
+@pytest.mark.parametrize(("method", "kw"), COUNTED, ids=[f"{m}-{kw}" for m, kw in COUNTED])
+def test_both_readers_count_the_rows_of_the_whole_listing(
+    store: Path, method: str, kw: dict
+) -> None:
+    # the count of a cut table (`ls`, `query`): the listing's statement counted, not listed
+    with DirectCatalog.open(store) as direct:
+        rows = getattr(direct, method)(**kw)
+        fast = direct.count(method, **kw)
+    with open_catalog(store) as cat:
+        full = PagedReader(cat).count(method, **kw)
+    assert fast == full == len(rows)
+
+
 def test_the_fixture_exercises_pages_results_and_the_tombstone(store: Path) -> None:
     fast, _ = both(store, "bundles", include_all_attempts=True)
     assert len(fast) > 1000

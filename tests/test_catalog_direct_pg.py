@@ -90,3 +90,25 @@ def test_both_executors_answer_as_the_duckdb_reader(
         duckdb = getattr(direct, method)(**kw)
     shown = [json.dumps(rows, sort_keys=True) for rows in (whole, paged, duckdb)]
     assert shown[0] == shown[1] == shown[2]
+
+
+COUNTED = [(method, kw) for method, kw in CASES if "limit" not in kw]
+
+
+@pytest.mark.parametrize(("method", "kw"), COUNTED, ids=[f"{m}-{kw}" for m, kw in COUNTED])
+def test_both_executors_count_as_the_duckdb_reader(
+    stores: tuple[Path, str], method: str, kw: dict
+) -> None:
+    # the count of a cut `ls`/`query` table (its listing's statement counted)
+    root, url = stores
+    with open_catalog(None, url) as cat:
+        paged = PagedReader(cat).count(method, **kw)
+        raw = cat.engine.raw_connection()
+        try:
+            whole = DriverListings(raw.driver_connection).count(method, **kw)
+        finally:
+            raw.close()
+    with DirectCatalog.open(root) as direct:
+        rows = getattr(direct, method)(**kw)
+        duckdb = direct.count(method, **kw)
+    assert whole == paged == duckdb == len(rows)

@@ -146,6 +146,28 @@ def steps_page(
     return {"items": items, "next_cursor": next_cursor}
 
 
+#: the listings by the name of the reader method that runs them whole (Listings)
+LISTINGS: dict[str, type] = {
+    "bundles": st.Bundles,
+    "steps": st.Steps,
+    "divergences": st.Divergences,
+    "router_metrics": st.RouterMetrics,
+}
+
+
+def count(execute: Execute, what: str, filters: dict[str, Any], dialect: str = "duckdb") -> int:
+    """How many rows the whole listing `what` (a LISTINGS name) with `filters` has: its
+    `count_statement`, so that only the number, not the rows, leaves the database."""
+    listing = LISTINGS[what](**filters)
+    if isinstance(listing, st.Steps):
+        pg = dialect == "postgresql"
+        sql, params = listing.count_statement(prefilter=pg)
+        rows = execute(sql, params, PG_STEPS_SETUP if pg else ())
+    else:
+        rows = execute(*listing.count_statement())
+    return int(rows[0]["n"])
+
+
 class Listings:
     """The whole listings the CLI prints (ls, query), over `execute`: one statement each,
     no paging. A reader (trajstore.catalog.direct.DirectCatalog) sets `execute` and
@@ -185,6 +207,11 @@ class Listings:
         """As query_router_metrics (statements.RouterMetrics), every page."""
         listing = st.RouterMetrics(**filters)
         return self.execute(*listing.statement(limit=whole_limit(limit)))
+
+    def count(self, what: str, **filters: Any) -> int:
+        """How many rows the whole listing `what` ("bundles", "steps", "divergences",
+        "router_metrics": the method listing it) has with these filters."""
+        return count(self.execute, what, filters, self.dialect)
 
     def mismatch(self, q: Any, limit: int | None = None) -> list[dict]:
         """As query_mismatch, every page."""

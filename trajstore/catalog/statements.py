@@ -93,6 +93,13 @@ def _where(where: list[str]) -> str:
     return f" WHERE {' AND '.join(where)}" if where else ""
 
 
+def count_of(statement: tuple[str, dict]) -> tuple[str, dict]:
+    """The number of rows (``n``) of a listing's whole `statement` (text, params): the
+    same statement counted, so that the count and the listing cannot disagree."""
+    text, params = statement
+    return f"SELECT count(*) AS n FROM ({text}) AS listed", params
+
+
 def _joined(left: str, right: str, names: Iterable[str]) -> str:
     return " AND ".join(f"{left}.{name} = {right}.{name}" for name in names)
 
@@ -234,6 +241,10 @@ class Bundles(Listing):
         text = f"SELECT {selected} FROM bundles{_where(where)} ORDER BY {', '.join(_BUNDLE_ORDER)}"
         return text + sql.limit(limit), sql.params
 
+    def count_statement(self) -> tuple[str, dict]:
+        """How many rows the whole listing has (``n``)."""
+        return count_of(self.statement(columns=("key",)))
+
     @staticmethod
     def key_of(row: dict) -> list:
         step, rank = _coalesced(row["step_id"]), _coalesced(row["rank"])
@@ -318,6 +329,27 @@ class Steps(Listing):
         the step's identity) when given; `prefilter`: the stage semi-join
         (latest_results), which PostgreSQL wants."""
         sql = Sql()
+        page = self._page(sql, after, limit, columns, prefilter)
+        direction = " DESC" if self.sort.startswith("-") else ""
+        page_order = ", ".join(f"page.{n}{direction}" for n in ("sort_key", *STEP_IDENTITY))
+        text = (
+            "SELECT page.*, member.rank AS member_rank, member.key AS member_key "
+            f"FROM ({page}) AS page JOIN bundles AS member ON member.kind = 'step' "
+            f"AND member.is_latest AND {_joined('member', 'page', STEP_IDENTITY)} "
+            f"ORDER BY {page_order}, coalesce(member.rank, -1), member.key"
+        )
+        return text, sql.params
+
+    def count_statement(self, prefilter: bool = False) -> tuple[str, dict]:
+        """How many steps (``n``) the whole listing has: its page of steps, counted
+        (each step has a row there, whatever its number of rank bundles)."""
+        sql = Sql()
+        return count_of((self._page(sql, None, None, STEP_IDENTITY, prefilter), sql.params))
+
+    def _page(
+        self, sql: Sql, after: list | None, limit: int | None, columns: Any, prefilter: bool
+    ) -> str:
+        """The steps of `statement`, one row each, in order (before their rank bundles)."""
         stage = self.first_divergent_stage if prefilter else None
         steps = latest_attempt_steps(
             sql, self.run, self.rollout_from, self.rollout_to, self.attempt, stage
@@ -340,19 +372,11 @@ class Steps(Listing):
             if columns is None or name in columns or name in STEP_IDENTITY
         ]
         direction = " DESC" if descending else ""
-        page = (
+        return (
             f"SELECT {', '.join(selected)} FROM ({steps}) AS steps LEFT OUTER JOIN "
             f"({latest}) AS latest ON {_joined('latest', 'steps', STEP_IDENTITY)}"
             f"{_where(where)} ORDER BY {', '.join(o + direction for o in order)}" + sql.limit(limit)
         )
-        page_order = ", ".join(f"page.{n}{direction}" for n in ("sort_key", *STEP_IDENTITY))
-        text = (
-            "SELECT page.*, member.rank AS member_rank, member.key AS member_key "
-            f"FROM ({page}) AS page JOIN bundles AS member ON member.kind = 'step' "
-            f"AND member.is_latest AND {_joined('member', 'page', STEP_IDENTITY)} "
-            f"ORDER BY {page_order}, coalesce(member.rank, -1), member.key"
-        )
-        return text, sql.params
 
 
 def collate_steps(rows: list[dict]) -> tuple[list[dict], list]:
@@ -437,6 +461,10 @@ class Divergences(Listing):
         )
         return text + sql.limit(limit), sql.params
 
+    def count_statement(self) -> tuple[str, dict]:
+        """How many rows the whole listing has (``n``)."""
+        return count_of(self.statement())
+
     @staticmethod
     def key_of(row: dict) -> list:
         step = _coalesced(row["step_id"])
@@ -471,6 +499,10 @@ class RouterMetrics(Listing):
             f"{_where(where)} ORDER BY {', '.join(order)}"
         )
         return text + sql.limit(limit), sql.params
+
+    def count_statement(self) -> tuple[str, dict]:
+        """How many rows the whole listing has (``n``)."""
+        return count_of(self.statement())
 
     @staticmethod
     def key_of(row: dict) -> list:

@@ -130,6 +130,13 @@ class PagedReader:
     def router_metrics(self, limit: int | None = None, **kw: Any) -> list[dict]:
         return self._pages("query_router_metrics", limit, **kw)
 
+    def count(self, what: str, **filters: Any) -> int:
+        from trajstore.catalog.listings import count
+        from trajstore.catalog.queries import executor
+
+        dialect = "duckdb" if self.catalog.is_duckdb else "postgresql"
+        return count(executor(self.catalog), what, filters, dialect)
+
     def mismatch(self, q: Any, limit: int | None = None) -> list[dict]:
         from trajstore.catalog.queries import executor
         from trajstore.mismatch.query import steps
@@ -167,6 +174,44 @@ def catalog_reader(path: str | Path, url: str | None = None) -> Iterator[Any]:
             return
     with synced_catalog(path, url) as cat:
         yield PagedReader(cat)
+
+
+#: rows a table of `ls` and `query` prints when no --limit is given (docs/cli.md): a
+#: table is read by a person, and printing 100,000 rows costs seconds of Python per
+#: command; one line on stderr says how many more there are. CSV and JSON list every row.
+TABLE_ROWS = 1000
+
+
+def listed(
+    reader: Any, what: str, limit: int | None, table: bool, **kw: Any
+) -> tuple[list[dict], int]:
+    """The rows of the listing `what` (the reader's method: "bundles", "steps",
+    "divergences", "router_metrics") a command prints, and how many more rows the whole
+    listing has when a `table` was cut (else 0). `limit` is the command's --limit: N the
+    first N rows; 0 every row; None, the default, the first TABLE_ROWS of a table and
+    every row of CSV or JSON. A table reads one row past its limit to know whether it is
+    cut, and only then asks the database for the count (the listing's own statement,
+    counted: no row of the rest is fetched)."""
+    if limit == 0 or (limit is None and not table):
+        return getattr(reader, what)(limit=None, **kw), 0
+    if limit is None:
+        limit = TABLE_ROWS
+    if not table:
+        return getattr(reader, what)(limit=limit, **kw), 0
+    rows = getattr(reader, what)(limit=limit + 1, **kw)
+    if len(rows) <= limit:
+        return rows, 0
+    filters = {name: value for name, value in kw.items() if name != "columns"}
+    # at least one: the row past the limit was read (a writer may remove rows in between)
+    return rows[:limit], max(reader.count(what, **filters) - limit, 1)
+
+
+def left_out_line(more: int, limited: bool, formats: str) -> str:
+    """The one stderr line of a table cut short; `limited`: by the command's --limit
+    (else by TABLE_ROWS); `formats`: the output options that list every row."""
+    rows = "row" if more == 1 else "rows"
+    also = "" if limited else f" (as does {formats})"
+    return f"trajstore: {more} more {rows} not shown; --limit 0 lists every row{also}"
 
 
 def check_run(reader: Any, run: str | None) -> None:

@@ -84,7 +84,7 @@ def cmd_mismatch(args: argparse.Namespace, cat: Any, emit_rows: Any) -> int:
         from trajstore.router.plot import plot_path
 
         plot = plot_path(args.plot)
-    rows = cat.mismatch(q, limit=args.limit)
+    rows = cat.mismatch(q, limit=args.limit or None)  # --limit 0: every row
     failed = args.fail_above is not None and any(
         r["value"] is not None and r["value"] > args.fail_above for r in rows
     )

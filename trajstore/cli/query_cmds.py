@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trajstore.cli._catalog import TABLE_ROWS
 from trajstore.cli._common import (
     add_catalog_arg,
     default_store,
@@ -62,7 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--all-attempts", action="store_true", help="bundles: every attempt, not only the latest"
     )
-    p.add_argument("--limit", type=int, help="at most this many rows")
+    p.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help=f"at most N rows; 0: every row (default: a table shows the first {TABLE_ROWS}, "
+        "csv and json every row)",
+    )
     p.add_argument("--format", choices=FORMATS, default="table")
     add_mismatch_args(p)
     p.set_defaults(func=cmd_query)
@@ -218,11 +225,11 @@ ROUTE_COLUMNS = [
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    from trajstore.cli._catalog import check_run
+    from trajstore.cli._catalog import check_run, left_out_line, listed
     from trajstore.errors import UsageError
 
-    if args.limit is not None and args.limit < 1:
-        raise UsageError("--limit must be >= 1")
+    if args.limit is not None and args.limit < 0:
+        raise UsageError("--limit must be >= 0 (0: every row)")
     if (
         args.rollout_from is not None
         and args.rollout_to is not None
@@ -246,39 +253,30 @@ def cmd_query(args: argparse.Namespace) -> int:
 
             return cmd_mismatch(args, cat, emit_rows)
         if args.what == "steps":
-            rows = cat.steps(
-                columns=tuple(STEP_COLUMNS) if projected else None,
-                limit=args.limit,
-                run=args.run,
-                first_divergent_stage=args.first_divergent_stage,
-                status=args.status,
-                **rng,
-            )
-            cols = STEP_COLUMNS
+            what, cols = "steps", STEP_COLUMNS
+            kw: dict[str, Any] = {
+                "columns": tuple(STEP_COLUMNS) if projected else None,
+                "first_divergent_stage": args.first_divergent_stage,
+                "status": args.status,
+            }
         elif args.what == "bundles":
-            rows = cat.bundles(
-                columns=tuple(BUNDLE_COLUMNS) if projected else None,
-                limit=args.limit,
-                run=args.run,
-                kind=args.kind,
-                include_all_attempts=args.all_attempts,
-                **rng,
-            )
-            cols = BUNDLE_COLUMNS
+            what, cols = "bundles", BUNDLE_COLUMNS
+            kw = {
+                "columns": tuple(BUNDLE_COLUMNS) if projected else None,
+                "kind": args.kind,
+                "include_all_attempts": args.all_attempts,
+            }
         elif args.what == "divergences":
-            rows = cat.divergences(
-                limit=args.limit,
-                run=args.run,
-                stage=args.stage,
-                min_abs_err=args.min_abs_err,
-                sample_id=args.sample,
-                **rng,
-            )
-            cols = DIVERGENCE_COLUMNS
+            what, cols = "divergences", DIVERGENCE_COLUMNS
+            kw = {"stage": args.stage, "min_abs_err": args.min_abs_err, "sample_id": args.sample}
         else:
-            rows = cat.router_metrics(limit=args.limit, run=args.run, source=args.source, **rng)
-            cols = ROUTE_COLUMNS
+            what, cols = "router_metrics", ROUTE_COLUMNS
+            kw = {"source": args.source}
+        table = args.format == "table"
+        rows, more = listed(cat, what, args.limit, table, run=args.run, **kw, **rng)
     emit_rows(rows, [c for c in cols if not rows or c in rows[0]] or cols, args.format)
+    if more:
+        print(left_out_line(more, args.limit is not None, "--format csv or json"), file=sys.stderr)
     return 0
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trajstore.cli._catalog import TABLE_ROWS
 from trajstore.cli._common import print_json
 
 
@@ -91,6 +92,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", choices=("step", "rollout"), help="only this kind")
     p.add_argument(
         "--all-attempts", action="store_true", help="list every attempt, not only the latest"
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help="at most N bundles; 0: every bundle (default: the text listing shows the "
+        f"first {TABLE_ROWS}, --json every bundle)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
@@ -309,14 +317,20 @@ LS_COLUMNS = ("key", "bundle_id", "num_samples", "logical_bytes", "is_latest")
 
 def cmd_ls(args: argparse.Namespace) -> int:
     # the catalog alone: the object layer (numpy, zstandard, ...) is not imported
-    from trajstore.cli._catalog import catalog_reader, check_run
+    from trajstore.cli._catalog import catalog_reader, check_run, left_out_line, listed
     from trajstore.errors import UsageError
 
     if not args.store:
         raise UsageError("no store: pass --store DIR or set TRAJSTORE_STORE")
+    if args.limit is not None and args.limit < 0:
+        raise UsageError("--limit must be >= 0 (0: every bundle)")
     with catalog_reader(args.store, args.catalog) as reader:
         check_run(reader, args.run)
-        rows = reader.bundles(
+        rows, more = listed(
+            reader,
+            "bundles",
+            args.limit,
+            not args.json,
             run=args.run,
             kind=args.kind,
             include_all_attempts=args.all_attempts,
@@ -332,6 +346,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for r in rows
     ]
     sys.stdout.write("\n".join(lines) + "\n")  # one write: 10,000 prints cost ~30 ms
+    if more:
+        print(left_out_line(more, args.limit is not None, "--json"), file=sys.stderr)
     return 0
 
 
