@@ -14,7 +14,7 @@ from trajstore.catalog.queries import (
     MAX_PAGE_SIZE,
     decode_cursor,
     encode_cursor,
-    mismatch_executor,
+    executor,
     query_mismatch,
     query_mismatch_layers,
 )
@@ -148,7 +148,7 @@ def mismatch_samples(
     query = {"run": run, "rollout_id": rollout_id, "step_id": step_id, "pair": pair}
     try:
         after = decode_cursor("mismatch_samples", query, cursor, "i")
-        execute = mismatch_executor(state.snap.catalog)
+        execute = executor(state.snap.catalog)
         found = sample_worst(execute, state.store.load_document, run, rollout_id, step_id, pair)
     except UsageError as exc:
         raise ApiError(400, "bad_filter", str(exc)) from None
