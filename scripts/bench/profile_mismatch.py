@@ -9,8 +9,10 @@ warm-up ingest, with a `cProfile.Profile(time.thread_time)` on the calling threa
 every thread the ingest starts (gate, writers, finisher, readers), merged. The share is
 `bundle_entry`'s cumulative time over the sum of all functions' internal time, less the
 waits (a queue's get, a lock's acquire, sleep) that a still-running pool thread leaves
-open. A measurement tool, not a figure: on a loaded machine only the proportions mean
-something. `--top N` prints the N callees of the computation by cumulative time.
+open. Pools started before (the gate's readers) are not profiled, with or without
+the sums; the sums' own pool is started afresh. A measurement tool, not a figure: on
+a loaded machine only the proportions mean something. `--top N` prints the N callees
+of the computation by cumulative time.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def profile_ingest(bundles: list[Path], store: Path) -> pstats.Stats:
         finally:
             p.disable()
 
+    import trajstore.store.ingest_write as ingest_write
+
+    if hasattr(ingest_write, "_MISMATCH_POOL"):  # a fresh pool: its thread is profiled
+        ingest_write._MISMATCH_POOL = None
     main = cProfile.Profile(time.thread_time)
     threading.Thread.run = profiled_run  # type: ignore[method-assign]
     try:
