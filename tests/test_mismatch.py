@@ -568,3 +568,20 @@ def test_ranks_storing_their_own_shards_carry_the_sums(tmp_path):
         oracle_routes(parts)["route_mismatch_rate"],
         "route_mismatch_rate",
     )
+
+
+def test_every_sample_worst_token_document_is_in_the_store(tmp_path):
+    """The per-sample document a ref names is an object of the store (the sums are
+    computed beside the payload writes; the document is put by the writer after them)."""
+    from trajstore.cas.blobs import get_blob
+
+    c = contents(seed=3, identical=True)
+    c.payloads["old_log_probs"][7] += 2.0  # sample 1, offset 3
+    store_dir = stored(tmp_path, "doc", c)
+    (ref_file,) = (store_dir / "refs" / "bundles").glob("*.json")
+    entry = json.loads(ref_file.read_text())["mismatch"]
+    with Store.open(store_dir) as store:
+        document = json.loads(get_blob(store.objs, entry["document"]))
+    worst = document["worst_per_sample"]["old"]
+    assert [w["sample_id"] for w in worst] == [s["sample_id"] for s in c.samples]
+    assert (worst[1]["offset"], worst[1]["trainer"]) == (3, c.payloads["old_log_probs"][7])

@@ -13,6 +13,7 @@ from trajstore.router.metrics import (
     LOGPROB_METRICS,
     ROUTE_METRICS,
     RouterMetrics,
+    _sample_layout,
     aggregate,
     compute_router_metrics,
 )
@@ -194,6 +195,32 @@ def test_flat_loss_mask_equals_per_sample_lists():
         a, b, total_lengths=[4, 3], response_lengths=[1, 2], loss_masks=np.array([1, 1, 1]), **kw
     )
     assert nested.to_dict() == flat.to_dict()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1, 0, 1],
+        [True, False, True],
+        [1.0, 0.0, 1.0],  # not bytes: read as floats
+        [np.int64(1), np.int8(0), 1],
+        [1, 0.0, True],
+    ],
+)
+def test_loss_mask_value_types_read_alike(values):
+    """Every mask value type that means 0/1 reads as that 0/1 (T=7, R=3; the response
+    tokens sit at flat positions 3, 5 and 6)."""
+    t, r, valid_pos, valid_r = _sample_layout([4, 3], [1, 2], [values[:1], values[1:]])
+    on = [i for i, v in enumerate(values) if v == 1]
+    assert (t, r) == (7, 3)
+    assert valid_r.tolist() == on
+    assert valid_pos.tolist() == [[3, 5, 6][i] for i in on]
+
+
+@pytest.mark.parametrize("bad", [2, 255, 256, -1, 0.5, "1x"])
+def test_loss_mask_values_other_than_0_1_raise(bad):
+    with pytest.raises(ValueError, match="loss_mask values must be 0 or 1"):
+        _sample_layout([4, 3], [1, 2], [[1], [bad, 1]])
 
 
 def test_missing_logprobs_leave_route_metrics_and_report_no_code():

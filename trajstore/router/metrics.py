@@ -209,12 +209,15 @@ def _sample_layout(
                 raise ValueError(
                     f"loss_mask of sample {i} has {len(sample_mask)} entries, expected {n}"
                 )
-        try:  # one pass over the Python lists (no per-sample array)
-            mask = np.fromiter(
-                itertools.chain.from_iterable(loss_masks), dtype=np.float64, count=r_total
-            )
-        except (TypeError, ValueError) as exc:
-            raise ValueError("loss_mask values must be 0 or 1") from exc
+        try:  # one C pass over the Python lists when every value is an int in 0..255
+            mask = np.frombuffer(bytes(itertools.chain.from_iterable(loss_masks)), np.uint8)
+        except (TypeError, ValueError):  # floats, out-of-byte ints, ...: the general reading
+            try:
+                mask = np.fromiter(
+                    itertools.chain.from_iterable(loss_masks), dtype=np.float64, count=r_total
+                )
+            except (TypeError, ValueError) as exc:
+                raise ValueError("loss_mask values must be 0 or 1") from exc
     if mask.size and not ((mask == 0) | (mask == 1)).all():
         raise ValueError("loss_mask values must be 0 or 1")
     ends = np.cumsum(tl)

@@ -31,6 +31,7 @@ from typing import Any
 
 from trajstore.cas import ObjectStore
 from trajstore.errors import StoreError, TrajstoreError
+from trajstore.mismatch.compute import INPUT_PAYLOADS as MISMATCH_INPUTS
 from trajstore.refspace import RefSpace
 from trajstore.store.ingest_gate import VerifiedRank, VerifiedTarget, verify_target
 from trajstore.store.ingest_rows import SampleLayout, payload_rows, write_order
@@ -91,7 +92,8 @@ def store_rank(
     layout = SampleLayout.of(r.index)
     rows = (payload_rows(p, layout) for p in r.payloads(write_order(r.payload_names)))
     csent = r.cohort_sentinels if cohort_sentinels is None else cohort_sentinels
-    return write_rank(objs, r.documents(), r.sentinels(), csent, rows, r.index)
+    inputs = MISMATCH_INPUTS.intersection(r.payload_names)
+    return write_rank(objs, r.documents(), r.sentinels(), csent, rows, r.index, inputs)
 
 
 def ref_fields(

@@ -8,7 +8,9 @@ no ref is created here (`publish`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,8 @@ import numpy as np
 
 from trajstore.cas import ArrayRecord, ObjectStore, write_array
 from trajstore.cas.blobs import put_blob
+from trajstore.cas.chunk_codec import compressor
+from trajstore.cas.objects import object_hash
 from trajstore.errors import StoreError
 from trajstore.mismatch.compute import bundle_entry
 from trajstore.schema import Index
@@ -93,6 +97,42 @@ def delta_base(records: dict[str, ArrayRecord], rows: PayloadRows) -> ArrayRecor
     return base if same else None
 
 
+_MISMATCH_POOL: ThreadPoolExecutor | None = None
+_MISMATCH_POOL_LOCK = threading.Lock()
+
+
+def _mismatch_pool() -> ThreadPoolExecutor:
+    global _MISMATCH_POOL
+    with _MISMATCH_POOL_LOCK:
+        if _MISMATCH_POOL is None:
+            _MISMATCH_POOL = ThreadPoolExecutor(2, thread_name_prefix="ingest-mismatch")
+        return _MISMATCH_POOL
+
+
+class _Sums:
+    """A rank's mismatch sums computed on a pool thread while its last payloads are
+    written. The document blob is compressed and named there, and put by the writer
+    (`entry`), after the payloads, as a synchronous computation puts it."""
+
+    def __init__(self, kept: dict[str, np.ndarray], index: Index) -> None:
+        self.blob: bytes | None = None
+        self.future: Future[dict[str, Any]] = _mismatch_pool().submit(
+            bundle_entry, self._name, dict(kept).get, index
+        )
+
+    def _name(self, data: bytes) -> str:
+        self.blob = compressor().compress(data)
+        return object_hash(self.blob)
+
+    def entry(self, objs: ObjectStore) -> dict[str, Any]:
+        entry = self.future.result()
+        if self.blob is not None:
+            h = objs.put(self.blob)
+            if h != entry["document"]:  # a store that names objects otherwise
+                raise StoreError(f"mismatch document stored as {h}, named {entry['document']}")
+        return entry
+
+
 def write_rank(
     objs: ObjectStore,
     documents: dict[str, bytes],
@@ -100,10 +140,15 @@ def write_rank(
     cohort_sentinels: dict[str, bytes],
     payloads: Iterable[PayloadRows],
     index: Index,
+    mismatch_inputs: frozenset[str] | None = None,
 ) -> tuple[dict[str, Any], WrittenBytes]:
     """Write a rank's objects: its documents and sentinels as blobs, then each payload
     (delta bases first, as `payloads` comes) as a CAS array, its record and its file's
-    envelope, then its mismatch sums' document. The ref body naming them, and its bytes."""
+    envelope, then its mismatch sums' document. The ref body naming them, and its bytes.
+
+    `mismatch_inputs`, the names of the payloads the sums read that `payloads` holds
+    (None: not known), lets the sums be computed on another thread from the moment the
+    last of them arrives, while it and the payloads after it are written."""
     rec = Recorder(objs)
     docs = {k: put_blob(rec, data) for k, data in documents.items()}
     sents = {name: put_blob(rec, data) for name, data in sentinels.items()}
@@ -114,7 +159,12 @@ def write_rank(
     base_values: dict[str, np.ndarray] = {}
     # the payloads the mismatch sums read, kept until they are computed (log-probs: [R])
     kept: dict[str, np.ndarray] = {}
+    sums: _Sums | None = None
     for rows in payloads:
+        if rows.mismatch_input is not None:
+            kept[rows.name] = rows.mismatch_input
+            if sums is None and mismatch_inputs is not None and kept.keys() >= mismatch_inputs:
+                sums = _Sums(kept, index)
         base = delta_base(records, rows)
         record = write_array(
             rec,
@@ -128,8 +178,6 @@ def write_rank(
         records[rows.name] = record
         if rows.name in BASE_NAMES:
             base_values[rows.name] = rows.values
-        if rows.mismatch_input is not None:
-            kept[rows.name] = rows.mismatch_input
         f: dict[str, Any] = {"bytes": rows.file_bytes, "sha256": rows.sha256}
         if rows.envelope is not None:
             f.update(envelope=put_blob(rec, rows.envelope), span=list(rows.span or ()))
@@ -144,7 +192,10 @@ def write_rank(
             "file": f,
         }
     base_values.clear()
-    mismatch = bundle_entry(lambda data: put_blob(rec, data), kept.get, index)
+    if sums is not None:
+        mismatch = sums.entry(rec)
+    else:
+        mismatch = bundle_entry(lambda data: put_blob(rec, data), kept.get, index)
     kept.clear()
     body = {
         "documents": docs,
