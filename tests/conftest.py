@@ -329,20 +329,52 @@ class DemoRun:
     output: str  # its stdout and stderr as one stream, in the order written
 
 
+@contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """Hold an exclusive flock on ``lock`` for the block: one xdist worker at a time."""
+    import fcntl
+
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def session_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every xdist worker of this session sees (this session's own: pytest
+    numbers each session's base directory), the base directory without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
-    """The demo, once per session (minutes), in a fresh directory outside the checkout;
-    what it leaves behind is the README tour's data (tests/test_docs.py)."""
+    """The demo, once per session (a minute), in a fresh directory outside the checkout;
+    what it leaves behind is the README tour's data (tests/test_docs.py).
+
+    It runs once for all xdist workers (the first to ask runs it, under a lock the others
+    wait on); each worker gets its own copy of what it left, so a test that writes into
+    the store (the tour records results) never races a reader in another worker."""
+    shared = session_shared_dir(tmp_path_factory)
+    ran, record = shared / "demo-ran", shared / "demo-ran.json"
+    with _exclusive(shared / "demo-ran.lock"):
+        if not record.exists():
+            ran.mkdir()
+            proc = subprocess.run(
+                [sys.executable, "-m", "trajstore", "demo", "demo-store"],
+                cwd=ran,
+                env=user_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            record.write_text(json.dumps({"returncode": proc.returncode, "output": proc.stdout}))
     cwd = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trajstore", "demo", "demo-store"],
-        cwd=cwd,
-        env=user_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return DemoRun(cwd, proc.returncode, proc.stdout)
+    shutil.copytree(ran, cwd, symlinks=True, dirs_exist_ok=True)
+    done = json.loads(record.read_text())
+    return DemoRun(cwd, done["returncode"], done["output"])
 
 
 SIDES = ("unit", "integration")
