@@ -352,7 +352,7 @@ def session_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """The demo, once per session (a minute), in a fresh directory outside the checkout;
-    what it leaves behind is the README tour's data (tests/test_docs.py).
+    what it leaves behind is the README tour's data (tests/test_docs_tour.py).
 
     It runs once for all xdist workers (the first to ask runs it, under a lock the others
     wait on); each worker gets its own copy of what it left, so a test that writes into
