@@ -237,11 +237,9 @@ def router_lineage_of(catalog: Catalog, bundle_key: str) -> dict | None:
 
 
 def whole_first(results: sa.Table) -> sa.ColumnElement:
-    """Sorts a whole replay's result (no `selection`) before a partial one's: the latest
-    result of a bundle is its newest whole result, else its newest partial one. A
-    partial replay (some samples, groups, micro-batches or stages) passing must not
-    hide the divergence the whole step was recorded with."""
-    return sa.case((results.c.selection.is_(None), 0), else_=1)
+    """statements.whole_first over a SQLAlchemy table: ascending sorts a bundle's whole
+    replay results (no `selection`) before its partial ones."""
+    return sa.literal_column(st.whole_first(results.name))
 
 
 def results_of(catalog: Catalog, bundle_key: str) -> list[dict]:

@@ -112,10 +112,18 @@ def _coalesced(value: Any) -> int:
 #: the identity of a cohort of bundles (its ranks share it) and of an actor step
 COHORT = ("run", "kind", "rollout_id", "step_id", "attempt")
 STEP_IDENTITY = ("run", "rollout_id", "step_id", "attempt")
-#: a whole replay's result (no `selection`) sorts before a partial one's: the latest
-#: result of a bundle is its newest whole result, else its newest partial one; a partial
-#: replay passing must not hide the divergence the whole step was recorded with
-WHOLE_FIRST = "(r.selection IS NOT NULL)"
+
+
+def whole_first(results: str) -> str:
+    """The sort key (false first) that puts a whole replay's result (no `selection`)
+    before a partial one's, over the results table or alias `results`: the latest result
+    of a bundle is its newest whole result, else its newest partial one; a partial replay
+    passing must not hide the divergence the whole step was recorded with. The one
+    definition of that rule (the SQLAlchemy readers use it through queries.whole_first)."""
+    return f"({results}.selection IS NOT NULL)"
+
+
+WHOLE_FIRST = whole_first("r")
 
 
 def has_result_at(sql: Sql, stage: str, bundles: str) -> str:
