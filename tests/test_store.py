@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_inproc import run_main
 from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_contents, resign_bundle
 from store_checks import tree_equal
 
@@ -32,16 +31,10 @@ FIXTURE_TARGETS = [
 ]
 
 
-def cli(
-    *args: str | Path, env: dict | None = None, cwd: Path | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        cwd=cwd,
-    )
+def cli(*args: str | Path) -> subprocess.CompletedProcess:
+    """`trajstore ARGS` in this process: these tests pin output and exit codes, not the
+    process around them (tests/cli_inproc.py)."""
+    return run_main(*args)
 
 
 def verdict(target: Path) -> tuple[int, dict]:
@@ -569,11 +562,9 @@ def test_export_of_a_bundle_key_refuses_a_run_or_attempt_it_contradicts(
     assert proc.returncode == 0, proc.stderr
 
 
-def test_store_cli_needs_a_store(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_STORE"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trajstore", "stats"], capture_output=True, text=True, env=env
-    )
+def test_store_cli_needs_a_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRAJSTORE_STORE", raising=False)
+    proc = cli("stats")
     assert proc.returncode == 2 and "--store" in proc.stderr
 
 
