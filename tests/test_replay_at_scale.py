@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_inproc import run_main
 from trajstore.examples.replay_builders import Faults, consistent_contents
 
 from trajstore.bundle.writer import BundleContents, write_bundle
@@ -78,9 +79,9 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True
-    )
+    """`trajstore ARGS` in this process (tests/cli_inproc.py): the rerun and the query
+    pin output and exit codes; the interrupted first run below is a real process."""
+    return run_main(*args)
 
 
 def _result_files(root: Path) -> list[Path]:
