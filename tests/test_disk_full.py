@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from cli_inproc import run_main
 from conftest import make_contents
 from store_checks import visible_bundles
 from test_capture import enabled, one_step
-from test_store import cli
+from test_store import cli  # a fresh process: for the commands that meet the full disk
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.capture import CaptureManager
@@ -119,21 +120,21 @@ def test_ingest_into_a_full_disk_exits_2_in_one_line_and_completes_once_space_is
     targets = _capture(tmp_path / "cap")
     st = small_fs / "store"
     Store.open(st).close()
-    assert cli("ls", "--store", st).returncode == 0  # the store and its catalog exist
+    assert run_main("ls", "--store", st).returncode == 0  # the store and its catalog exist
     filler = _fill(small_fs, 400 << 10)  # less than the three bundles need
     proc = cli("ingest", "--store", st, tmp_path / "cap")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trajstore: error: no space left on device")
     assert "run the same command again" in lines[0]
-    assert cli("fsck", "--store", st).returncode == 0
+    assert run_main("fsck", "--store", st).returncode == 0
     assert visible_bundles(st, targets, tmp_path) < len(targets)
     assert _leftovers(st) == []
     filler.unlink()
-    again = cli("ingest", "--store", st, tmp_path / "cap")
+    again = run_main("ingest", "--store", st, tmp_path / "cap")
     assert again.returncode == 0, again.stderr
     assert visible_bundles(st, targets, tmp_path) == len(targets)
-    assert cli("fsck", "--store", st).returncode == 0
+    assert run_main("fsck", "--store", st).returncode == 0
 
 
 def _write_point(exc: BaseException) -> str:
@@ -219,7 +220,7 @@ def test_a_catalog_write_on_a_full_disk_is_one_line_and_heals(
     assert len(lines) == 1 and lines[0].startswith("trajstore: error: no space left"), lines
     assert "catalog.duckdb" in lines[0]
     filler.unlink()
-    ls = cli("ls", "--store", st)
+    ls = run_main("ls", "--store", st)
     assert ls.returncode == 0, ls.stderr
     assert ls.stdout.count("default/step-7-") == len(STEPS)
 
@@ -271,4 +272,4 @@ def test_capture_onto_a_full_disk_counts_logs_once_and_training_continues(
     names = sorted(p.name for p in out.iterdir())
     assert len(names) == written_before + 1  # no half-written bundle left behind
     assert not [n for n in names if n.startswith(".")], names
-    assert cli("ingest", "--store", small_fs / "st", out).returncode == 0
+    assert run_main("ingest", "--store", small_fs / "st", out).returncode == 0

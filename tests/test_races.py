@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cli_inproc import run_main as cli
 from conftest import make_contents
 from serving import served
 from store_checks import visible_bundles
-from test_store import cli
 
 from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.store import Store

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_inproc import run_main
 from trajstore.examples.replay_builders import Faults, consistent_contents
 
 from trajstore.bundle.writer import BundleContents, write_bundle
@@ -65,11 +67,16 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("scale")
     tmpl = {(k, f): _template(k, f, tmp) for k in ("rollout", "step") for f in (False, True)}
     cap = tmp / "capture"
-    for r in range(ROLLOUTS):
-        bad = r in FAULTY
-        _clone(tmpl["rollout", bad], cap / f"replay-rollout-{r}", r, None)
-        for s in range(STEPS):
-            _clone(tmpl["step", bad], cap / f"replay-{r}-{s}", r, s)
+    # The capture directory is this test's input, not under test: written without the
+    # writer's fsyncs (11,000 of them, most of this fixture's time; the store is not
+    # durable either), like a capture on a machine that never crashes.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", lambda fd: None)
+        for r in range(ROLLOUTS):
+            bad = r in FAULTY
+            _clone(tmpl["rollout", bad], cap / f"replay-rollout-{r}", r, None)
+            for s in range(STEPS):
+                _clone(tmpl["step", bad], cap / f"replay-{r}-{s}", r, s)
     root = tmp / "store"
     with Store.open(root, durable=False) as store:
         outcomes = store.ingest([cap], run="long")
@@ -78,9 +85,9 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True
-    )
+    """`trajstore ARGS` in this process (tests/cli_inproc.py): the rerun and the query
+    pin output and exit codes; the interrupted first run below is a real process."""
+    return run_main(*args)
 
 
 def _result_files(root: Path) -> list[Path]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_inproc import run_main
 from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_contents, resign_bundle
 from store_checks import tree_equal
 
@@ -35,6 +36,9 @@ FIXTURE_TARGETS = [
 def cli(
     *args: str | Path, env: dict | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
+    """`trajstore ARGS` in a fresh process (other test files import this). The tests here
+    pin output and exit codes, not the process around them: they call `run_main`, the
+    same command in this process (tests/cli_inproc.py)."""
     return subprocess.run(
         [sys.executable, "-m", "trajstore", *map(str, args)],
         capture_output=True,
@@ -45,7 +49,7 @@ def cli(
 
 
 def verdict(target: Path) -> tuple[int, dict]:
-    proc = cli("replay", target, "--json")
+    proc = run_main("replay", target, "--json")
     report = json.loads(proc.stdout)
     report.pop("label", None)
     return proc.returncode, report
@@ -101,9 +105,9 @@ def test_round_trip_is_byte_identical_and_replays_the_same(
     if target == "cohort3":
         target = make_cohort(tmp_path / "replay-7-0", ranks=3, lengths=[3, 5, 2, 7])
     st = tmp_path / "st"
-    assert cli("ingest", target, "--store", st, "--run", "r").returncode == 0
+    assert run_main("ingest", target, "--store", st, "--run", "r").returncode == 0
     out = tmp_path / "out" / target.name
-    proc = cli("export", "--store", st, "--run", "r", *_selector(target), out)
+    proc = run_main("export", "--store", st, "--run", "r", *_selector(target), out)
     assert proc.returncode == 0, proc.stderr
     assert tree_equal(target, out)
     assert verdict(target) == verdict(out)
@@ -142,7 +146,7 @@ def test_ingest_of_a_directory_holding_no_bundle_is_refused(store: Store, tmp_pa
     (tmp_path / "empty" / "junk").mkdir(parents=True)
     (out,) = store.ingest(tmp_path / "empty")
     assert (out.status, out.reason) == ("refused", "no bundle, cohort or capture directory in it")
-    proc = cli("ingest", "--store", tmp_path / "cli-store", tmp_path / "empty")
+    proc = run_main("ingest", "--store", tmp_path / "cli-store", tmp_path / "empty")
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith(
         f"refused: {tmp_path / 'empty'}: no bundle, cohort or capture directory in it"
@@ -325,20 +329,22 @@ def test_ls_and_query_show_a_step_resumed_on_fewer_ranks_once(tmp_path: Path, ma
     is superseded too, as `Store.step` (replay, export) has it."""
     st = tmp_path / "st"
     for cohort in (make_cohort(ranks=3, seed=1), make_cohort(ranks=2, seed=2)):
-        done = cli("ingest", "--store", st, "--run", "R", cohort)
+        done = run_main("ingest", "--store", st, "--run", "R", cohort)
         assert done.returncode == 0, done.stderr
     assert [b.ref["key"] for b in Store.open(st).step("R", 7, 0)] == [
         "R/step-7-0/rank-0/a2",
         "R/step-7-0/rank-1/a2",
     ]
-    ls = cli("ls", "--store", st, "--json")
+    ls = run_main("ls", "--store", st, "--json")
     assert [b["key"] for b in json.loads(ls.stdout)] == [
         "R/step-7-0/rank-0/a2",
         "R/step-7-0/rank-1/a2",
     ]
-    steps = cli("query", "steps", "--store", st, "--format", "json")
+    steps = run_main("query", "steps", "--store", st, "--format", "json")
     assert [(s["attempt"], s["ranks"]) for s in json.loads(steps.stdout)] == [(2, [0, 1])]
-    unreplayed = cli("query", "steps", "--store", st, "--status", "unreplayed", "--format", "json")
+    unreplayed = run_main(
+        "query", "steps", "--store", st, "--status", "unreplayed", "--format", "json"
+    )
     assert len(json.loads(unreplayed.stdout)) == 1
 
 
@@ -354,7 +360,7 @@ def test_flipped_byte_is_reported_by_fsck_and_by_reads(store: Store, tmp_path: P
         return bytes(out)
 
     _edit_a_pack(store, flip)
-    proc = cli("fsck", "--store", store.url)
+    proc = run_main("fsck", "--store", store.url)
     assert proc.returncode == 2 and rec_hash in proc.stderr
     with pytest.raises(IntegrityError, match=rec_hash):
         Store.open(store.url).step("r", 7, 0)[0].payload("log_probs")
@@ -396,7 +402,7 @@ def test_a_lookup_leaves_the_loss_masks_unparsed_but_no_data_escapes_their_check
             with pytest.raises(BundleError, match=re.escape(msg)):
                 read()
     out = tmp_path / "out"
-    proc = cli("export", "--store", store.root, "--run", "r", "--step", "7:0", out)
+    proc = run_main("export", "--store", store.root, "--run", "r", "--step", "7:0", out)
     assert proc.returncode == BundleError.exit_code, proc.stderr
     assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not out.exists()
@@ -408,7 +414,7 @@ def test_invalid_bundle_is_refused_and_the_rest_ingested(tmp_path: Path) -> None
     bad = write_bundle(cap / "replay-7-1", make_contents(lengths=5, step_id=1))
     (bad / "payloads" / "kl.pt").write_bytes(b"tampered")
     st = tmp_path / "st"
-    proc = cli("ingest", cap, "--store", st)
+    proc = run_main("ingest", cap, "--store", st)
     assert proc.returncode == 2
     assert "replay-7-1" in proc.stderr and "kl" in proc.stderr
     s = Store.open(st)
@@ -481,7 +487,7 @@ def test_gc_refuses_a_store_that_lost_a_pack_index_and_deletes_nothing(
     assert _stored_files(store) == files  # the pack and every object are still there
     assert fsck(Store.open(store.url)).to_dict() == damage
     if not store.is_remote:  # the CLI takes no grace under 10m on S3 (a fresh pack is kept)
-        proc = cli("gc", "--store", store.url, "--grace", "0", "--json")
+        proc = run_main("gc", "--store", store.url, "--grace", "0", "--json")
         assert proc.returncode == 2 and proc.stdout == ""
         (line,) = proc.stderr.splitlines()
         assert line.startswith("trajstore: error: gc refused, nothing deleted: ")
@@ -561,19 +567,17 @@ def test_export_of_a_bundle_key_refuses_a_run_or_attempt_it_contradicts(
         (["--attempt", "2"], f"bundle {key!r} is attempt 1, not attempt 2"),
         (["--run", "default"], f"bundle {key!r} is of run 'r', not of run 'default'"),
     ):
-        proc = cli("export", "--store", store.url, "--bundle", key, *given, tmp_path / "out")
+        proc = run_main("export", "--store", store.url, "--bundle", key, *given, tmp_path / "out")
         assert proc.returncode == 2
         assert proc.stderr.startswith(f"trajstore: error: {error}: name the bundle alone")
         assert not (tmp_path / "out").exists()
-    proc = cli("export", "--store", store.url, "--bundle", key, tmp_path / "out")
+    proc = run_main("export", "--store", store.url, "--bundle", key, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
 
 
-def test_store_cli_needs_a_store(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_STORE"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trajstore", "stats"], capture_output=True, text=True, env=env
-    )
+def test_store_cli_needs_a_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRAJSTORE_STORE", raising=False)
+    proc = run_main("stats")
     assert proc.returncode == 2 and "--store" in proc.stderr
 
 
@@ -591,10 +595,10 @@ def test_rm_of_one_rank_of_a_cohort_is_refused_naming_every_rank(
     tmp_path: Path, make_cohort
 ) -> None:
     st = tmp_path / "st"
-    cli("ingest", "--store", st, "--run", "A", make_cohort(ranks=3))
+    run_main("ingest", "--store", st, "--run", "A", make_cohort(ranks=3))
     ranks = [f"A/step-7-0/rank-{r}/a1" for r in range(3)]
     for some in ([ranks[0]], ranks[1:]):
-        proc = cli("rm", "--store", st, *some)
+        proc = run_main("rm", "--store", st, *some)
         assert (proc.returncode, proc.stdout) == (2, "")
         assert proc.stderr == (
             f"trajstore: error: {some[0]} is one rank of run 'A' step 7:0 attempt 1; a cohort "
@@ -602,10 +606,10 @@ def test_rm_of_one_rank_of_a_cohort_is_refused_naming_every_rank(
             f"rank: trajstore rm {' '.join(ranks)}\n"
         )
     assert not list((st / "refs" / "tombstones").glob("*.json"))  # nothing removed
-    ls = cli("ls", "--store", st, "--json")
+    ls = run_main("ls", "--store", st, "--json")
     assert [b["key"] for b in json.loads(ls.stdout)] == ranks
-    assert cli("rm", "--store", st, *ranks).returncode == 0
-    assert json.loads(cli("ls", "--store", st, "--json").stdout) == []
+    assert run_main("rm", "--store", st, *ranks).returncode == 0
+    assert json.loads(run_main("ls", "--store", st, "--json").stdout) == []
 
 
 def test_rm_takes_a_whole_cohort_a_single_producer_bundle_or_a_run(
@@ -644,5 +648,5 @@ def test_fsck_says_how_to_clear_a_cohort_an_older_rm_left_half_removed(
     (warning,) = fsck(Store.open(st)).warnings
     assert "replay and export refuse it" in warning
     assert warning.endswith("trajstore rm A/step-7-0/rank-1/a1")
-    assert cli("rm", "--store", st, "A/step-7-0/rank-1/a1").returncode == 0
+    assert run_main("rm", "--store", st, "A/step-7-0/rank-1/a1").returncode == 0
     assert fsck(Store.open(st)).warnings == []

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_inproc import run_main
 from conftest import FIXTURES, copy_fixture, make_contents, resign_bundle
 from trajstore.examples.replay_builders import Faults, consistent_contents, write_consistent
 
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.integration
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True
-    )
+    """`trajstore ARGS` in this process: what these tests pin is the output and the exit
+    code, not the process around them (tests/cli_inproc.py)."""
+    return run_main(*args)
 
 
 def _verdict(report: dict) -> list[tuple]:
