@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import multiprocessing.forkserver as forkserver
 import os
 import random
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,12 +36,19 @@ RANKS = [0, 1, 2, 3]
 PRELOAD = ["torch", "torch._dynamo", "trajstore.capture", "trajstore.examples.tiny_grpo"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server() -> Iterator[None]:
+    """A fork server of this module's own, its modules preloaded: one another module
+    started is stopped first (it would keep its own preload), and this one is stopped
+    (and waited for, its ranks' CPU counted) when the module ends."""
+    forkserver._forkserver._stop()
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    yield
+    forkserver._forkserver._stop()
+
+
 def _context():
-    """The fork server's context, its modules preloaded if this call starts it (one
-    already running for another test keeps its own: slower, not different)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    return mp.get_context("forkserver")
 
 
 def _adopt(environ: dict[str, str]) -> None:
