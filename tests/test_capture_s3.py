@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_store import cli
 
+from trajstore.cli import main
 from trajstore.errors import StoreError
 from trajstore.store import Store
 from trajstore.store.maintenance import fsck
@@ -115,7 +115,9 @@ def _kinds_once(url: str, want: list[str], timeout_s: float = 120) -> list[str]:
         time.sleep(0.1)
 
 
-def test_two_ranks_on_two_hosts_publish_one_cohort(s3_env: Any, tmp_path: Path) -> None:
+def test_two_ranks_on_two_hosts_publish_one_cohort(
+    s3_env: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = s3_env.fresh_url("capture")
     hosts = {r: _host(tmp_path, f"host-{r}", s3_env, url) for r in RANKS}
     procs = {r: _start(r, *hosts[r]) for r in RANKS}
@@ -137,9 +139,11 @@ def test_two_ranks_on_two_hosts_publish_one_cohort(s3_env: Any, tmp_path: Path) 
             assert store.attempts("mr", "step", 0, 0) == [1]
         for r in RANKS:  # nothing stayed in either host's private staging
             assert not any((hosts[r][0] / "tmp").rglob("COMPLETE*"))
-        proc = cli("replay", "--store", url, "--run", "mr", "--step", "0:0", "--json")
-        assert proc.returncode == 0, proc.stderr
-        assert len(json.loads(proc.stdout)["bundles"]) == len(RANKS)
+        capsys.readouterr()  # the reader's command, in this process
+        code = main(["replay", "--store", url, "--run", "mr", "--step", "0:0", "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert len(json.loads(out)["bundles"]) == len(RANKS)
 
 
 class HoldingProxy:
