@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import multiprocessing.forkserver as forkserver
 import os
 import random
 import signal
@@ -25,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from forked import fork_server
 
 from trajstore.cli import main
 
@@ -38,13 +38,9 @@ PRELOAD = ["torch", "torch._dynamo", "trajstore.capture", "trajstore.examples.ti
 
 @pytest.fixture(scope="module", autouse=True)
 def _fork_server() -> Iterator[None]:
-    """A fork server of this module's own, its modules preloaded: one another module
-    started is stopped first (it would keep its own preload), and this one is stopped
-    (and waited for, its ranks' CPU counted) when the module ends."""
-    forkserver._forkserver._stop()
-    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    yield
-    forkserver._forkserver._stop()
+    """This module's own fork server, `PRELOAD` imported (tests/forked.py)."""
+    with fork_server(PRELOAD):
+        yield
 
 
 def _context():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import multiprocessing.forkserver as forkserver
 import os
 import subprocess
 import sys
@@ -35,6 +34,7 @@ except ImportError as exc:  # never under CI: make test installs trajstore[verl]
         raise
     pytest.skip(f"verl is not installed ({tv.INSTALL_HINT}): {exc}", allow_module_level=True)
 
+import forked  # noqa: E402
 import verl_cpu as h  # noqa: E402
 
 from trajstore.integrations.verl.actor import STEP_KEY, RecordingLoss, capture_actor  # noqa: E402
@@ -257,16 +257,10 @@ def test_capture_is_complete_on_disk_at_normal_exit(tmp_path):
 
 @pytest.fixture
 def fork_server() -> Iterator[Any]:
-    """multiprocessing's fork server, `h.RANK_PRELOAD` imported once for both ranks (one
-    another test started is stopped first: it keeps its own preload); stopped and waited
-    for (its ranks' CPU counted) at the end."""
-    forkserver._forkserver._stop()
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(h.RANK_PRELOAD)
-    try:
-        yield ctx
-    finally:
-        forkserver._forkserver._stop()
+    """multiprocessing's fork server, `h.RANK_PRELOAD` imported once for both ranks
+    (tests/forked.py)."""
+    with forked.fork_server(h.RANK_PRELOAD):
+        yield multiprocessing.get_context("forkserver")
 
 
 def test_two_data_parallel_ranks_write_one_cohort(tmp_path, fork_server):
