@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from trajstore.examples import tiny_grpo as tiny
 
 from trajstore.capture import CaptureConfig, CaptureConfigError, CaptureManager
 from trajstore.capture.manager import NULL_STEP, STAGING
+from trajstore.cli import main as cli_main
 from trajstore.store.api import Store
 
 pytestmark = pytest.mark.integration
@@ -23,9 +26,11 @@ SECRET = "sk-live-Zq9XWv3SECRETb7Tn"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True, cwd=ROOT
-    )
+    """`trajstore *args` run in this process (`trajstore.cli.main`), its output captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def enabled(out: Path, **kw) -> CaptureConfig:

@@ -1,7 +1,9 @@
 """Capture from many hosts into an S3 store (TRAJSTORE_CAPTURE_STORE=s3://...).
 
 Each rank is a separate process with its own temp dir, home and cache (no path
-is shared, as on different hosts); they meet only in the S3 server. The last
+is shared, as on different hosts); they meet only in the S3 server. (The ranks are
+forked from a fork server that imported torch, tests/forked.py; each takes its own
+environment before it imports trajstore.) The last
 rank to finish publishes the cohort; a rank killed while it uploads its shard
 leaves nothing published, and its re-capture publishes the cohort.
 """
@@ -14,16 +16,16 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_store import cli
+from forked import Forked, fork_server
 
+from trajstore.cli import main
 from trajstore.errors import StoreError
 from trajstore.store import Store
 from trajstore.store.maintenance import fsck
@@ -75,20 +77,21 @@ def _host(tmp: Path, name: str, s3: Any, url: str) -> tuple[Path, dict[str, str]
     return home, env
 
 
-def _start(rank: int, home: Path, env: dict[str, str], go: str = "go") -> subprocess.Popen:
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server() -> Iterator[None]:
+    """The ranks are forked from a fork server that imports torch once for all of them
+    (tests/forked.py); each still takes its host's environment before it imports trajstore."""
+    with fork_server(["torch", "torch._dynamo"]):
+        yield
+
+
+def _start(rank: int, home: Path, env: dict[str, str], go: str = "go") -> Forked:
     """Rank `rank` on its "host": it trains its step once `home/go` exists."""
-    return subprocess.Popen(
-        [sys.executable, "-c", RANK_SCRIPT, str(rank), str(home / go)],
-        cwd=home,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return Forked(RANK_SCRIPT, [str(rank), str(home / go)], cwd=home, env=env)
 
 
 @contextlib.contextmanager
-def _reaped(*procs: subprocess.Popen) -> Any:
+def _reaped(*procs: Forked) -> Any:
     """Kill whichever of `procs` still runs when the block ends: a failed assertion must
     not leave a rank polling for its `go` file forever."""
     try:
@@ -115,7 +118,9 @@ def _kinds_once(url: str, want: list[str], timeout_s: float = 120) -> list[str]:
         time.sleep(0.1)
 
 
-def test_two_ranks_on_two_hosts_publish_one_cohort(s3_env: Any, tmp_path: Path) -> None:
+def test_two_ranks_on_two_hosts_publish_one_cohort(
+    s3_env: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = s3_env.fresh_url("capture")
     hosts = {r: _host(tmp_path, f"host-{r}", s3_env, url) for r in RANKS}
     procs = {r: _start(r, *hosts[r]) for r in RANKS}
@@ -137,9 +142,11 @@ def test_two_ranks_on_two_hosts_publish_one_cohort(s3_env: Any, tmp_path: Path) 
             assert store.attempts("mr", "step", 0, 0) == [1]
         for r in RANKS:  # nothing stayed in either host's private staging
             assert not any((hosts[r][0] / "tmp").rglob("COMPLETE*"))
-        proc = cli("replay", "--store", url, "--run", "mr", "--step", "0:0", "--json")
-        assert proc.returncode == 0, proc.stderr
-        assert len(json.loads(proc.stdout)["bundles"]) == len(RANKS)
+        capsys.readouterr()  # the reader's command, in this process
+        code = main(["replay", "--store", url, "--run", "mr", "--step", "0:0", "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert len(json.loads(out)["bundles"]) == len(RANKS)
 
 
 class HoldingProxy:

@@ -8,6 +8,8 @@ taken from the hooks under test.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from trajstore.cli import main as cli_main
 from trajstore.integrations.hf_moe import (
     UnsupportedMoEModel,
     generate_with_routes,
@@ -295,9 +298,11 @@ def hf_runs(tmp_path_factory):
 
 
 def _trajstore(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *args], capture_output=True, text=True, timeout=300
-    )
+    """`trajstore *args` run in this process (`trajstore.cli.main`), its output captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

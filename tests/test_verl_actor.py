@@ -9,9 +9,11 @@ micro-batches per call) is shared by the tests; the MoE pair (baseline, R3) like
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ except ImportError as exc:  # never under CI: make test installs trajstore[verl]
         raise
     pytest.skip(f"verl is not installed ({tv.INSTALL_HINT}): {exc}", allow_module_level=True)
 
+import forked  # noqa: E402
 import verl_cpu as h  # noqa: E402
 
 from trajstore.integrations.verl.actor import STEP_KEY, RecordingLoss, capture_actor  # noqa: E402
@@ -252,28 +255,15 @@ def test_capture_is_complete_on_disk_at_normal_exit(tmp_path):
 # --------------------------------------------------------------------------- two ranks
 
 
-RANK_CODE = """
-import json, os, sys
-sys.path.insert(0, "tests")
-import verl_cpu as h
-from pathlib import Path
-import trajstore.integrations.verl as tv
-from trajstore.integrations.verl.actor import STEP_KEY, capture_actor
-rank = int(os.environ["RANK"])
-cfg = h.trainer_config(Path(sys.argv[1]))
-worker = h.build_worker(cfg)
-capture_actor(worker, cfg)
-batch = h.prepare(h.make_batch(8, seed=1), worker, cfg)
-tv.tag_batch(batch)
-batch.meta_info[STEP_KEY] = 1
-# the rows verl's worker-group dispatch hands this data-parallel rank
-metrics = h.update_actor(worker, batch[rank * 4 : (rank + 1) * 4], cfg)
-stats = tv.close()
-print(json.dumps({"written": stats.written, "errors": stats.errors}))
-"""
+@pytest.fixture
+def fork_server() -> Iterator[Any]:
+    """multiprocessing's fork server, `h.RANK_PRELOAD` imported once for both ranks
+    (tests/forked.py)."""
+    with forked.fork_server(h.RANK_PRELOAD):
+        yield multiprocessing.get_context("forkserver")
 
 
-def test_two_data_parallel_ranks_write_one_cohort(tmp_path):
+def test_two_data_parallel_ranks_write_one_cohort(tmp_path, fork_server):
     """Two processes, one verl worker each, fsdp2 over a two-rank gloo group: each writes
     its own shard of every step bundle and the cohort is published when both are in."""
     model = h.save_tiny_model(tmp_path / "model")
@@ -282,21 +272,26 @@ def test_two_data_parallel_ranks_write_one_cohort(tmp_path):
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(h._free_port()), WORLD_SIZE="2")
     for name in ("TRAJSTORE_CAPTURE_STORE", "TRAJSTORE_RUN"):
         env.pop(name, None)
+    results = [tmp_path / f"rank-{rank}.json" for rank in (0, 1)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_CODE, str(model)],
-            cwd=ROOT,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        fork_server.Process(
+            target=h.dp_rank,
+            args=(
+                str(model),
+                str(results[rank]),
+                {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                str(ROOT),
+            ),
         )
         for rank in (0, 1)
     ]
-    results = [p.communicate(timeout=600) for p in procs]
-    for p, (stdout, stderr) in zip(procs, results, strict=True):
-        assert p.returncode == 0, stderr[-3000:]
-        assert json.loads(stdout.strip().splitlines()[-1]) == {"written": 2, "errors": 0}
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+    for p, result in zip(procs, results, strict=True):
+        assert p.exitcode == 0  # its traceback is on stderr
+        assert json.loads(result.read_text()) == {"written": 2, "errors": 0}
     for k in (0, 1):  # 4 rows a rank, 2 rows a rank per optimizer step
         cohort = out / f"replay-1-{k}"
         assert (cohort / "COMPLETE").exists()

@@ -458,3 +458,54 @@ def check_trl_coexists() -> bool:
             continue
     monkey_patch.is_trl_available = lambda: False
     return True
+
+
+# --------------------------------------------------------------------------- ranks
+
+#: what a fork server imports once for every data-parallel rank (`dp_rank`): the imports a
+#: rank makes before `setup_cpu` (the parent test process makes them too; none of them
+#: imports ``verl.workers.engine``, which must come after ``set_platform``)
+RANK_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "transformers",
+    "verl",
+    "verl.protocol",
+    "verl_cpu",
+    "ray",
+    "pandas",
+    "datasets",
+    "peft",
+    "trl",
+    "transformers.models.qwen2.modeling_qwen2",
+    "torch.distributed.fsdp",
+    "fastapi",
+    "uvicorn",
+    "hydra",
+]
+
+
+def dp_rank(model: str, result: str, environ: dict[str, str], cwd: str) -> None:
+    """One data-parallel rank, a process of its own (a fork server's child): verl's worker
+    on this rank's rows of the driver batch, captured through ``capture_actor``; the
+    capture's (written, errors) go to the file `result`. Its environment (RANK,
+    MASTER_PORT, the capture's variables) and directory are the test's, set first."""
+    import json
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    import trajstore.integrations.verl as tv
+    from trajstore.integrations.verl.actor import STEP_KEY, capture_actor
+
+    rank = int(os.environ["RANK"])
+    cfg = trainer_config(Path(model))
+    worker = build_worker(cfg)
+    capture_actor(worker, cfg)
+    batch = prepare(make_batch(8, seed=1), worker, cfg)
+    tv.tag_batch(batch)
+    batch.meta_info[STEP_KEY] = 1
+    # the rows verl's worker-group dispatch hands this data-parallel rank
+    update_actor(worker, batch[rank * 4 : (rank + 1) * 4], cfg)
+    stats = tv.close()
+    Path(result).write_text(json.dumps({"written": stats.written, "errors": stats.errors}))
