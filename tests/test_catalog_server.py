@@ -10,6 +10,7 @@ DuckDB and PostgreSQL alike (`catalog_url`).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import socket
@@ -37,6 +38,7 @@ from trajstore.catalog import (
     sync_new,
 )
 from trajstore.catalog import tables as t
+from trajstore.cli import main as trajstore_main
 from trajstore.errors import UsageError
 from trajstore.store import Store
 
@@ -53,13 +55,24 @@ def pg_url() -> Iterator[str]:
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=300,
-    )
+    """`trajstore ARGS` through the CLI's entry point in this process (nothing here
+    is about the process: its exit code, stdout and stderr), with `env` set for it."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = trajstore_main(list(args))
+            except SystemExit as exc:  # argparse's own refusals
+                code = exc.code
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def _publish(root: Path, bundles: list[Path], run: str = "default") -> list[str]:
