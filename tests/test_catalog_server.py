@@ -10,7 +10,6 @@ DuckDB and PostgreSQL alike (`catalog_url`).
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import socket
@@ -26,6 +25,7 @@ import httpx
 import pytest
 import uvicorn
 from conftest import FIXTURES
+from inprocess_cli import cli
 from pg_server import fresh_schema
 from trajstore.api.app import create_app
 
@@ -38,7 +38,6 @@ from trajstore.catalog import (
     sync_new,
 )
 from trajstore.catalog import tables as t
-from trajstore.cli import main as trajstore_main
 from trajstore.errors import UsageError
 from trajstore.store import Store
 
@@ -55,24 +54,9 @@ def pg_url() -> Iterator[str]:
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`trajstore ARGS` through the CLI's entry point in this process (nothing here
-    is about the process: its exit code, stdout and stderr), with `env` set for it."""
-    out, err = io.StringIO(), io.StringIO()
-    saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = trajstore_main(list(args))
-            except SystemExit as exc:  # argparse's own refusals
-                code = exc.code
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+    """`trajstore ARGS` in this process (tests/inprocess_cli.py): nothing here is about the
+    process, only its exit code, stdout and stderr."""
+    return cli(*args, env=env)
 
 
 def _publish(root: Path, bundles: list[Path], run: str = "default") -> list[str]:
