@@ -9,6 +9,7 @@ port; the streamed download runs under uvicorn in a thread (tests/test_api.py's
 from __future__ import annotations
 
 import io
+import shutil
 import socket
 import subprocess
 import sys
@@ -150,10 +151,16 @@ def _float_store(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return root / "store", {p.stem: torch.load(p, weights_only=True) for p in payloads.glob("*.pt")}
 
 
+@pytest.fixture(scope="module")
+def float_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`_float_store`, built once: the test that damages it works on its own copy."""
+    return _float_store(tmp_path_factory.mktemp("float"))
+
+
 def test_streamed_download_with_fill_and_short_windows_is_byte_identical(
-    tmp_path: Path,
+    float_store: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
-    store, tensors = _float_store(tmp_path)
+    store, tensors = float_store
     url = "/v1/bundles/f/step-5-0/a1/payloads/kl"
     with serve(store) as client:
         raw = client.get(url, params={"format": "raw"})
@@ -164,11 +171,14 @@ def test_streamed_download_with_fill_and_short_windows_is_byte_identical(
         )
 
 
-def test_a_corrupt_chunk_cuts_the_stream_before_its_bytes(tmp_path: Path) -> None:
+def test_a_corrupt_chunk_cuts_the_stream_before_its_bytes(
+    tmp_path: Path, float_store: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
     """Every chunk is hash-checked before its batch is sent: a damaged object in the
     third batch ends the response (the headers are out: the connection is cut) after
     at most the batches before it, all of them right."""
-    store, tensors = _float_store(tmp_path)
+    shutil.copytree(float_store[0], tmp_path / "store")
+    store, tensors = tmp_path / "store", float_store[1]
     expected = tensors["log_probs"].numpy().tobytes()
     with Store.open(store, create=False) as opened:
         (bundle,) = opened.step("f", 5, 0)
