@@ -90,7 +90,7 @@ def stats(store: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def rest(store: Path) -> Iterator[httpx.Client]:
-    with web_demo.serve(store) as base, httpx.Client(base_url=base, timeout=60) as http:
+    with web_demo.serve_here(store) as base, httpx.Client(base_url=base, timeout=60) as http:
         yield http
 
 
@@ -175,7 +175,7 @@ def test_an_old_store_says_not_recorded(tmp_path: Path) -> None:
         assert trajstore_main(["stats", "--store", str(old)]) == 0
     assert "not recorded" in out.getvalue().splitlines()[1]
     run = stats["runs"][0]["run"]
-    with web_demo.serve(old) as base:
+    with web_demo.serve_here(old) as base:
         summary = httpx.get(f"{base}/v1/runs/{run}/summary", timeout=60).json()
     assert (summary["physical_bytes"], summary["dedup_ratio"]) == (None, None)
     assert summary["logical_bytes"] == stats["runs"][0]["logical_bytes"] > 0

@@ -9,7 +9,7 @@ port; the streamed download runs under uvicorn in a thread (tests/test_api.py's
 from __future__ import annotations
 
 import io
-import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -28,6 +28,7 @@ from trajstore.api import streaming
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.cas.arrays import load_record
+from trajstore.cli import main as trajstore_main
 from trajstore.store import Store
 
 pytestmark = pytest.mark.integration
@@ -150,10 +151,16 @@ def _float_store(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return root / "store", {p.stem: torch.load(p, weights_only=True) for p in payloads.glob("*.pt")}
 
 
+@pytest.fixture(scope="module")
+def float_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """`_float_store`, built once: the test that damages it works on its own copy."""
+    return _float_store(tmp_path_factory.mktemp("float"))
+
+
 def test_streamed_download_with_fill_and_short_windows_is_byte_identical(
-    tmp_path: Path,
+    float_store: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
-    store, tensors = _float_store(tmp_path)
+    store, tensors = float_store
     url = "/v1/bundles/f/step-5-0/a1/payloads/kl"
     with serve(store) as client:
         raw = client.get(url, params={"format": "raw"})
@@ -164,11 +171,14 @@ def test_streamed_download_with_fill_and_short_windows_is_byte_identical(
         )
 
 
-def test_a_corrupt_chunk_cuts_the_stream_before_its_bytes(tmp_path: Path) -> None:
+def test_a_corrupt_chunk_cuts_the_stream_before_its_bytes(
+    tmp_path: Path, float_store: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
     """Every chunk is hash-checked before its batch is sent: a damaged object in the
     third batch ends the response (the headers are out: the connection is cut) after
     at most the batches before it, all of them right."""
-    store, tensors = _float_store(tmp_path)
+    shutil.copytree(float_store[0], tmp_path / "store")
+    store, tensors = tmp_path / "store", float_store[1]
     expected = tensors["log_probs"].numpy().tobytes()
     with Store.open(store, create=False) as opened:
         (bundle,) = opened.step("f", 5, 0)
@@ -199,12 +209,14 @@ def test_a_corrupt_chunk_cuts_the_stream_before_its_bytes(tmp_path: Path) -> Non
     assert len(got) <= offset and bytes(got) == expected[: len(got)]
 
 
-def test_serve_rejects_a_bad_worker_count(long_store: tuple[Path, dict]) -> None:
+def test_serve_rejects_a_bad_worker_count(
+    long_store: tuple[Path, dict], capsys: pytest.CaptureFixture[str]
+) -> None:
     store, _ = long_store
-    done = _serve(store, "--workers", "0")
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
-    assert "--workers must be 1..64" in done.stderr
+    returncode, stderr = _serve_in_process(capsys, store, "--workers", "0")
+    assert returncode == 2
+    assert stderr.strip().splitlines() == [stderr.strip()]
+    assert "--workers must be 1..64" in stderr
 
 
 def _serve(
@@ -221,12 +233,27 @@ def _serve(
     )
 
 
+def _serve_in_process(
+    capsys: pytest.CaptureFixture[str], store: Path, *args: str
+) -> tuple[int, str]:
+    """`trajstore serve --store STORE ARGS...` through the CLI's entry point in this
+    process, for the refusals made before anything binds (a setting, an argument, a
+    missing store): its exit code and stderr. A refusal that stopped happening would
+    fail on the message, not serve: the stores these are given do not open."""
+    capsys.readouterr()
+    try:
+        returncode = trajstore_main(["serve", "--store", str(store), *args])
+    except SystemExit as exc:  # argparse's own refusals
+        returncode = exc.code
+    return returncode, capsys.readouterr().err
+
+
 def _serve_without_a_store(
-    tmp_path: Path, env: dict[str, str], *args: str
-) -> subprocess.CompletedProcess:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str]:
     """`trajstore serve` on a store that does not exist: what it checks before opening the
     store is all it does (nothing binds)."""
-    return _serve(tmp_path / "none", *args, env=env)
+    return _serve_in_process(capsys, tmp_path / "none", *args)
 
 
 @pytest.mark.parametrize(
@@ -240,22 +267,30 @@ def _serve_without_a_store(
     ],
 )
 def test_serve_refuses_a_malformed_api_setting_before_it_starts(
-    tmp_path: Path, name: str, value: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    value: str,
 ) -> None:
     # checked before the store is opened: the setting is what the one line names
-    out = _serve_without_a_store(tmp_path, {**os.environ, name: value})
-    assert out.returncode == 2
-    assert out.stderr.startswith(f"trajstore: error: {name}={value!r}: expected ")
-    assert len(out.stderr.strip().splitlines()) == 1
+    monkeypatch.setenv(name, value)
+    returncode, stderr = _serve_without_a_store(tmp_path, capsys)
+    assert returncode == 2
+    assert stderr.startswith(f"trajstore: error: {name}={value!r}: expected ")
+    assert len(stderr.strip().splitlines()) == 1
 
 
-def test_serve_refuses_a_misspelt_api_variable_before_it_starts(tmp_path: Path) -> None:
+def test_serve_refuses_a_misspelt_api_variable_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # TRAJSTORE_API_TOKN=... would otherwise serve without the token the user meant to set
-    out = _serve_without_a_store(tmp_path, {**os.environ, "TRAJSTORE_API_TOKN": "s3cret"})
-    assert out.returncode == 2
-    assert out.stderr.startswith("trajstore: error: unknown variable TRAJSTORE_API_TOKN (known: ")
-    assert "TRAJSTORE_API_TOKEN" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+    monkeypatch.setenv("TRAJSTORE_API_TOKN", "s3cret")
+    returncode, stderr = _serve_without_a_store(tmp_path, capsys)
+    assert returncode == 2
+    assert stderr.startswith("trajstore: error: unknown variable TRAJSTORE_API_TOKN (known: ")
+    assert "TRAJSTORE_API_TOKEN" in stderr
+    assert len(stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
@@ -268,15 +303,20 @@ def test_serve_refuses_a_misspelt_api_variable_before_it_starts(tmp_path: Path) 
     ],
 )
 def test_serve_warns_before_serving_other_hosts_without_a_token(
-    tmp_path: Path, host: str, token: str | None, warned: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    host: str,
+    token: str | None,
+    warned: bool,
 ) -> None:
     # a missing store stops it right after the warning: nothing binds in this test
-    env = {k: v for k, v in os.environ.items() if k != "TRAJSTORE_API_TOKEN"}
+    monkeypatch.delenv("TRAJSTORE_API_TOKEN", raising=False)
     if token is not None:
-        env["TRAJSTORE_API_TOKEN"] = token
-    out = _serve_without_a_store(tmp_path, env, "--host", host)
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and lines[-1].endswith("not a trajstore store (no TRAJSTORE_STORE)")
+        monkeypatch.setenv("TRAJSTORE_API_TOKEN", token)
+    returncode, stderr = _serve_without_a_store(tmp_path, capsys, "--host", host)
+    lines = stderr.strip().splitlines()
+    assert returncode == 2 and lines[-1].endswith("not a trajstore store (no TRAJSTORE_STORE)")
     warning = f"trajstore: warning: serving on {host} without TRAJSTORE_API_TOKEN: anyone who "
     assert (lines[0].startswith(warning) and len(lines) == 2) if warned else len(lines) == 1
 
@@ -297,8 +337,10 @@ def test_serve_on_a_port_in_use_is_one_line(long_store: tuple[Path, dict], worke
     )
 
 
-def test_serve_refuses_an_unknown_log_level(tmp_path: Path) -> None:
+def test_serve_refuses_an_unknown_log_level(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # it was an internal error (KeyError: 'bogus') from uvicorn's level table
-    out = _serve_without_a_store(tmp_path, dict(os.environ), "--log-level", "bogus")
-    assert out.returncode == 2
-    assert "argument --log-level: invalid choice: 'bogus'" in out.stderr
+    returncode, stderr = _serve_without_a_store(tmp_path, capsys, "--log-level", "bogus")
+    assert returncode == 2
+    assert "argument --log-level: invalid choice: 'bogus'" in stderr

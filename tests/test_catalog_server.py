@@ -25,6 +25,7 @@ import httpx
 import pytest
 import uvicorn
 from conftest import FIXTURES
+from inprocess_cli import cli
 from pg_server import fresh_schema
 from trajstore.api.app import create_app
 
@@ -53,13 +54,9 @@ def pg_url() -> Iterator[str]:
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trajstore", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=300,
-    )
+    """`trajstore ARGS` in this process (tests/inprocess_cli.py): nothing here is about the
+    process, only its exit code, stdout and stderr."""
+    return cli(*args, env=env)
 
 
 def _publish(root: Path, bundles: list[Path], run: str = "default") -> list[str]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import make_contents
+from inprocess_cli import cli
 from test_api import serve
-from test_store import cli
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.catalog import queries

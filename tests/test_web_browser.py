@@ -1,6 +1,6 @@
 """The web view in headless Chromium (Debian's chromium + chromium-driver, driven by
-Selenium) against a real `trajstore serve` on 127.0.0.1 over the demo's runs
-(tests/web_demo.py). Each page is checked against the CLI, through what it drew
+Selenium) against the app `trajstore serve` runs (tests/web_demo.py serve_here), on
+127.0.0.1, over the demo's runs. Each page is checked against the CLI, through what it drew
 (data-* attributes on rows and SVG marks), and photographed: with
 TRAJSTORE_WEB_SCREENSHOTS=docs/web these are the screenshots in docs/web.md.
 
@@ -47,7 +47,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def base(store: Path) -> Iterator[str]:
-    with web_demo.serve(store) as url:
+    with web_demo.serve_here(store) as url:
         yield url
 
 
@@ -368,7 +368,7 @@ def _requests(driver: WebDriver) -> list[dict]:
 
 
 def test_the_token_is_asked_once_and_sent_only_as_a_header(browser: WebDriver, store: Path) -> None:
-    with web_demo.serve(store, token=TOKEN) as url:
+    with web_demo.serve_here(store, token=TOKEN) as url:
         _requests(browser)  # drop what earlier tests sent
         browser.get(f"{url}/")
         wait_for(browser, lambda d: d.find_element(By.ID, "token-dialog").get_attribute("open"))

@@ -1,5 +1,6 @@
-"""REST `/v1/runs/{run}/mismatch` and the web view's mismatch page, on a real
-`trajstore serve` (127.0.0.1) over a store with drift injected into known steps.
+"""REST `/v1/runs/{run}/mismatch` and the web view's mismatch page, on the app
+`trajstore serve` runs (127.0.0.1, tests/web_demo.py serve_here) over a store with drift
+injected into known steps.
 
 Run "drift": 8 steps; steps 4-6 have every trainer-side log-prob shifted by 0.4 and one
 token of sample s-2 (response offset 1) by 1.5 more, the rest match the rollout exactly.
@@ -51,7 +52,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def base(store: Path) -> Iterator[str]:
-    with web_demo.serve(store) as url:
+    with web_demo.serve_here(store) as url:
         yield url
 
 

@@ -1,6 +1,6 @@
 """The web view over plain HTTP (no browser): page routes, assets, the token, and the /v1
 data the pages fetch, checked against the CLI on a store holding the demo's runs
-(tests/web_demo.py) served by a real `trajstore serve` on 127.0.0.1."""
+(tests/web_demo.py) served on 127.0.0.1 by the app `trajstore serve` runs (web_demo.serve_here)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(store: Path) -> Iterator[httpx.Client]:
-    with web_demo.serve(store) as base, httpx.Client(base_url=base, timeout=120) as http:
+    with web_demo.serve_here(store) as base, httpx.Client(base_url=base, timeout=120) as http:
         yield http
 
 
@@ -88,7 +88,7 @@ def test_anything_else_under_the_pages_is_a_json_404(client: httpx.Client, path:
 
 
 def test_with_a_token_pages_are_open_and_data_needs_the_header(store: Path) -> None:
-    with web_demo.serve(store, token=TOKEN) as base, httpx.Client(base_url=base) as http:
+    with web_demo.serve_here(store, token=TOKEN) as base, httpx.Client(base_url=base) as http:
         for path in (*PAGES, *(f"/static/{name}" for name in web.ASSETS)):
             assert http.get(path).status_code == 200, path
             assert http.head(path).status_code == 200, path

@@ -1,4 +1,4 @@
-"""The demo's runs, built small and once per test session, and a real `trajstore serve` on them.
+"""The demo's runs, built small and once per test session, and a real server on them.
 
 The same builders `trajstore demo` runs (examples/demo.py), called in-process
 with smaller sizes so the store costs seconds, not a minute: the MoE toy's
@@ -6,6 +6,12 @@ with smaller sizes so the store costs seconds, not a minute: the MoE toy's
 the demo's injected faults (streamed-group normalization in FAULT_ROLLOUTS, a
 wrong clip at FAULT_CLIP_STEPS, some resumed steps), the Relax fixture bundles,
 then every bundle replayed with --record.
+
+Two servers, both real HTTP on a free loopback port: `serve`, the `trajstore serve`
+command in a subprocess, and `serve_here`, the same app and protocol the command runs
+with one worker (`create_app` under uvicorn with GuardedH11Protocol) in a thread of the
+test's process, for tests about what the server answers rather than about the command
+(no interpreter start and `import torch` per server).
 """
 
 from __future__ import annotations
@@ -17,11 +23,16 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import torch
+import uvicorn
+from trajstore.api.app import create_app
+from trajstore.api.limits import TOKEN_ENV, GuardedH11Protocol
 from trajstore.examples import gen_long_run, moe_grpo
 from trajstore.examples.demo import FAULT_CLIP_STEPS, FAULT_ROLLOUTS, FIXTURES
 
@@ -45,7 +56,14 @@ def cli(*args: str) -> tuple[int, str]:
 def build(root: Path) -> Path:
     """Build the store under ``root`` (see the module docstring); returns the store path."""
     store = root / "store"
-    moe_grpo.run_into_store(store, moe_grpo.MODES, steps=MOE_STEPS, seed=0)
+    # the toy's ops are tiny: a second intra-op thread only spins (on a loaded 2-core box
+    # it took the MoE runs from about 3 s of CPU to 12, and 7 s of wall to 34)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        moe_grpo.run_into_store(store, moe_grpo.MODES, steps=MOE_STEPS, seed=0)
+    finally:
+        torch.set_num_threads(threads)
     capture = root / "capture"
     argv = [str(capture), "--rollouts", str(ROLLOUTS), "--steps", str(STEPS_PER_ROLLOUT)]
     argv += ["--samples", "16", "--max-len", "64", "--min-len", "8", "--resumed", "0.2"]
@@ -106,3 +124,54 @@ def serve(store: Path, token: str | None = None) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _wait_healthy(base: str, headers: dict[str, str], alive: Callable[[], None]) -> None:
+    """Until GET /v1/health answers 200 (`alive` asserts the server has not died)."""
+    deadline = time.monotonic() + 120
+    while True:
+        alive()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"{base}/v1/health", headers=headers, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def serve_here(store: Path, token: str | None = None) -> Iterator[str]:
+    """The app `trajstore serve` runs (one worker: `create_app`, uvicorn, GuardedH11Protocol)
+    in a thread on a free loopback port, the token taken from TRAJSTORE_API_TOKEN as the
+    command takes it; yields its base URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    saved = os.environ.pop(TOKEN_ENV, None)
+    try:
+        if token is not None:
+            os.environ[TOKEN_ENV] = token
+        app = create_app(store)
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+        if saved is not None:
+            os.environ[TOKEN_ENV] = saved
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", http=GuardedH11Protocol
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def alive() -> None:
+        assert thread.is_alive(), "the server's thread ended"
+
+    try:
+        _wait_healthy(base, headers, alive)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
