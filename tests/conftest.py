@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# Two xdist workers share two cores, and the models under test are tiny: a second intra-op
+# thread per process only spins beside the other worker (a loaded 2-core box took the web
+# demo's MoE runs from ~3 s of CPU to ~12 with torch's default of a thread per core). One
+# each, for this process and every child a test starts (set before torch is imported; an
+# explicit OMP_NUM_THREADS wins).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 from trajstore.bundle.writer import BundleContents, write_bundle, write_rank
 from trajstore.jsonio import canonical_bytes, sha256_bytes

@@ -8,27 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
+from conftest import patched_environ
+
 from trajstore.cli import main as trajstore_main
-
-
-@contextlib.contextmanager
-def _environment(env: dict[str, str] | None) -> Iterator[None]:
-    """`env` set in os.environ while the command runs, then put back as it was."""
-    saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -36,7 +21,8 @@ def cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Comp
     stdout and stderr as a CompletedProcess (as `subprocess.run(..., text=True)` gives)."""
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
-    with _environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    captured = contextlib.redirect_stdout(out), contextlib.redirect_stderr(err)
+    with patched_environ(env or {}), captured[0], captured[1]:
         try:
             code = trajstore_main(argv)
         except SystemExit as exc:  # argparse's own refusals (--help, a bad choice)

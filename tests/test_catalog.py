@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sqlalchemy as sa
-from cli_inproc import run_main as cli
 from conftest import FIXTURES, make_contents
+from inprocess_cli import cli
 
 from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.catalog import (

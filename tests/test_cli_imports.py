@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_inproc import run_main
 from conftest import CAPTURE_DIR
+from inprocess_cli import cli as run_main
 
 from trajstore.catalog import tables
 from trajstore.cli import _catalog

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from cli_inproc import run_main
 from conftest import make_contents
+from inprocess_cli import cli as run_main
 from store_checks import visible_bundles
 from test_capture import enabled, one_step
 from test_store import cli  # a fresh process: for the commands that meet the full disk

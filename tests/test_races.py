@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cli_inproc import run_main as cli
 from conftest import make_contents
+from inprocess_cli import cli
 from serving import served
 from store_checks import visible_bundles
 

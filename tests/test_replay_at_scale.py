@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_inproc import run_main
+from inprocess_cli import cli as run_main
 from trajstore.examples.replay_builders import Faults, consistent_contents
 
 from trajstore.bundle.writer import BundleContents, write_bundle
@@ -85,7 +85,7 @@ def big_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """`trajstore ARGS` in this process (tests/cli_inproc.py): the rerun and the query
+    """`trajstore ARGS` in this process (tests/inprocess_cli.py): the rerun and the query
     pin output and exit codes; the interrupted first run below is a real process."""
     return run_main(*args)
 

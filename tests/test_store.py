@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_inproc import run_main
 from conftest import CAPTURE_DIR, FIXTURES, copy_fixture, edit_json, make_contents, resign_bundle
+from inprocess_cli import cli as run_main
 from store_checks import tree_equal
 
 from trajstore.bundle.writer import write_bundle
@@ -38,7 +38,7 @@ def cli(
 ) -> subprocess.CompletedProcess:
     """`trajstore ARGS` in a fresh process (other test files import this). The tests here
     pin output and exit codes, not the process around them: they call `run_main`, the
-    same command in this process (tests/cli_inproc.py)."""
+    same command in this process (tests/inprocess_cli.py)."""
     return subprocess.run(
         [sys.executable, "-m", "trajstore", *map(str, args)],
         capture_output=True,

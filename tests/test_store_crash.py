@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cli_inproc import run_main as cli
 from conftest import make_contents
+from inprocess_cli import cli
 from store_checks import visible_bundles
 
 from trajstore.bundle.writer import write_bundle, write_rank

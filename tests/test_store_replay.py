@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_inproc import run_main
 from conftest import FIXTURES, copy_fixture, make_contents, resign_bundle
+from inprocess_cli import cli as run_main
 from trajstore.examples.replay_builders import Faults, consistent_contents, write_consistent
 
 from trajstore.bundle.writer import write_bundle
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     """`trajstore ARGS` in this process: what these tests pin is the output and the exit
-    code, not the process around them (tests/cli_inproc.py)."""
+    code, not the process around them (tests/inprocess_cli.py)."""
     return run_main(*args)
 
 

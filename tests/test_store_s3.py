@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cli_inproc import run_main as cli
 from conftest import make_contents
+from inprocess_cli import cli
 
 from trajstore.bundle.writer import write_bundle
 from trajstore.cas.s3 import S3RefSpace, parse_s3_url, s3_client

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import torch
 import uvicorn
 from trajstore.api.app import create_app
 from trajstore.api.limits import TOKEN_ENV, GuardedH11Protocol
@@ -56,14 +55,7 @@ def cli(*args: str) -> tuple[int, str]:
 def build(root: Path) -> Path:
     """Build the store under ``root`` (see the module docstring); returns the store path."""
     store = root / "store"
-    # the toy's ops are tiny: a second intra-op thread only spins (on a loaded 2-core box
-    # it took the MoE runs from about 3 s of CPU to 12, and 7 s of wall to 34)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        moe_grpo.run_into_store(store, moe_grpo.MODES, steps=MOE_STEPS, seed=0)
-    finally:
-        torch.set_num_threads(threads)
+    moe_grpo.run_into_store(store, moe_grpo.MODES, steps=MOE_STEPS, seed=0)
     capture = root / "capture"
     argv = [str(capture), "--rollouts", str(ROLLOUTS), "--steps", str(STEPS_PER_ROLLOUT)]
     argv += ["--samples", "16", "--max-len", "64", "--min-len", "8", "--resumed", "0.2"]
