@@ -97,17 +97,12 @@ def serve(store: Path, token: str | None = None) -> Iterator[str]:
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def alive() -> None:
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]  # type: ignore[union-attr]
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "trajstore serve did not come up"
-            try:
-                if httpx.get(f"{base}/v1/health", headers=headers, timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        _wait_healthy(base, headers, alive)
         yield base
     finally:
         proc.terminate()
