@@ -24,12 +24,15 @@ chromium:
 
 # Two workers, a test file each at a time (module fixtures stay in one process): 9 m 44 s
 # and 10 m 05 s for 1,930 tests on 2 quiet cores (docs/architecture.md: what keeps it there).
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE, set
+# on some machines): otherwise every worker re-runs pytest's assertion rewriting (~10 s of CPU)
+# and every child process compiles the trajstore modules it imports.
 test: $(STAMP) chromium
-	$(PY) -m pytest -n 2 --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist loadfile
 
 # The edit-run loop: unit tests only (no servers, browsers, trainers or child processes).
 test-fast: $(STAMP)
-	$(PY) -m pytest -m unit
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -m unit
 
 LINT_PATHS := trajstore api migrations examples tests scripts
 
