@@ -22,8 +22,8 @@ chromium:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    chromium chromium-driver >/dev/null) || echo "make: could not install chromium"
 
-# Two workers, a test file each at a time (module fixtures stay in one process): 9 m 44 s
-# and 10 m 05 s for 1,930 tests on 2 quiet cores (docs/architecture.md: what keeps it there).
+# Two workers, a test file each at a time (module fixtures stay in one process): 9 m 27 s
+# for 1,930 tests on 2 quiet cores (docs/architecture.md: what keeps it there).
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE, set
 # on some machines): otherwise every worker re-runs pytest's assertion rewriting (~10 s of CPU)
 # and every child process compiles the trajstore modules it imports.
