@@ -12,6 +12,7 @@ wrong type would show).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,19 +75,29 @@ SORTED = [("steps", {"sort": sort, "limit": 1003}) for sort in STEP_SORTS] + [
 CASES = on_duckdb.CASES + SORTED
 
 
+@contextlib.contextmanager
+def readers(
+    stores: tuple[Path, str],
+) -> Iterator[tuple[PagedReader, DriverListings, DirectCatalog]]:
+    """The three readers compared: paged through SQLAlchemy and whole through psycopg on
+    PostgreSQL, and DuckDB's direct reader of the same store."""
+    root, url = stores
+    with open_catalog(None, url) as cat:
+        raw = cat.engine.raw_connection()
+        try:
+            with DirectCatalog.open(root) as direct:
+                yield PagedReader(cat), DriverListings(raw.driver_connection), direct
+        finally:
+            raw.close()
+
+
 @pytest.mark.parametrize(("method", "kw"), CASES, ids=[f"{m}-{kw}" for m, kw in CASES])
 def test_both_executors_answer_as_the_duckdb_reader(
     stores: tuple[Path, str], method: str, kw: dict
 ) -> None:
-    root, url = stores
-    with open_catalog(None, url) as cat:
-        paged = getattr(PagedReader(cat), method)(**kw)
-        raw = cat.engine.raw_connection()
-        try:
-            whole = getattr(DriverListings(raw.driver_connection), method)(**kw)
-        finally:
-            raw.close()
-    with DirectCatalog.open(root) as direct:
+    with readers(stores) as (paged_reader, driver, direct):
+        paged = getattr(paged_reader, method)(**kw)
+        whole = getattr(driver, method)(**kw)
         duckdb = getattr(direct, method)(**kw)
     shown = [json.dumps(rows, sort_keys=True) for rows in (whole, paged, duckdb)]
     assert shown[0] == shown[1] == shown[2]
@@ -100,15 +111,9 @@ def test_both_executors_count_as_the_duckdb_reader(
     stores: tuple[Path, str], method: str, kw: dict
 ) -> None:
     # the count of a cut `ls`/`query` table (its listing's statement counted)
-    root, url = stores
-    with open_catalog(None, url) as cat:
-        paged = PagedReader(cat).count(method, **kw)
-        raw = cat.engine.raw_connection()
-        try:
-            whole = DriverListings(raw.driver_connection).count(method, **kw)
-        finally:
-            raw.close()
-    with DirectCatalog.open(root) as direct:
+    with readers(stores) as (paged_reader, driver, direct):
+        paged = paged_reader.count(method, **kw)
+        whole = driver.count(method, **kw)
         rows = getattr(direct, method)(**kw)
         duckdb = direct.count(method, **kw)
     assert whole == paged == duckdb == len(rows)
