@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """replay --all on Ray as a ratio to the local executor, same worker count, same store, one run.
 
-    .venv/bin/python scripts/bench/bench_ray.py --build DIR [--steps 40] [--samples 256]
+    .venv/bin/python scripts/bench/bench_ray.py --build DIR [--steps 48] [--samples 256]
         [--mean-tokens 1024] [--workers 2] [--reps 3] [--json OUT]
     .venv/bin/python scripts/bench/bench_ray.py --store DIR ...
 
@@ -35,7 +35,7 @@ def main() -> int:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--store", type=Path, help="an existing store")
     where.add_argument("--build", type=Path, help="build a distinct store here first")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=48)  # 60 bundles (issue 33)
     ap.add_argument("--steps-per-rollout", type=int, default=4)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--mean-tokens", type=int, default=1024)
