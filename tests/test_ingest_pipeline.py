@@ -179,39 +179,3 @@ def test_train_routes_are_stored_as_a_delta_against_the_rollout_routes(tmp_path:
             b.payload_file("train_routed_experts")
             == (cap / "replay-rollout-0" / "payloads" / "train_routed_experts.pt").read_bytes()
         )
-
-
-def test_a_target_whose_mismatch_document_cannot_be_put_ends_its_batch_there(
-    tmp_path: Path,
-) -> None:
-    """The sums of a target are awaited, and their document put, by the batch's finisher
-    before the flush. The second target's document put meets a full disk (injected at the
-    store's put, on the finisher thread only): the first target is published, the second
-    and third are not, the error is raised, the store is consistent and a rerun stores
-    the rest."""
-    import errno
-    import threading
-
-    targets = _steps(tmp_path / "cap", range(3))
-    with Store.open(tmp_path / "st") as store:
-        real = store.objs.put_many_added
-        finisher_puts = []
-
-        def put_many_added(datas):  # noqa: ANN001, ANN202
-            if threading.current_thread().name.startswith("ingest-finish"):
-                finisher_puts.append(1)
-                if len(finisher_puts) == 2:
-                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            return real(datas)
-
-        store.objs.put_many_added = put_many_added
-        seen: list[tuple[str, str]] = []
-        with pytest.raises(OSError, match="injected"):
-            store.ingest([tmp_path / "cap"], run="r", on_outcome=lambda o: seen.append(o.path))
-        store.objs.put_many_added = real
-    assert seen == [str(targets[0])]
-    with Store.open(tmp_path / "st") as store:
-        assert sorted(store.refs.live()) == ["r/step-7-0/a1"]
-        assert not fsck(store).problems
-        again = store.ingest([tmp_path / "cap"], run="r")
-    assert [o.status for o in again] == ["unchanged", "published", "published"]

@@ -35,7 +35,7 @@ from trajstore.mismatch.compute import INPUT_PAYLOADS as MISMATCH_INPUTS
 from trajstore.refspace import RefSpace
 from trajstore.store.ingest_gate import VerifiedRank, VerifiedTarget, verify_target
 from trajstore.store.ingest_rows import SampleLayout, payload_rows, write_order
-from trajstore.store.ingest_write import WrittenBytes, WrittenRank, begin_rank
+from trajstore.store.ingest_write import WrittenBytes, write_rank
 from trajstore.store.layout import RefIndex
 from trajstore.store.publish import REF_VERSION, PreparedRef, RefPublisher, content_digest
 
@@ -44,7 +44,6 @@ __all__ = [
     "Ingestor",
     "VerifiedTarget",
     "WrittenTarget",
-    "begin_store_rank",
     "check_run_name",
     "identity_of",
     "ref_fields",
@@ -90,18 +89,11 @@ def store_rank(
     """Steps 2 and 3 for one verified rank: its payloads turned into rows as they are
     written, one at a time (about one payload in memory), after its documents.
     `cohort_sentinels` (else those the gate read) are stored with it."""
-    return begin_store_rank(objs, r, cohort_sentinels).finish()
-
-
-def begin_store_rank(
-    objs: ObjectStore, r: VerifiedRank, cohort_sentinels: dict[str, bytes] | None = None
-) -> WrittenRank:
-    """`store_rank` whose mismatch sums may still be computing (`WrittenRank.finish`)."""
     layout = SampleLayout.of(r.index)
     rows = (payload_rows(p, layout) for p in r.payloads(write_order(r.payload_names)))
     csent = r.cohort_sentinels if cohort_sentinels is None else cohort_sentinels
     inputs = MISMATCH_INPUTS.intersection(r.payload_names)
-    return begin_rank(objs, r.documents(), r.sentinels(), csent, rows, r.index, inputs)
+    return write_rank(objs, r.documents(), r.sentinels(), csent, rows, r.index, inputs)
 
 
 def ref_fields(
@@ -124,35 +116,13 @@ def ref_fields(
     }
 
 
-#: a rank's bytes before its mismatch document is put (`WrittenTarget.complete` fills them)
-_UNKNOWN = WrittenBytes(-1, -1)
-
-
 @dataclass
 class WrittenTarget:
-    """A target whose objects are written (maybe still buffered), but for its ranks'
-    mismatch documents while their sums compute (`complete`); no ref of it exists yet."""
+    """A target whose objects are written (maybe still buffered); no ref of it exists yet."""
 
     path: Path
+    prepared: list[PreparedRef]
     logical: int
-    #: each rank's identity, its ref fields (bytes filled in by `complete`) and objects
-    ranks: list[tuple[tuple, dict[str, Any], WrittenRank]]
-    prepared: list[PreparedRef] | None = None
-
-    def complete(self) -> list[PreparedRef]:
-        """Wait for the ranks' sums and put their documents: the refs to publish once the
-        objects are flushed (so only after this). Idempotent."""
-        if self.prepared is None:
-            prepared = []
-            for identity, fields, rank in self.ranks:
-                body, nbytes = rank.finish()
-                fields.update(physical_bytes=nbytes.referenced, added_bytes=nbytes.added)
-                digest = content_digest(body["documents"], body["cohort_sentinels"])
-                prepared.append(
-                    PreparedRef(identity, digest, {**fields, "content_digest": digest, **body})
-                )
-            self.prepared, self.ranks = prepared, []
-        return self.prepared
 
 
 class Ingestor:
@@ -177,25 +147,24 @@ class Ingestor:
 
     def write(self, target: VerifiedTarget, run: str) -> WrittenTarget:
         """Steps 2 and 3: write a verified target's objects (they may stay buffered until
-        `objs.flush()`), rank by rank, each rank dropped once written; its mismatch sums
-        may still be computing (`WrittenTarget.complete`, before the flush)."""
+        `objs.flush()`), rank by rank, each rank dropped once written."""
         ranks = target.ranks
         cohort = [r.rank for r in ranks] if target.is_cohort else None
-        written: list[tuple[tuple, dict[str, Any], WrittenRank]] = []
+        prepared: list[PreparedRef] = []
         logical = 0
         while ranks:
             r = ranks.pop(0)
-            rank = begin_store_rank(self.objs, r)
-            logical += rank.logical_bytes
-            written.append((identity_of(run, r), ref_fields(run, r, cohort, _UNKNOWN), rank))
-        return WrittenTarget(target.path, logical, written)
+            body, nbytes = store_rank(self.objs, r)
+            digest = content_digest(body["documents"], body["cohort_sentinels"])
+            doc = {**ref_fields(run, r, cohort, nbytes), "content_digest": digest, **body}
+            logical += sum(p["logical_bytes"] for p in body["payloads"].values())
+            prepared.append(PreparedRef(identity_of(run, r), digest, doc))
+        return WrittenTarget(target.path, prepared, logical)
 
     def publish_many(self, writtens: list[WrittenTarget], live: set[str]) -> list[IngestOutcome]:
         """Step 4: create the refs of written targets whose objects are durable (flushed),
         in order (`RefPublisher.publish_many`); `live` holds the keys already live."""
-        if any(w.prepared is None for w in writtens):  # its documents would be unflushed
-            raise StoreError("internal: a written target is published before complete()")
-        done = self.publisher.publish_many([w.complete() for w in writtens], live)
+        done = self.publisher.publish_many([w.prepared for w in writtens], live)
         return [
             IngestOutcome(str(w.path), "published" if ok else "unchanged", keys, None, w.logical)
             for w, (ok, keys) in zip(writtens, done, strict=True)

@@ -229,29 +229,23 @@ class _Pipeline:
         batch: list[Future[WrittenTarget | IngestOutcome] | IngestOutcome],
         failed: threading.Event,
     ) -> None:
-        """Wait for a batch's writes and mismatch sums, flush its objects, then create its
-        refs and emit its outcomes in target order (on the finisher thread, while the next
-        batch is written). A target whose write or sums failed still lets the targets
-        before it be published; its error is raised after them, and no later batch is
-        published or emitted (`failed`)."""
+        """Wait for a batch's writes, flush its objects, then create its refs and emit its
+        outcomes in target order (on the finisher thread, while the next batch is written).
+        A failed write still lets the targets before it be published; its error is raised
+        after them, and no later batch is published or emitted (`failed`)."""
+        error: BaseException | None = None
         for x in batch:
             if isinstance(x, Future):
-                x.exception()  # wait; the first failure in target order is found below
+                try:
+                    x.result()
+                except BaseException as e:
+                    error = error or e
         if failed.is_set():
             return  # an earlier batch failed: the loop stops; nothing of this one is emitted
-        error: BaseException | None = None
         try:
-            # each written target's sums awaited and its documents put, in target order,
-            # before the flush (`WrittenTarget.complete`); the first failure ends the batch
-            for k, x in enumerate(batch):
-                if isinstance(x, Future):
-                    try:
-                        if isinstance(r := x.result(), WrittenTarget):
-                            r.complete()
-                    except BaseException as e:
-                        error = e
-                        del batch[k:]
-                        break
+            if error is not None:  # keep what precedes the first failure
+                k = next(i for i, x in enumerate(batch) if isinstance(x, Future) and x.exception())
+                del batch[k:]
             written = [
                 r
                 for x in batch

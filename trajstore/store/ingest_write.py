@@ -109,34 +109,16 @@ def _mismatch_pool() -> ThreadPoolExecutor:
         return _MISMATCH_POOL
 
 
-#: ranks whose sums are computing at once, process-wide: each holds its inputs (a routed
-#: rank's two route arrays) until its sums are done, so a writer that gets ahead of the
-#: pool waits here instead of holding a batch's worth of route arrays
-_SUMS_IN_FLIGHT = threading.BoundedSemaphore(4)
-
-
 class _Sums:
-    """A rank's mismatch sums computed on a pool thread while the writer goes on (its last
-    payloads, then the next targets). The document blob is compressed and named there,
-    and put by `entry`, which the batch's finisher calls before the pack is flushed."""
+    """A rank's mismatch sums computed on a pool thread while its last payloads are
+    written. The document blob is compressed and named there, and put by the writer
+    (`entry`), after the payloads, as a synchronous computation puts it."""
 
     def __init__(self, kept: dict[str, np.ndarray], index: Index) -> None:
         self.blob: bytes | None = None
-        _SUMS_IN_FLIGHT.acquire()
-        try:
-            self.future: Future[dict[str, Any]] = _mismatch_pool().submit(
-                self._compute, dict(kept), index
-            )
-        except BaseException:
-            _SUMS_IN_FLIGHT.release()
-            raise
-
-    def _compute(self, kept: dict[str, np.ndarray], index: Index) -> dict[str, Any]:
-        try:
-            return bundle_entry(self._name, kept.get, index)
-        finally:
-            kept.clear()  # the inputs go now, not when the entry is taken
-            _SUMS_IN_FLIGHT.release()
+        self.future: Future[dict[str, Any]] = _mismatch_pool().submit(
+            bundle_entry, self._name, dict(kept).get, index
+        )
 
     def _name(self, data: bytes) -> str:
         self.blob = compressor().compress(data)
@@ -151,29 +133,6 @@ class _Sums:
         return entry
 
 
-class WrittenRank:
-    """A rank's objects, written but for its mismatch document while its sums compute on
-    a pool thread; `finish` waits for them, puts the document and gives the ref body and
-    the rank's bytes. Its objects must be flushed only after `finish` (the document is one
-    of them)."""
-
-    def __init__(self, rec: Recorder, body: dict[str, Any], sums: _Sums | None) -> None:
-        self.rec = rec
-        self.body = body
-        self._sums = sums
-
-    @property
-    def logical_bytes(self) -> int:
-        return sum(p["logical_bytes"] for p in self.body["payloads"].values())
-
-    def finish(self) -> tuple[dict[str, Any], WrittenBytes]:
-        if self._sums is not None:
-            self.body["mismatch"] = self._sums.entry(self.rec)
-            self._sums = None
-        rec = self.rec
-        return self.body, WrittenBytes(sum(rec.sizes.values()), sum(rec.added.values()))
-
-
 def write_rank(
     objs: ObjectStore,
     documents: dict[str, bytes],
@@ -183,29 +142,13 @@ def write_rank(
     index: Index,
     mismatch_inputs: frozenset[str] | None = None,
 ) -> tuple[dict[str, Any], WrittenBytes]:
-    """`begin_rank`, then its sums awaited (`WrittenRank.finish`): the ref body and bytes."""
-    return begin_rank(
-        objs, documents, sentinels, cohort_sentinels, payloads, index, mismatch_inputs
-    ).finish()
-
-
-def begin_rank(
-    objs: ObjectStore,
-    documents: dict[str, bytes],
-    sentinels: dict[str, bytes],
-    cohort_sentinels: dict[str, bytes],
-    payloads: Iterable[PayloadRows],
-    index: Index,
-    mismatch_inputs: frozenset[str] | None = None,
-) -> WrittenRank:
     """Write a rank's objects: its documents and sentinels as blobs, then each payload
     (delta bases first, as `payloads` comes) as a CAS array, its record and its file's
-    envelope, then its mismatch sums' document (`WrittenRank.finish`).
+    envelope, then its mismatch sums' document. The ref body naming them, and its bytes.
 
     `mismatch_inputs`, the names of the payloads the sums read that `payloads` holds
     (None: not known), lets the sums be computed on another thread from the moment the
-    last of them arrives, while it, the payloads after it and whatever the caller writes
-    before `finish` are written."""
+    last of them arrives, while it and the payloads after it are written."""
     rec = Recorder(objs)
     docs = {k: put_blob(rec, data) for k, data in documents.items()}
     sents = {name: put_blob(rec, data) for name, data in sentinels.items()}
@@ -249,14 +192,16 @@ def begin_rank(
             "file": f,
         }
     base_values.clear()
-    body: dict[str, Any] = {
+    if sums is not None:
+        mismatch = sums.entry(rec)
+    else:
+        mismatch = bundle_entry(lambda data: put_blob(rec, data), kept.get, index)
+    kept.clear()
+    body = {
         "documents": docs,
         "sentinels": sents,
         "cohort_sentinels": csent,
         "payloads": entries,
-        "mismatch": None,
+        "mismatch": mismatch,
     }
-    if sums is None:
-        body["mismatch"] = bundle_entry(lambda data: put_blob(rec, data), kept.get, index)
-    kept.clear()
-    return WrittenRank(rec, body, sums)
+    return body, WrittenBytes(sum(rec.sizes.values()), sum(rec.added.values()))
