@@ -165,3 +165,18 @@ def test_another_release_is_warned_about_once(caplog: pytest.LogCaptureFixture) 
         adapter.warn_untested("1.3")
     warnings = [r.getMessage() for r in caplog.records if "written against" in r.getMessage()]
     assert warnings == ["trajstore: Nowhere capture is written against Nowhere 1.2; this is 1.3"]
+
+
+def test_each_adapter_names_its_own_installed_release_on_every_call() -> None:
+    """The release is read once per adapter (every captured step names it); each adapter
+    still names its own, and a missing framework stays None."""
+    from importlib.metadata import version
+
+    from trajstore.integrations.trl import TRL
+    from trajstore.integrations.verl.records import VERL
+
+    missing = _Missing()
+    for _ in range(2):
+        assert TRL.installed_version() == version("trl")
+        assert VERL.installed_version() == version("verl")
+        assert missing.installed_version() is None

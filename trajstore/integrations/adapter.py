@@ -83,6 +83,7 @@ class FrameworkAdapter(ABC):
 
     def __init__(self) -> None:
         self._warned = False
+        self._version: tuple[str | None] | None = None  # (release,) once read
 
     @property
     def install_hint(self) -> str:
@@ -102,16 +103,18 @@ class FrameworkAdapter(ABC):
             ) from exc
 
     def installed_version(self) -> str | None:
-        """The installed release, read from its metadata without importing it."""
-        from importlib.metadata import PackageNotFoundError, version
+        """The installed release, read from its metadata without importing it, once per
+        process: every captured step names it, and reading the metadata (a scan of the
+        installed distributions) cost about 10 ms a step on the training thread."""
+        if self._version is None:
+            from importlib.metadata import PackageNotFoundError, version
 
-        name = self.distribution or self.module
-        if name is None:
-            return None
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
+            name = self.distribution or self.module
+            try:
+                self._version = (None if name is None else version(name),)
+            except PackageNotFoundError:
+                self._version = (None,)
+        return self._version[0]
 
     def is_tested(self, version: str | None) -> bool:
         """True for the tested release (or a patch of it) and for an unknown one."""
