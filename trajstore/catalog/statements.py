@@ -148,10 +148,18 @@ def _visible(sql: Sql, alias: str, stage: str | None, **equal: Any) -> list[str]
 
 
 def latest_results(
-    sql: Sql, run: str | None, kind: str | None = "step", stage: str | None = None
+    sql: Sql,
+    run: str | None,
+    kind: str | None = "step",
+    stage: str | None = None,
+    within: str | None = None,
 ) -> str:
     """Per cohort of visible bundles, its latest result (WHOLE_FIRST, then the latest
     recorded_at): a subquery with the cohort's columns, ``result_id`` and ``rn``.
+
+    With `within`, the name of a relation of actor steps (one row per STEP_IDENTITY, as
+    latest_attempt_steps has them), only those steps' results are ranked: a step's
+    cohort is ranked whole or not at all, so each of them gets the same latest result.
 
     With `stage`, only cohorts that have some result diverging first at `stage` are
     ranked (the index on first_divergent_stage finds them): a cohort whose latest result
@@ -161,12 +169,17 @@ def latest_results(
     DuckDB's full ranking is faster than the extra semi-join (47 vs 53 ms with it)."""
     where = _visible(sql, "rb", stage, kind=kind, run=run)
     cohort = ", ".join(f"rb.{name}" for name in COHORT)
+    chosen = (
+        ""
+        if within is None
+        else f" JOIN {within} AS chosen ON {_joined('chosen', 'rb', STEP_IDENTITY)}"
+    )
     return (
         f"SELECT * FROM (SELECT {cohort}, r.id AS result_id, r.bundle_key, r.status, "
         "r.first_divergent_stage, r.first_divergent_rank, r.root_bundle_key, r.recorded_at, "
         f"r.trajstore_version, row_number() OVER (PARTITION BY {cohort} ORDER BY "
         f"{WHOLE_FIRST}, r.recorded_at DESC NULLS LAST, r.id DESC) AS rn "
-        "FROM replay_results AS r JOIN bundles AS rb ON rb.key = r.bundle_key"
+        f"FROM replay_results AS r JOIN bundles AS rb ON rb.key = r.bundle_key{chosen}"
         f"{_where(where)}) AS ranked WHERE ranked.rn = 1"
     )
 
@@ -322,6 +335,18 @@ class Steps(Listing):
         lead = self.sort.removeprefix("-")
         return "siii" if lead == "step" else ("i" if lead == "tokens" else "s") + "siii"
 
+    @property
+    def verdict_free(self) -> bool:
+        """Whether the listing's steps and their order need no replay verdict: no filter
+        on the latest result's status or stage, and a sort on step or tokens. Then a
+        page's steps are chosen first and only their results ranked, and the count
+        ranks none (`_page`, `count_statement`)."""
+        return (
+            self.status is None
+            and self.first_divergent_stage is None
+            and self.sort.removeprefix("-") in ("step", "tokens")
+        )
+
     def statement(
         self,
         after: list | None = None,
@@ -350,40 +375,63 @@ class Steps(Listing):
 
     def count_statement(self, prefilter: bool = False) -> tuple[str, dict]:
         """How many steps (``n``) the whole listing has: its page of steps, counted
-        (each step has a row there, whatever its number of rank bundles)."""
+        (each step has a row there, whatever its number of rank bundles). A
+        verdict-free listing counts the latest attempts' steps alone: each has one row
+        in the listing, whatever its results, so none is ranked."""
         sql = Sql()
+        if self.verdict_free:
+            steps = latest_attempt_steps(
+                sql, self.run, self.rollout_from, self.rollout_to, self.attempt
+            )
+            return count_of((steps, sql.params))
         return count_of((self._page(sql, None, None, STEP_IDENTITY, prefilter), sql.params))
 
     def _page(
         self, sql: Sql, after: list | None, limit: int | None, columns: Any, prefilter: bool
     ) -> str:
-        """The steps of `statement`, one row each, in order (before their rank bundles)."""
+        """The steps of `statement`, one row each, in order (before their rank bundles).
+
+        A verdict-free page (`verdict_free`, with a `limit`) picks its steps first
+        (``chosen_steps``: keyset, order, limit over the latest attempts) and ranks the
+        results of those steps only; any other listing ranks the latest result of
+        every step, then filters and sorts on it. Same rows, same order."""
         stage = self.first_divergent_stage if prefilter else None
         steps = latest_attempt_steps(
             sql, self.run, self.rollout_from, self.rollout_to, self.attempt, stage
         )
-        latest = latest_results(sql, self.run, stage=stage)
         lead = _STEP_LEADS.get(self.sort.removeprefix("-"))
         order = [f"steps.{name}" for name in STEP_IDENTITY]
         order = order if lead is None else [lead, *order]
         descending = self.sort.startswith("-")
+        direction = " DESC" if descending else ""
+        ordered = ", ".join(o + direction for o in order)
         where: list[str] = []
         sql.keyset(where, order, after, descending)
-        sql.eq(where, "latest.first_divergent_stage", self.first_divergent_stage)
-        if self.status == _UNREPLAYED:
-            where.append("latest.result_id IS NULL")
-        else:
-            sql.eq(where, "latest.status", self.status)
         selected = [f"{lead or 'NULL'} AS sort_key"] + [
             expr
             for name, expr in _STEP_COLUMNS.items()
             if columns is None or name in columns or name in STEP_IDENTITY
         ]
-        direction = " DESC" if descending else ""
+        on_step = _joined("latest", "steps", STEP_IDENTITY)
+        if self.verdict_free and limit is not None:
+            chosen = f"SELECT * FROM ({steps}) AS steps{_where(where)} ORDER BY {ordered}"
+            chosen += sql.limit(limit)
+            latest = latest_results(sql, self.run, within="chosen_steps")
+            return (
+                f"WITH chosen_steps AS ({chosen}) SELECT {', '.join(selected)} "
+                f"FROM chosen_steps AS steps LEFT OUTER JOIN ({latest}) AS latest "
+                f"ON {on_step} ORDER BY {ordered}"
+            )
+        latest = latest_results(sql, self.run, stage=stage)
+        sql.eq(where, "latest.first_divergent_stage", self.first_divergent_stage)
+        if self.status == _UNREPLAYED:
+            where.append("latest.result_id IS NULL")
+        else:
+            sql.eq(where, "latest.status", self.status)
         return (
             f"SELECT {', '.join(selected)} FROM ({steps}) AS steps LEFT OUTER JOIN "
-            f"({latest}) AS latest ON {_joined('latest', 'steps', STEP_IDENTITY)}"
-            f"{_where(where)} ORDER BY {', '.join(o + direction for o in order)}" + sql.limit(limit)
+            f"({latest}) AS latest ON {on_step}{_where(where)} ORDER BY {ordered}"
+            + sql.limit(limit)
         )
 
 
