@@ -248,10 +248,15 @@ class Bundles(Listing):
         check_rollout_range(self.rollout_from, self.rollout_to)
 
     def statement(
-        self, after: list | None = None, limit: int | None = None, columns: Any = None
+        self,
+        after: list | None = None,
+        limit: int | None = None,
+        columns: Any = None,
+        ordered: bool = True,
     ) -> tuple[str, dict]:
         """Only `columns` when given (text output needs a few: fetching all 31 columns of
-        10,000 rows costs ~150 ms here)."""
+        10,000 rows costs ~150 ms here); `ordered`: False, in no order (what a count
+        reads)."""
         sql = Sql()
         where = ["removed_at IS NULL"] + ([] if self.include_all_attempts else ["is_latest"])
         sql.eq(where, "run", self.run)
@@ -259,12 +264,13 @@ class Bundles(Listing):
         sql.range(where, "rollout_id", self.rollout_from, self.rollout_to)
         sql.keyset(where, _BUNDLE_ORDER, after)
         selected = ", ".join(f'"{c}"' for c in columns) if columns else "*"
-        text = f"SELECT {selected} FROM bundles{_where(where)} ORDER BY {', '.join(_BUNDLE_ORDER)}"
+        text = f"SELECT {selected} FROM bundles{_where(where)}"
+        text += f" ORDER BY {', '.join(_BUNDLE_ORDER)}" if ordered else ""
         return text + sql.limit(limit), sql.params
 
     def count_statement(self) -> tuple[str, dict]:
-        """How many rows the whole listing has (``n``)."""
-        return count_of(self.statement(columns=("key",)))
+        """How many rows the whole listing has (``n``): its rows, not sorted."""
+        return count_of(self.statement(columns=("key",), ordered=False))
 
     @staticmethod
     def key_of(row: dict) -> list:
@@ -384,17 +390,25 @@ class Steps(Listing):
                 sql, self.run, self.rollout_from, self.rollout_to, self.attempt
             )
             return count_of((steps, sql.params))
-        return count_of((self._page(sql, None, None, STEP_IDENTITY, prefilter), sql.params))
+        page = self._page(sql, None, None, STEP_IDENTITY, prefilter, ordered=False)
+        return count_of((page, sql.params))
 
     def _page(
-        self, sql: Sql, after: list | None, limit: int | None, columns: Any, prefilter: bool
+        self,
+        sql: Sql,
+        after: list | None,
+        limit: int | None,
+        columns: Any,
+        prefilter: bool,
+        ordered: bool = True,
     ) -> str:
         """The steps of `statement`, one row each, in order (before their rank bundles).
 
         A verdict-free page (`verdict_free`, with a `limit`) picks its steps first
         (``chosen_steps``: keyset, order, limit over the latest attempts) and ranks the
         results of those steps only; any other listing ranks the latest result of
-        every step, then filters and sorts on it. Same rows, same order."""
+        every step, then filters and sorts on it. Same rows, same order. `ordered`:
+        False, the whole listing in no order (what a count reads)."""
         stage = self.first_divergent_stage if prefilter else None
         steps = latest_attempt_steps(
             sql, self.run, self.rollout_from, self.rollout_to, self.attempt, stage
@@ -404,7 +418,7 @@ class Steps(Listing):
         order = order if lead is None else [lead, *order]
         descending = self.sort.startswith("-")
         direction = " DESC" if descending else ""
-        ordered = ", ".join(o + direction for o in order)
+        order_by = ", ".join(o + direction for o in order)
         where: list[str] = []
         sql.keyset(where, order, after, descending)
         selected = [f"{lead or 'NULL'} AS sort_key"] + [
@@ -414,13 +428,13 @@ class Steps(Listing):
         ]
         on_step = _joined("latest", "steps", STEP_IDENTITY)
         if self.verdict_free and limit is not None:
-            chosen = f"SELECT * FROM ({steps}) AS steps{_where(where)} ORDER BY {ordered}"
+            chosen = f"SELECT * FROM ({steps}) AS steps{_where(where)} ORDER BY {order_by}"
             chosen += sql.limit(limit)
             latest = latest_results(sql, self.run, within="chosen_steps")
             return (
                 f"WITH chosen_steps AS ({chosen}) SELECT {', '.join(selected)} "
                 f"FROM chosen_steps AS steps LEFT OUTER JOIN ({latest}) AS latest "
-                f"ON {on_step} ORDER BY {ordered}"
+                f"ON {on_step} ORDER BY {order_by}"
             )
         latest = latest_results(sql, self.run, stage=stage)
         sql.eq(where, "latest.first_divergent_stage", self.first_divergent_stage)
@@ -428,11 +442,13 @@ class Steps(Listing):
             where.append("latest.result_id IS NULL")
         else:
             sql.eq(where, "latest.status", self.status)
-        return (
+        text = (
             f"SELECT {', '.join(selected)} FROM ({steps}) AS steps LEFT OUTER JOIN "
-            f"({latest}) AS latest ON {on_step}{_where(where)} ORDER BY {ordered}"
-            + sql.limit(limit)
+            f"({latest}) AS latest ON {on_step}{_where(where)}"
         )
+        if ordered or limit is not None:
+            text += f" ORDER BY {order_by}"
+        return text + sql.limit(limit)
 
 
 def collate_steps(rows: list[dict]) -> tuple[list[dict], list]:
@@ -491,7 +507,10 @@ class Divergences(Listing):
     def __post_init__(self) -> None:
         check_filter_words(stage=self.stage)
 
-    def statement(self, after: list | None = None, limit: int | None = None) -> tuple[str, dict]:
+    def statement(
+        self, after: list | None = None, limit: int | None = None, ordered: bool = True
+    ) -> tuple[str, dict]:
+        """`ordered`: False, in no order (what a count reads)."""
         check_rollout_range(self.rollout_from, self.rollout_to)
         sql = Sql()
         latest = latest_results(sql, self.run, kind=None)
@@ -513,13 +532,14 @@ class Divergences(Listing):
             "SELECT latest.run, latest.kind, latest.rollout_id, latest.step_id, "
             "latest.attempt, latest.bundle_key, latest.trajstore_version, latest.recorded_at, "
             f"d.* FROM divergences AS d JOIN ({latest}) AS latest "
-            f"ON latest.result_id = d.result_id{_where(where)} ORDER BY {', '.join(order)}"
+            f"ON latest.result_id = d.result_id{_where(where)}"
         )
+        text += f" ORDER BY {', '.join(order)}" if ordered else ""
         return text + sql.limit(limit), sql.params
 
     def count_statement(self) -> tuple[str, dict]:
-        """How many rows the whole listing has (``n``)."""
-        return count_of(self.statement())
+        """How many rows the whole listing has (``n``): its rows, not sorted."""
+        return count_of(self.statement(ordered=False))
 
     @staticmethod
     def key_of(row: dict) -> list:
@@ -539,7 +559,10 @@ class RouterMetrics(Listing):
     tag: ClassVar[str] = "router_metrics"
     kinds: ClassVar[str] = "siii"
 
-    def statement(self, after: list | None = None, limit: int | None = None) -> tuple[str, dict]:
+    def statement(
+        self, after: list | None = None, limit: int | None = None, ordered: bool = True
+    ) -> tuple[str, dict]:
+        """`ordered`: False, in no order (what a count reads)."""
         check_rollout_range(self.rollout_from, self.rollout_to)
         sql = Sql()
         where = ["b.is_latest"]
@@ -552,13 +575,14 @@ class RouterMetrics(Listing):
             "SELECT m.*, lineage.mode, b.rank, b.attempt FROM router_metrics AS m "
             "JOIN bundles AS b ON b.key = m.bundle_key "
             "LEFT OUTER JOIN router_lineage AS lineage ON lineage.bundle_key = m.bundle_key"
-            f"{_where(where)} ORDER BY {', '.join(order)}"
+            f"{_where(where)}"
         )
+        text += f" ORDER BY {', '.join(order)}" if ordered else ""
         return text + sql.limit(limit), sql.params
 
     def count_statement(self) -> tuple[str, dict]:
-        """How many rows the whole listing has (``n``)."""
-        return count_of(self.statement())
+        """How many rows the whole listing has (``n``): its rows, not sorted."""
+        return count_of(self.statement(ordered=False))
 
     @staticmethod
     def key_of(row: dict) -> list:
