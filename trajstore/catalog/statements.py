@@ -1,7 +1,7 @@
 """The catalog's listings as SQL text, written once for every reader and both databases.
 
-Each listing (bundles, actor steps, divergences, router metrics) is a frozen dataclass of
-its filters; `statement(after, limit)` writes its one statement: plain SQL that DuckDB
+Each listing (bundles, actor steps, divergences, router metrics) is a frozen record of
+its filters (`Listing`); `statement(after, limit)` writes its one statement: plain SQL that DuckDB
 and PostgreSQL both run, parameters marked ``:p0``, ``:p1``, ... (SQLAlchemy's text()
 binds; `duckdb_sql` turns them into DuckDB's ``$p0``). The CLI runs a statement whole
 through the `duckdb` module (trajstore.catalog.direct: no SQLAlchemy to import), REST
@@ -14,10 +14,8 @@ Importing this module imports no database library.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from trajstore.errors import UsageError
@@ -209,16 +207,68 @@ def latest_attempt_steps(
 
 
 class Listing:
-    """What every listing dataclass has: `tag` and `kinds` name its cursors (one letter
-    per sort value: "s" a string, "i" an integer), `query` its filters (which a cursor
-    is bound to), `key_of(row)` a row's sort key, `statement(...)` its SQL."""
+    """What every listing has: `tag` and `kinds` name its cursors (one letter per sort
+    value: "s" a string, "i" an integer), `query` its filters (which a cursor is bound
+    to), `key_of(row)` a row's sort key, `statement(...)` its SQL.
 
+    A listing is a frozen record of its filters, FIELDS (name, default) in order: built
+    from them by keyword or position, compared, hashed and shown by them, `_check`ed
+    once built. What a frozen dataclass would give, written out: `dataclasses` (with
+    `inspect`) is the one import of the ls/query/sql path that nothing else there needs
+    (tests/test_cli_imports.py)."""
+
+    __slots__ = ()
+    FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
     tag: ClassVar[str]
     kinds: ClassVar[str]
 
+    def __init__(self, *args: Any, **filters: Any) -> None:
+        name = type(self).__name__
+        names = [field for field, _ in self.FIELDS]
+        if len(args) > len(names):
+            raise TypeError(f"{name}() takes at most {len(names)} arguments, got {len(args)}")
+        given = dict(zip(names, args, strict=False))
+        for field, value in filters.items():
+            if field not in names:
+                raise TypeError(f"{name}() got an unexpected keyword argument {field!r}")
+            if field in given:
+                raise TypeError(f"{name}() got multiple values for argument {field!r}")
+            given[field] = value
+        for field, default in self.FIELDS:
+            object.__setattr__(self, field, given.get(field, default))
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse filters no listing answers (UsageError)."""
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, field) for field, _ in self.FIELDS)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{field}={getattr(self, field)!r}" for field, _ in self.FIELDS)
+        return f"{type(self).__name__}({shown})"
+
+    def __reduce__(self) -> tuple:
+        return type(self), self._values()
+
     @property
     def query(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """The filters by name (what a cursor is bound to)."""
+        return {field: getattr(self, field) for field, _ in self.FIELDS}
 
 
 _BUNDLE_ORDER = (
@@ -231,20 +281,27 @@ _BUNDLE_ORDER = (
 )
 
 
-@dataclass(frozen=True)
 class Bundles(Listing):
     """Bundles, not removed, of their latest attempt (every attempt with
     include_all_attempts), ordered by (run, rollout_id, step_id, rank, attempt, key)."""
 
-    run: str | None = None
-    kind: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
-    include_all_attempts: bool = False
+    FIELDS = (
+        ("run", None),
+        ("kind", None),
+        ("rollout_from", None),
+        ("rollout_to", None),
+        ("include_all_attempts", False),
+    )
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    kind: str | None
+    rollout_from: int | None
+    rollout_to: int | None
+    include_all_attempts: bool
     tag: ClassVar[str] = "bundles"
     kinds: ClassVar[str] = "siiiis"
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         check_rollout_range(self.rollout_from, self.rollout_to)
 
     def statement(
@@ -308,7 +365,6 @@ _STEP_COLUMNS = {
 }
 
 
-@dataclass(frozen=True)
 class Steps(Listing):
     """Actor steps (latest attempt) with their latest replay verdict.
 
@@ -318,15 +374,25 @@ class Steps(Listing):
     UNREPLAYED selects the steps with none. ``attempt`` keeps the steps whose latest
     attempt is that number. ``sort`` is one of STEP_SORTS (default: rollout, step)."""
 
-    run: str | None = None
-    first_divergent_stage: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
-    status: str | None = None
-    attempt: int | None = None
-    sort: str = "step"
+    FIELDS = (
+        ("run", None),
+        ("first_divergent_stage", None),
+        ("rollout_from", None),
+        ("rollout_to", None),
+        ("status", None),
+        ("attempt", None),
+        ("sort", "step"),
+    )
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    first_divergent_stage: str | None
+    rollout_from: int | None
+    rollout_to: int | None
+    status: str | None
+    attempt: int | None
+    sort: str
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.sort not in STEP_SORTS:
             raise UsageError(f"sort must be one of {', '.join(STEP_SORTS)}, got {self.sort!r}")
         check_filter_words(self.status, first_divergent_stage=self.first_divergent_stage)
@@ -490,21 +556,29 @@ def step_verdicts(
     return text, sql.params
 
 
-@dataclass(frozen=True)
 class Divergences(Listing):
     """Divergences of each visible step's or rollout's latest result, ordered by
     (run, rollout_id, step_id, result_id, position)."""
 
-    run: str | None = None
-    stage: str | None = None
-    min_abs_err: float | None = None
-    sample_id: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
+    FIELDS = (
+        ("run", None),
+        ("stage", None),
+        ("min_abs_err", None),
+        ("sample_id", None),
+        ("rollout_from", None),
+        ("rollout_to", None),
+    )
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    stage: str | None
+    min_abs_err: float | None
+    sample_id: str | None
+    rollout_from: int | None
+    rollout_to: int | None
     tag: ClassVar[str] = "divergences"
     kinds: ClassVar[str] = "siiii"
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         check_filter_words(stage=self.stage)
 
     def statement(
@@ -547,15 +621,16 @@ class Divergences(Listing):
         return [row["run"], row["rollout_id"], step, row["result_id"], row["position"]]
 
 
-@dataclass(frozen=True)
 class RouterMetrics(Listing):
     """Router consistency metrics of visible bundles (router-metrics.md names), with each
     bundle's router mode, rank and attempt; ordered by (run, rollout_id, step_id, id)."""
 
-    run: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
-    source: str | None = None
+    FIELDS = (("run", None), ("rollout_from", None), ("rollout_to", None), ("source", None))
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    rollout_from: int | None
+    rollout_to: int | None
+    source: str | None
     tag: ClassVar[str] = "router_metrics"
     kinds: ClassVar[str] = "siii"
 
