@@ -32,7 +32,7 @@ from trajstore.catalog.listings import count as count_listing
 from trajstore.catalog.statements import STEP_IDENTITY, STEP_SORTS, Steps
 from trajstore.cli._catalog import PagedReader
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # PostgreSQL, as the other catalog-server tests
 
 STAGES = ("reward.raw", "advantage.estimate", "loss.policy")
 STATUSES = ("pass", "diverged", "unsupported", "refused")
