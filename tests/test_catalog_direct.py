@@ -126,6 +126,22 @@ def test_both_readers_count_the_rows_of_the_whole_listing(
     assert fast == full == len(rows)
 
 
+@pytest.mark.parametrize(("method", "kw"), COUNTED, ids=[f"{m}-{kw}" for m, kw in COUNTED])
+@pytest.mark.parametrize("prefilter", [False, True])
+def test_a_count_does_not_sort_the_rows_it_counts(method: str, kw: dict, prefilter: bool) -> None:
+    """The count of a cut table reads the listing's rows in no order (the ranking of
+    each step's results orders within a step: that window stays)."""
+    import re
+
+    from trajstore.catalog.listings import LISTINGS
+
+    listing = LISTINGS[method](**kw)
+    text, _ = listing.count_statement(prefilter) if method == "steps" else listing.count_statement()
+    outside_windows = re.sub(r"row_number\(\) OVER \(.*?\) AS rn", "", text)
+    assert "row_number" not in outside_windows
+    assert "ORDER BY" not in outside_windows
+
+
 def test_the_fixture_exercises_pages_results_and_the_tombstone(store: Path) -> None:
     fast, _ = both(store, "bundles", include_all_attempts=True)
     assert len(fast) > 1000

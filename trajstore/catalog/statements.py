@@ -1,7 +1,7 @@
 """The catalog's listings as SQL text, written once for every reader and both databases.
 
-Each listing (bundles, actor steps, divergences, router metrics) is a frozen dataclass of
-its filters; `statement(after, limit)` writes its one statement: plain SQL that DuckDB
+Each listing (bundles, actor steps, divergences, router metrics) is a frozen record of
+its filters (`Listing`); `statement(after, limit)` writes its one statement: plain SQL that DuckDB
 and PostgreSQL both run, parameters marked ``:p0``, ``:p1``, ... (SQLAlchemy's text()
 binds; `duckdb_sql` turns them into DuckDB's ``$p0``). The CLI runs a statement whole
 through the `duckdb` module (trajstore.catalog.direct: no SQLAlchemy to import), REST
@@ -14,10 +14,8 @@ Importing this module imports no database library.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from trajstore.errors import UsageError
@@ -148,10 +146,18 @@ def _visible(sql: Sql, alias: str, stage: str | None, **equal: Any) -> list[str]
 
 
 def latest_results(
-    sql: Sql, run: str | None, kind: str | None = "step", stage: str | None = None
+    sql: Sql,
+    run: str | None,
+    kind: str | None = "step",
+    stage: str | None = None,
+    within: str | None = None,
 ) -> str:
     """Per cohort of visible bundles, its latest result (WHOLE_FIRST, then the latest
     recorded_at): a subquery with the cohort's columns, ``result_id`` and ``rn``.
+
+    With `within`, the name of a relation of actor steps (one row per STEP_IDENTITY, as
+    latest_attempt_steps has them), only those steps' results are ranked: a step's
+    cohort is ranked whole or not at all, so each of them gets the same latest result.
 
     With `stage`, only cohorts that have some result diverging first at `stage` are
     ranked (the index on first_divergent_stage finds them): a cohort whose latest result
@@ -161,12 +167,17 @@ def latest_results(
     DuckDB's full ranking is faster than the extra semi-join (47 vs 53 ms with it)."""
     where = _visible(sql, "rb", stage, kind=kind, run=run)
     cohort = ", ".join(f"rb.{name}" for name in COHORT)
+    chosen = (
+        ""
+        if within is None
+        else f" JOIN {within} AS chosen ON {_joined('chosen', 'rb', STEP_IDENTITY)}"
+    )
     return (
         f"SELECT * FROM (SELECT {cohort}, r.id AS result_id, r.bundle_key, r.status, "
         "r.first_divergent_stage, r.first_divergent_rank, r.root_bundle_key, r.recorded_at, "
         f"r.trajstore_version, row_number() OVER (PARTITION BY {cohort} ORDER BY "
         f"{WHOLE_FIRST}, r.recorded_at DESC NULLS LAST, r.id DESC) AS rn "
-        "FROM replay_results AS r JOIN bundles AS rb ON rb.key = r.bundle_key"
+        f"FROM replay_results AS r JOIN bundles AS rb ON rb.key = r.bundle_key{chosen}"
         f"{_where(where)}) AS ranked WHERE ranked.rn = 1"
     )
 
@@ -196,16 +207,68 @@ def latest_attempt_steps(
 
 
 class Listing:
-    """What every listing dataclass has: `tag` and `kinds` name its cursors (one letter
-    per sort value: "s" a string, "i" an integer), `query` its filters (which a cursor
-    is bound to), `key_of(row)` a row's sort key, `statement(...)` its SQL."""
+    """What every listing has: `tag` and `kinds` name its cursors (one letter per sort
+    value: "s" a string, "i" an integer), `query` its filters (which a cursor is bound
+    to), `key_of(row)` a row's sort key, `statement(...)` its SQL.
 
+    A listing is a frozen record of its filters, FIELDS (name, default) in order: built
+    from them by keyword or position, compared, hashed and shown by them, `_check`ed
+    once built. What a frozen dataclass would give, written out: `dataclasses` (with
+    `inspect`) is the one import of the ls/query/sql path that nothing else there needs
+    (tests/test_cli_imports.py)."""
+
+    __slots__ = ()
+    FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
     tag: ClassVar[str]
     kinds: ClassVar[str]
 
+    def __init__(self, *args: Any, **filters: Any) -> None:
+        name = type(self).__name__
+        names = [field for field, _ in self.FIELDS]
+        if len(args) > len(names):
+            raise TypeError(f"{name}() takes at most {len(names)} arguments, got {len(args)}")
+        given = dict(zip(names, args, strict=False))
+        for field, value in filters.items():
+            if field not in names:
+                raise TypeError(f"{name}() got an unexpected keyword argument {field!r}")
+            if field in given:
+                raise TypeError(f"{name}() got multiple values for argument {field!r}")
+            given[field] = value
+        for field, default in self.FIELDS:
+            object.__setattr__(self, field, given.get(field, default))
+        self._check()
+
+    def _check(self) -> None:
+        """Refuse filters no listing answers (UsageError)."""
+
+    def _values(self) -> tuple:
+        return tuple(getattr(self, field) for field, _ in self.FIELDS)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{field}={getattr(self, field)!r}" for field, _ in self.FIELDS)
+        return f"{type(self).__name__}({shown})"
+
+    def __reduce__(self) -> tuple:
+        return type(self), self._values()
+
     @property
     def query(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """The filters by name (what a cursor is bound to)."""
+        return {field: getattr(self, field) for field, _ in self.FIELDS}
 
 
 _BUNDLE_ORDER = (
@@ -218,27 +281,39 @@ _BUNDLE_ORDER = (
 )
 
 
-@dataclass(frozen=True)
 class Bundles(Listing):
     """Bundles, not removed, of their latest attempt (every attempt with
     include_all_attempts), ordered by (run, rollout_id, step_id, rank, attempt, key)."""
 
-    run: str | None = None
-    kind: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
-    include_all_attempts: bool = False
+    FIELDS = (
+        ("run", None),
+        ("kind", None),
+        ("rollout_from", None),
+        ("rollout_to", None),
+        ("include_all_attempts", False),
+    )
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    kind: str | None
+    rollout_from: int | None
+    rollout_to: int | None
+    include_all_attempts: bool
     tag: ClassVar[str] = "bundles"
     kinds: ClassVar[str] = "siiiis"
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         check_rollout_range(self.rollout_from, self.rollout_to)
 
     def statement(
-        self, after: list | None = None, limit: int | None = None, columns: Any = None
+        self,
+        after: list | None = None,
+        limit: int | None = None,
+        columns: Any = None,
+        ordered: bool = True,
     ) -> tuple[str, dict]:
         """Only `columns` when given (text output needs a few: fetching all 31 columns of
-        10,000 rows costs ~150 ms here)."""
+        10,000 rows costs ~150 ms here); `ordered`: False, in no order (what a count
+        reads)."""
         sql = Sql()
         where = ["removed_at IS NULL"] + ([] if self.include_all_attempts else ["is_latest"])
         sql.eq(where, "run", self.run)
@@ -246,12 +321,13 @@ class Bundles(Listing):
         sql.range(where, "rollout_id", self.rollout_from, self.rollout_to)
         sql.keyset(where, _BUNDLE_ORDER, after)
         selected = ", ".join(f'"{c}"' for c in columns) if columns else "*"
-        text = f"SELECT {selected} FROM bundles{_where(where)} ORDER BY {', '.join(_BUNDLE_ORDER)}"
+        text = f"SELECT {selected} FROM bundles{_where(where)}"
+        text += f" ORDER BY {', '.join(_BUNDLE_ORDER)}" if ordered else ""
         return text + sql.limit(limit), sql.params
 
     def count_statement(self) -> tuple[str, dict]:
-        """How many rows the whole listing has (``n``)."""
-        return count_of(self.statement(columns=("key",)))
+        """How many rows the whole listing has (``n``): its rows, not sorted."""
+        return count_of(self.statement(columns=("key",), ordered=False))
 
     @staticmethod
     def key_of(row: dict) -> list:
@@ -289,7 +365,6 @@ _STEP_COLUMNS = {
 }
 
 
-@dataclass(frozen=True)
 class Steps(Listing):
     """Actor steps (latest attempt) with their latest replay verdict.
 
@@ -299,15 +374,25 @@ class Steps(Listing):
     UNREPLAYED selects the steps with none. ``attempt`` keeps the steps whose latest
     attempt is that number. ``sort`` is one of STEP_SORTS (default: rollout, step)."""
 
-    run: str | None = None
-    first_divergent_stage: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
-    status: str | None = None
-    attempt: int | None = None
-    sort: str = "step"
+    FIELDS = (
+        ("run", None),
+        ("first_divergent_stage", None),
+        ("rollout_from", None),
+        ("rollout_to", None),
+        ("status", None),
+        ("attempt", None),
+        ("sort", "step"),
+    )
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    first_divergent_stage: str | None
+    rollout_from: int | None
+    rollout_to: int | None
+    status: str | None
+    attempt: int | None
+    sort: str
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.sort not in STEP_SORTS:
             raise UsageError(f"sort must be one of {', '.join(STEP_SORTS)}, got {self.sort!r}")
         check_filter_words(self.status, first_divergent_stage=self.first_divergent_stage)
@@ -321,6 +406,18 @@ class Steps(Listing):
     def kinds(self) -> str:  # type: ignore[override]
         lead = self.sort.removeprefix("-")
         return "siii" if lead == "step" else ("i" if lead == "tokens" else "s") + "siii"
+
+    @property
+    def verdict_free(self) -> bool:
+        """Whether the listing's steps and their order need no replay verdict: no filter
+        on the latest result's status or stage, and a sort on step or tokens. Then a
+        page's steps are chosen first and only their results ranked, and the count
+        ranks none (`_page`, `count_statement`)."""
+        return (
+            self.status is None
+            and self.first_divergent_stage is None
+            and self.sort.removeprefix("-") in ("step", "tokens")
+        )
 
     def statement(
         self,
@@ -350,41 +447,74 @@ class Steps(Listing):
 
     def count_statement(self, prefilter: bool = False) -> tuple[str, dict]:
         """How many steps (``n``) the whole listing has: its page of steps, counted
-        (each step has a row there, whatever its number of rank bundles)."""
+        (each step has a row there, whatever its number of rank bundles). A
+        verdict-free listing counts the latest attempts' steps alone: each has one row
+        in the listing, whatever its results, so none is ranked."""
         sql = Sql()
-        return count_of((self._page(sql, None, None, STEP_IDENTITY, prefilter), sql.params))
+        if self.verdict_free:
+            steps = latest_attempt_steps(
+                sql, self.run, self.rollout_from, self.rollout_to, self.attempt
+            )
+            return count_of((steps, sql.params))
+        page = self._page(sql, None, None, STEP_IDENTITY, prefilter, ordered=False)
+        return count_of((page, sql.params))
 
     def _page(
-        self, sql: Sql, after: list | None, limit: int | None, columns: Any, prefilter: bool
+        self,
+        sql: Sql,
+        after: list | None,
+        limit: int | None,
+        columns: Any,
+        prefilter: bool,
+        ordered: bool = True,
     ) -> str:
-        """The steps of `statement`, one row each, in order (before their rank bundles)."""
+        """The steps of `statement`, one row each, in order (before their rank bundles).
+
+        A verdict-free page (`verdict_free`, with a `limit`) picks its steps first
+        (``chosen_steps``: keyset, order, limit over the latest attempts) and ranks the
+        results of those steps only; any other listing ranks the latest result of
+        every step, then filters and sorts on it. Same rows, same order. `ordered`:
+        False, the whole listing in no order (what a count reads)."""
         stage = self.first_divergent_stage if prefilter else None
         steps = latest_attempt_steps(
             sql, self.run, self.rollout_from, self.rollout_to, self.attempt, stage
         )
-        latest = latest_results(sql, self.run, stage=stage)
         lead = _STEP_LEADS.get(self.sort.removeprefix("-"))
         order = [f"steps.{name}" for name in STEP_IDENTITY]
         order = order if lead is None else [lead, *order]
         descending = self.sort.startswith("-")
+        direction = " DESC" if descending else ""
+        order_by = ", ".join(o + direction for o in order)
         where: list[str] = []
         sql.keyset(where, order, after, descending)
-        sql.eq(where, "latest.first_divergent_stage", self.first_divergent_stage)
-        if self.status == _UNREPLAYED:
-            where.append("latest.result_id IS NULL")
-        else:
-            sql.eq(where, "latest.status", self.status)
         selected = [f"{lead or 'NULL'} AS sort_key"] + [
             expr
             for name, expr in _STEP_COLUMNS.items()
             if columns is None or name in columns or name in STEP_IDENTITY
         ]
-        direction = " DESC" if descending else ""
-        return (
+        on_step = _joined("latest", "steps", STEP_IDENTITY)
+        if self.verdict_free and limit is not None:
+            chosen = f"SELECT * FROM ({steps}) AS steps{_where(where)} ORDER BY {order_by}"
+            chosen += sql.limit(limit)
+            latest = latest_results(sql, self.run, within="chosen_steps")
+            return (
+                f"WITH chosen_steps AS ({chosen}) SELECT {', '.join(selected)} "
+                f"FROM chosen_steps AS steps LEFT OUTER JOIN ({latest}) AS latest "
+                f"ON {on_step} ORDER BY {order_by}"
+            )
+        latest = latest_results(sql, self.run, stage=stage)
+        sql.eq(where, "latest.first_divergent_stage", self.first_divergent_stage)
+        if self.status == _UNREPLAYED:
+            where.append("latest.result_id IS NULL")
+        else:
+            sql.eq(where, "latest.status", self.status)
+        text = (
             f"SELECT {', '.join(selected)} FROM ({steps}) AS steps LEFT OUTER JOIN "
-            f"({latest}) AS latest ON {_joined('latest', 'steps', STEP_IDENTITY)}"
-            f"{_where(where)} ORDER BY {', '.join(o + direction for o in order)}" + sql.limit(limit)
+            f"({latest}) AS latest ON {on_step}{_where(where)}"
         )
+        if ordered or limit is not None:
+            text += f" ORDER BY {order_by}"
+        return text + sql.limit(limit)
 
 
 def collate_steps(rows: list[dict]) -> tuple[list[dict], list]:
@@ -426,24 +556,35 @@ def step_verdicts(
     return text, sql.params
 
 
-@dataclass(frozen=True)
 class Divergences(Listing):
     """Divergences of each visible step's or rollout's latest result, ordered by
     (run, rollout_id, step_id, result_id, position)."""
 
-    run: str | None = None
-    stage: str | None = None
-    min_abs_err: float | None = None
-    sample_id: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
+    FIELDS = (
+        ("run", None),
+        ("stage", None),
+        ("min_abs_err", None),
+        ("sample_id", None),
+        ("rollout_from", None),
+        ("rollout_to", None),
+    )
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    stage: str | None
+    min_abs_err: float | None
+    sample_id: str | None
+    rollout_from: int | None
+    rollout_to: int | None
     tag: ClassVar[str] = "divergences"
     kinds: ClassVar[str] = "siiii"
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         check_filter_words(stage=self.stage)
 
-    def statement(self, after: list | None = None, limit: int | None = None) -> tuple[str, dict]:
+    def statement(
+        self, after: list | None = None, limit: int | None = None, ordered: bool = True
+    ) -> tuple[str, dict]:
+        """`ordered`: False, in no order (what a count reads)."""
         check_rollout_range(self.rollout_from, self.rollout_to)
         sql = Sql()
         latest = latest_results(sql, self.run, kind=None)
@@ -465,13 +606,14 @@ class Divergences(Listing):
             "SELECT latest.run, latest.kind, latest.rollout_id, latest.step_id, "
             "latest.attempt, latest.bundle_key, latest.trajstore_version, latest.recorded_at, "
             f"d.* FROM divergences AS d JOIN ({latest}) AS latest "
-            f"ON latest.result_id = d.result_id{_where(where)} ORDER BY {', '.join(order)}"
+            f"ON latest.result_id = d.result_id{_where(where)}"
         )
+        text += f" ORDER BY {', '.join(order)}" if ordered else ""
         return text + sql.limit(limit), sql.params
 
     def count_statement(self) -> tuple[str, dict]:
-        """How many rows the whole listing has (``n``)."""
-        return count_of(self.statement())
+        """How many rows the whole listing has (``n``): its rows, not sorted."""
+        return count_of(self.statement(ordered=False))
 
     @staticmethod
     def key_of(row: dict) -> list:
@@ -479,19 +621,23 @@ class Divergences(Listing):
         return [row["run"], row["rollout_id"], step, row["result_id"], row["position"]]
 
 
-@dataclass(frozen=True)
 class RouterMetrics(Listing):
     """Router consistency metrics of visible bundles (router-metrics.md names), with each
     bundle's router mode, rank and attempt; ordered by (run, rollout_id, step_id, id)."""
 
-    run: str | None = None
-    rollout_from: int | None = None
-    rollout_to: int | None = None
-    source: str | None = None
+    FIELDS = (("run", None), ("rollout_from", None), ("rollout_to", None), ("source", None))
+    __slots__ = tuple(field for field, _ in FIELDS)
+    run: str | None
+    rollout_from: int | None
+    rollout_to: int | None
+    source: str | None
     tag: ClassVar[str] = "router_metrics"
     kinds: ClassVar[str] = "siii"
 
-    def statement(self, after: list | None = None, limit: int | None = None) -> tuple[str, dict]:
+    def statement(
+        self, after: list | None = None, limit: int | None = None, ordered: bool = True
+    ) -> tuple[str, dict]:
+        """`ordered`: False, in no order (what a count reads)."""
         check_rollout_range(self.rollout_from, self.rollout_to)
         sql = Sql()
         where = ["b.is_latest"]
@@ -504,13 +650,14 @@ class RouterMetrics(Listing):
             "SELECT m.*, lineage.mode, b.rank, b.attempt FROM router_metrics AS m "
             "JOIN bundles AS b ON b.key = m.bundle_key "
             "LEFT OUTER JOIN router_lineage AS lineage ON lineage.bundle_key = m.bundle_key"
-            f"{_where(where)} ORDER BY {', '.join(order)}"
+            f"{_where(where)}"
         )
+        text += f" ORDER BY {', '.join(order)}" if ordered else ""
         return text + sql.limit(limit), sql.params
 
     def count_statement(self) -> tuple[str, dict]:
-        """How many rows the whole listing has (``n``)."""
-        return count_of(self.statement())
+        """How many rows the whole listing has (``n``): its rows, not sorted."""
+        return count_of(self.statement(ordered=False))
 
     @staticmethod
     def key_of(row: dict) -> list:
