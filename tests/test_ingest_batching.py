@@ -95,3 +95,20 @@ def test_objects_put_while_a_flush_writes_its_pack_are_readable_and_flushed(
     stored = {o.hash for o in again.iter_objects()}
     assert set(names) <= stored
     assert len(names) == 900
+
+
+def test_list_names_is_the_listing_without_times(tmp_path: Path) -> None:
+    """`list_names` reads the names alone (no stat a document): the same names as `list`,
+    so a temp file being written, a subfolder and a link to a folder are left out."""
+    from trajstore.jsonio import temp_sibling
+
+    space = LocalRefSpace(tmp_path)
+    for name in ("b.json", "a.json", "c.txt"):
+        assert space.create_if_absent(f"refs/bundles/{name}", b"{}")
+    temp_sibling(tmp_path / "refs" / "bundles" / "d.json").write_bytes(b"partial")
+    (tmp_path / "refs" / "bundles" / "sub").mkdir()
+    (tmp_path / "refs" / "bundles" / "to-sub").symlink_to(tmp_path / "refs" / "bundles" / "sub")
+    names = space.list_names("refs/bundles")
+    assert names == [d.name for d in space.list("refs/bundles")]
+    assert names == ["a.json", "b.json", "c.txt"]
+    assert space.list_names("refs/none") == []

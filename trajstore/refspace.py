@@ -72,6 +72,10 @@ class RefSpace(ABC):
     def list(self, folder: str) -> list[DocInfo]:
         """Documents directly inside `folder` (finished creates only), sorted by name."""
 
+    def list_names(self, folder: str) -> list[str]:
+        """The names of `list` alone (a backend may find them without their times)."""
+        return [d.name for d in self.list(folder)]
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove `key` if present."""
@@ -250,6 +254,16 @@ class LocalRefSpace(RefSpace):
         except FileNotFoundError:
             return []
         return sorted(out, key=lambda d: d.name)
+
+    def list_names(self, folder: str) -> list[str]:
+        """`list`'s names from one directory read: no stat per document (the entry's type
+        comes with it), which is most of listing a folder of 100,000 refs."""
+        try:
+            with os.scandir(self.root / folder) as it:
+                names = [e.name for e in it if not e.name.startswith(".") and e.is_file()]
+        except FileNotFoundError:
+            return []
+        return sorted(names)
 
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)

@@ -60,7 +60,7 @@ def _space(store: StoreSource) -> RefSpace:
 
 def _list_names(space: RefSpace, directory: str) -> list[str]:
     """Published document names (finished atomic creates only), sorted."""
-    return [d.name for d in space.list(DIRECTORIES[directory]) if d.name.endswith(".json")]
+    return [n for n in space.list_names(DIRECTORIES[directory]) if n.endswith(".json")]
 
 
 # -- sync --------------------------------------------------------------------------

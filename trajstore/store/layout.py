@@ -80,7 +80,7 @@ class StoreLayout:
 
 def list_docs(space: RefSpace, folder: str) -> list[str]:
     """Names (without `.json`) of published documents in `folder`, oldest first."""
-    return [d.name[:-5] for d in space.list(folder) if d.name.endswith(".json")]
+    return [n[:-5] for n in space.list_names(folder) if n.endswith(".json")]
 
 
 def anchor_label(kind: str, rollout_id: int, step_id: int | None) -> str:
