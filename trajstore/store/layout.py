@@ -124,6 +124,10 @@ def _entry_from_doc(name: str, d: dict[str, Any]) -> RefEntry:
     )
 
 
+def _anchor_of(e: RefEntry) -> tuple:
+    return (e.run, e.kind, e.rollout_id, e.step_id)
+
+
 class RefIndex:
     """Incremental view of `refs/`: reads only refs and tombstones published since the last refresh.
 
@@ -150,6 +154,10 @@ class RefIndex:
         self._marks: dict[str, str] = {}  # folder -> newest name listed there
         self._live: dict[str, RefEntry] | None = None
         self._anchors: dict[tuple, list[RefEntry]] | None = None
+        # what `_live` is derived from, kept while it is: key -> newest ref, key -> newest
+        # tombstone name (so a refresh updates it by what it read, not by every ref)
+        self._newest: dict[str, RefEntry] = {}
+        self._removed: dict[str, str] = {}
         self._incremental = hasattr(space, "list_after")
         self._margin_s: float | None = None
         self._loaded = False
@@ -167,12 +175,14 @@ class RefIndex:
         if force:
             self.invalidate()
         before = (len(self._refs), len(self._bad), len(self._tombs))
+        refs: list[str] = []
+        tombs: list[str] = []
         if self.space.changed(BUNDLE_REFS_KEY, self._stamps):
-            self._refresh_refs(self._listing(BUNDLE_REFS_KEY, full=force))
+            refs = self._refresh_refs(self._listing(BUNDLE_REFS_KEY, full=force))
         if self.space.changed(TOMBSTONES_KEY, self._stamps):
-            self._refresh_tombstones(self._listing(TOMBSTONES_KEY, full=force))
+            tombs = self._refresh_tombstones(self._listing(TOMBSTONES_KEY, full=force))
         if (len(self._refs), len(self._bad), len(self._tombs)) != before:
-            self._live = self._anchors = None
+            self._update_live(refs, tombs)
             self._save_cache()
 
     def _listing(self, folder: str, *, full: bool) -> list[str]:
@@ -191,23 +201,77 @@ class RefIndex:
             self._marks[folder] = names[-1]
         return names
 
-    def _refresh_refs(self, names: list[str]) -> None:
+    def _refresh_refs(self, names: list[str]) -> list[str]:
+        """Read the refs among `names` not read before; the names of those added."""
+        added = []
         for name in names:
             if name in self._refs or name in self._bad:
                 continue
             try:
                 self._refs[name] = _entry_from_doc(name, self.read(name))
+                added.append(name)
             except (StoreError, KeyError, TypeError, ValueError) as e:
                 self._bad[name] = f"ref {name}: unreadable ({e})"
+        return added
 
-    def _refresh_tombstones(self, names: list[str]) -> None:
+    def _refresh_tombstones(self, names: list[str]) -> list[str]:
+        """Read the tombstones among `names` not read before; the names of those added."""
+        added = []
         for name in names:
             if name not in self._tombs:
                 try:
                     d = json.loads(self.space.read(f"{TOMBSTONES_KEY}/{name}.json"))
                     self._tombs[name] = str(d["key"])
+                    added.append(name)
                 except (StoreError, ValueError, KeyError, TypeError) as e:
                     self._bad[name] = f"tombstone {name}: unreadable ({e})"
+        return added
+
+    def _update_live(self, refs: list[str], tombs: list[str]) -> None:
+        """`_live` (and `_anchors`) after `refs` and `tombs` were read: each is a new dict
+        (one handed out before stays as it was), changed only at the keys they name, so a
+        refresh that reads 100 new refs into a store of 100,000 costs a copy, not a sort
+        of every ref. Before the first `live()`, nothing is built (it builds it whole)."""
+        if self._live is None:
+            self._anchors = None
+            return
+        keys: set[str] = set()
+        for name in refs:
+            e = self._refs[name]
+            old = self._newest.get(e.key)
+            if old is None or old.name < e.name:
+                self._newest[e.key] = e
+                keys.add(e.key)
+        for name in tombs:
+            key = self._tombs[name]
+            if self._removed.get(key, "") < name:
+                self._removed[key] = name
+                keys.add(key)
+        before, live = self._live, dict(self._live)
+        for key in keys:
+            e = self._newest.get(key)
+            if e is not None and self._removed.get(key, "") < e.name:
+                live[key] = e
+            else:
+                live.pop(key, None)
+        self._live = live
+        if self._anchors is not None:
+            anchors = dict(self._anchors)
+            for key in keys:
+                old, new = before.get(key), live.get(key)
+                if old is new:
+                    continue
+                if old is not None:
+                    at = _anchor_of(old)
+                    kept = [m for m in anchors.get(at, ()) if m is not old]
+                    if kept:
+                        anchors[at] = kept
+                    else:
+                        anchors.pop(at, None)
+                if new is not None:
+                    at = _anchor_of(new)
+                    anchors[at] = [*anchors.get(at, ()), new]
+            self._anchors = anchors
 
     # -- the local cache (a speed-up only: anything odd there is ignored) --
 
@@ -318,6 +382,7 @@ class RefIndex:
             removed: dict[str, str] = {}
             for tname, key in self._tombs.items():
                 removed[key] = max(removed.get(key, ""), tname)
+            self._newest, self._removed = newest, removed
             self._live = {k: e for k, e in newest.items() if removed.get(k, "") < e.name}
         return self._live
 
@@ -329,6 +394,6 @@ class RefIndex:
         if self._anchors is None:
             anchors: dict[tuple, list[RefEntry]] = {}
             for e in live.values():
-                anchors.setdefault((e.run, e.kind, e.rollout_id, e.step_id), []).append(e)
+                anchors.setdefault(_anchor_of(e), []).append(e)
             self._anchors = anchors
         return list(self._anchors.get((run, kind, rollout_id, step_id), ()))
