@@ -130,6 +130,62 @@ def test_a_digest_miss_reads_the_snapshot_through_its_samples_index(store: Path)
         state.close()
 
 
+def test_a_lazy_digest_of_a_step_synced_after_earlier_misses_is_read(
+    tmp_path: Path, make_bundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A digest miss reads through one connection held across misses (not a pool checkout
+    each): a step synced after that connection's first use is still read whole (no
+    transaction of the first miss outlives it)."""
+    monkeypatch.setattr(snapshot, "PRELOAD_SAMPLES", 0)  # every digest loads on a miss
+    root = tmp_path / "store"
+    with Store.open(root, durable=False) as st:
+        assert st.ingest([make_bundle(rollout_id=0, step_id=0)], run="r")[0].status == "published"
+        state = AppState(root, None, 3600.0)
+        try:
+            first = group_detail(state, "r", "step", 0, 0, None)
+            assert first.samples.num_samples > 0
+            (outcome,) = st.ingest([make_bundle(rollout_id=1, step_id=0)], run="r")
+            assert outcome.status == "published"
+            assert state.snap.refresh(force=True)
+            (row,) = state.view.groups["r", "step", 1, 0]
+            got = group_detail(state, "r", "step", 1, 0, None).samples
+            want = _oracle(state, row["key"], row["rank"])
+            assert want["num_samples"] > 0
+            assert got.num_samples == want["num_samples"]
+            assert got.num_tokens == want["num_tokens"]
+            assert {(g.semantic_group, g.group_index): g.sample_ids for g in got.groups} == want[
+                "groups"
+            ]
+        finally:
+            state.close()
+
+
+def test_a_digest_read_by_key_is_in_sample_order_whatever_the_row_order() -> None:
+    """The rows of a miss come back in the table's (or the index's) order, which need not
+    be the samples' order: a group's sample ids are listed by position all the same."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    try:
+        con.execute(
+            "CREATE TABLE samples (bundle_key VARCHAR, position INTEGER, sample_id VARCHAR, "
+            "semantic_group VARCHAR, group_index INTEGER, micro_batch_id VARCHAR, "
+            "rank INTEGER, total_length INTEGER, response_length INTEGER)"
+        )
+        con.execute(f"CREATE INDEX {snapshot.SNAPSHOT_SAMPLES_INDEX} ON samples (bundle_key)")
+        for position in (2, 0, 3, 1):
+            con.execute(
+                "INSERT INTO samples VALUES ('k', ?, ?, 'g', 0, 'mb', NULL, 10, 4)",
+                [position, f"s-{position}"],
+            )
+        (digest,) = snapshot._load_digests_by_key(con, ["k", "absent"]).values()  # noqa: SLF001
+        assert digest.groups == {("g", 0): ["s-0", "s-1", "s-2", "s-3"]}
+        assert (digest.num_samples, digest.num_tokens, digest.num_response_tokens) == (4, 40, 16)
+        assert digest.micro_batches == {("mb", None): 4}
+    finally:
+        con.close()
+
+
 def test_a_damaged_manifest_is_skipped_at_start_and_fails_its_lookup(tmp_path: Path) -> None:
     root = tmp_path / "store"
     with Store.open(root, durable=False) as st:
