@@ -226,9 +226,21 @@ def _samples_table(con: Any) -> None:
     con.execute(f"CREATE INDEX {snapshot.SNAPSHOT_SAMPLES_INDEX} ON samples (bundle_key)")
 
 
-def test_a_packed_digest_is_the_digest_of_the_sample_rows() -> None:
+def _packed(con: Any, keys: list[str]) -> dict[str, snapshot.SampleDigest]:
+    return {
+        key: snapshot._unpack(text)  # noqa: SLF001
+        for part in snapshot._pack_digests(con, keys)  # noqa: SLF001
+        for key, text in part
+    }
+
+
+def test_a_packed_digest_is_the_digest_of_the_sample_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Packed in DuckDB as JSON and unpacked here, a digest is the one its sample rows give:
-    ids that JSON must escape, missing groups, ranks and lengths, groups interleaved."""
+    ids that JSON must escape, missing groups, ranks and lengths, groups interleaved; by
+    key list or (more keys than PACK_CHUNK) by key ranges, which leave out the keys in a
+    range that were not asked for."""
     import duckdb
 
     odd = ['quo"te', "back\\slash", "new\nline", "tab\t", "ünï ✓", "\x01ctl", "", "s-7"]
@@ -250,10 +262,12 @@ def test_a_packed_digest_is_the_digest_of_the_sample_rows() -> None:
             con.execute("INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", list(row))
         want = snapshot._load_digests_by_key(con, ["k1", "k2", "k3"])  # noqa: SLF001
         assert want["k1"].num_samples == len(odd)
-        every = dict(snapshot._pack_digests(con, None))  # noqa: SLF001
-        assert {key: snapshot._unpack(text) for key, text in every.items()} == want  # noqa: SLF001
-        some = snapshot._pack_digests(con, ["k2", "absent"])  # noqa: SLF001
-        assert [(key, snapshot._unpack(text)) for key, text in some] == [("k2", want["k2"])]  # noqa: SLF001
+        assert _packed(con, ["k3", "k1", "k2"]) == want
+        assert _packed(con, ["k2", "absent"]) == {"k2": want["k2"]}
+        monkeypatch.setattr(snapshot, "PACK_CHUNK", 2)  # by ranges: k1..k3 (holds k2), zz
+        assert _packed(con, ["k3", "k1", "zz"]) == {"k1": want["k1"], "k3": want["k3"]}
+        monkeypatch.setattr(snapshot, "PACK_CHUNK", 1)
+        assert _packed(con, ["k3", "k2", "k1"]) == want
     finally:
         con.close()
 
