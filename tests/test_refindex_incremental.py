@@ -111,3 +111,37 @@ def test_a_view_handed_out_before_an_update_stays_as_it_was(tmp_path: Path) -> N
         store.ingest([_capture(tmp_path / "b", range(2, 3))], run="r")
         assert before == kept
         assert store.refs.live() != before
+
+
+def test_a_ref_arriving_late_with_an_older_name_does_not_replace_the_newer(
+    tmp_path: Path,
+) -> None:
+    """A writer whose clock is behind publishes a ref named before the newest one of its
+    key (here before the tombstone too): the newer ref stays live."""
+    cap = _capture(tmp_path / "a", range(1))
+    with Store.open(tmp_path / "st") as store:
+        store.ingest([cap], run="r")
+        first = store.refs.live()["r/step-7-0/a1"].name
+        store.remove(["r/step-7-0/a1"])
+        store.ingest([cap], run="r")
+        newer = store.refs.live()["r/step-7-0/a1"].name
+        refs = tmp_path / "st" / "refs" / "bundles"
+        lagging = f"{int(first.split('-')[0]) - 1:020d}-1-000000000000"
+        (refs / f"{lagging}.json").write_bytes((refs / f"{first}.json").read_bytes())
+        store.refs.invalidate()
+        assert {k: e.name for k, e in store.refs.live().items()} == {"r/step-7-0/a1": newer}
+        _same_as_fresh(store)
+
+
+def test_an_unreadable_ref_is_a_problem_and_not_live(tmp_path: Path) -> None:
+    from trajstore.store.layout import new_doc_name
+
+    with Store.open(tmp_path / "st") as store:
+        store.ingest([_capture(tmp_path / "a", range(1))], run="r")
+        store.refs.live()
+        bad = new_doc_name()
+        (tmp_path / "st" / "refs" / "bundles" / f"{bad}.json").write_bytes(b"{not json")
+        store.ingest([_capture(tmp_path / "b", range(1, 2))], run="r")
+        assert sorted(store.refs.live()) == ["r/step-7-0/a1", "r/step-7-1/a1"]
+        assert [p.split(":")[0] for p in store.refs.problems] == [f"ref {bad}"]
+        _same_as_fresh(store)

@@ -201,3 +201,14 @@ def test_a_corrupt_or_foreign_ref_cache_is_ignored_and_rebuilt(
         assert sorted(e.step_id for e in store.refs.live().values()) == [0, 1, 2]
         assert store.space.listed == 3  # a full listing
     assert json.loads(cache.read_text())["format"] == "trajstore-refindex-1"
+
+
+def test_list_names_of_an_s3_space_are_the_names_list_gives(s3_env: Any, tmp_path: Path) -> None:
+    url = s3_env.fresh_url("names")
+    _ingest_each(url, tmp_path, range(2))
+    with Store.open(url) as store:
+        space = store.space
+        assert space.list_names("refs/nothing-here") == []
+        names = space.list_names("refs/bundles")
+        assert len(names) == 2
+        assert names == [d.name for d in space.list("refs/bundles")]
