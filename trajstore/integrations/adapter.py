@@ -105,7 +105,7 @@ class FrameworkAdapter(ABC):
     def installed_version(self) -> str | None:
         """The installed release, read from its metadata without importing it, once per
         process: every captured step names it, and reading the metadata (a scan of the
-        installed distributions) cost about 10 ms a step on the training thread."""
+        installed distributions) cost about 1.2 ms a step on the training thread."""
         if self._version is None:
             from importlib.metadata import PackageNotFoundError, version
 
