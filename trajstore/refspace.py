@@ -240,30 +240,28 @@ class LocalRefSpace(RefSpace):
     def exists(self, key: str) -> bool:
         return (self.root / key).is_file()
 
-    def list(self, folder: str) -> list[DocInfo]:
-        out = []
+    def _documents(self, folder: str) -> list[os.DirEntry]:
+        """The entries of `folder` that are documents: files, not dot names (a create in
+        progress is a dot-named temp file); none if the folder does not exist."""
         try:
             with os.scandir(self.root / folder) as it:
-                for e in it:
-                    if e.name.startswith(".") or not e.is_file():
-                        continue
-                    try:
-                        out.append(DocInfo(e.name, e.stat().st_mtime))
-                    except FileNotFoundError:
-                        continue
+                return [e for e in it if not e.name.startswith(".") and e.is_file()]
         except FileNotFoundError:
             return []
+
+    def list(self, folder: str) -> list[DocInfo]:
+        out = []
+        for e in self._documents(folder):
+            try:
+                out.append(DocInfo(e.name, e.stat().st_mtime))
+            except FileNotFoundError:
+                continue
         return sorted(out, key=lambda d: d.name)
 
     def list_names(self, folder: str) -> list[str]:
         """`list`'s names from one directory read: no stat per document (the entry's type
         comes with it), which is most of listing a folder of 100,000 refs."""
-        try:
-            with os.scandir(self.root / folder) as it:
-                names = [e.name for e in it if not e.name.startswith(".") and e.is_file()]
-        except FileNotFoundError:
-            return []
-        return sorted(names)
+        return sorted(e.name for e in self._documents(folder))
 
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)
