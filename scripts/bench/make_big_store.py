@@ -335,18 +335,25 @@ def make_store(
     fault_every: int = 97,
     clip_every: int = 89,
     progress: bool = True,
+    scratch_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Build the store at `out` (must not exist); returns the plan (ground truth) plus timings."""
+    """Build the store at `out` (a directory that must not exist, or an empty s3:// prefix,
+    with its endpoint and credentials in the environment); returns the plan (ground truth)
+    plus timings. Bundles are generated under `scratch_dir` (default: beside a directory
+    `out`, the temporary directory for a URL)."""
     from trajstore.store import Store
 
-    out = Path(out)
-    if out.exists():
-        raise SystemExit(f"{out}: already exists")
+    remote = "://" in str(out)
+    if not remote:
+        out = Path(out)
+        if out.exists():
+            raise SystemExit(f"{out}: already exists")
     if small:
         samples = 8
     p = plan(steps, per_rollout, fault_every, clip_every)
     t0 = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="bigstore-", dir=out.parent))
+    where = scratch_dir or (None if remote else Path(out).parent)
+    scratch = Path(tempfile.mkdtemp(prefix="bigstore-", dir=where))
     try:
         if distinct:
             tmpls: dict[str, Any] = {"distinct": {"samples": samples, "mean_tokens": mean_tokens}}
@@ -368,7 +375,8 @@ def make_store(
             results = map(_work, jobs_args)
             pool = None
         else:
-            pool = mp.get_context("fork").Pool(jobs)
+            # a child forked after an S3 request cannot make its own: spawn for a URL
+            pool = mp.get_context("spawn" if remote else "fork").Pool(jobs)
             results = pool.imap_unordered(_work, jobs_args)
         try:
             for n, bad, _ in results:

@@ -82,6 +82,9 @@ FIGURES: list[Entry] = [
     Entry("ray", "bench_ray.py", ("--build", "{work}/ray-store", "--steps", "48"),  # 60 bundles
           ("--build", "{work}/ray-store", "--steps", "4", "--samples", "8", "--mean-tokens",
            "32", "--reps", "1")),
+    Entry("ray_s3", "bench_ray.py", ("--s3", "{work}/ray-s3", "--steps", "48"),
+          ("--s3", "{work}/ray-s3", "--steps", "4", "--samples", "8", "--mean-tokens", "32",
+           "--reps", "1")),
     Entry("mismatch", "bench_mismatch.py", ("--dir", "{work}"), ("--quick", "--dir", "{work}")),
     Entry("scale", "bench_scale.py", ("--dir", "{work}/scale100k"),
           ("--quick", "--steps", "500", "--dir", "{work}/scale100k")),
