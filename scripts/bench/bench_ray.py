@@ -45,10 +45,19 @@ TARGET_S3 = 1.6  # issue 33: Ray W workers / one local process, S3 + PostgreSQL
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; 0 without one)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def s3_and_catalog(data: Path) -> Iterator[tuple[str, str]]:
+def s3_and_catalog(data: Path) -> Iterator[tuple[str, str, int]]:
     """A loopback S3 server (its AWS_* variables set in this process, so Ray's workers
-    inherit them) and a fresh PostgreSQL schema: (empty store URL, catalog URL)."""
+    inherit them) and a fresh PostgreSQL schema: (empty store URL, catalog URL, the
+    server's pid: it shares this machine's cores with the replay)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from pg_server import fresh_schema
     from s3server import s3_server
@@ -56,7 +65,7 @@ def s3_and_catalog(data: Path) -> Iterator[tuple[str, str]]:
     data.mkdir(parents=True, exist_ok=True)
     with s3_server(data / "weed") as server, fresh_schema() as catalog:
         os.environ.update(server.env())
-        yield server.fresh_url("ray"), catalog
+        yield server.fresh_url("ray"), catalog, server.proc.pid
 
 
 def main() -> int:
@@ -78,12 +87,14 @@ def main() -> int:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.s3:
-        with s3_and_catalog(args.s3) as (url, catalog):
-            return measure(args, url, catalog)
-    return measure(args, args.build or args.store, None)
+        with s3_and_catalog(args.s3) as (url, catalog, server_pid):
+            return measure(args, url, catalog, server_pid)
+    return measure(args, args.build or args.store, None, None)
 
 
-def measure(args: argparse.Namespace, root: Path | str, catalog: str | None) -> int:
+def measure(
+    args: argparse.Namespace, root: Path | str, catalog: str | None, server_pid: int | None
+) -> int:
     """Build the store when asked, then alternate the two executors on it."""
     import ray
 
@@ -119,7 +130,11 @@ def measure(args: argparse.Namespace, root: Path | str, catalog: str | None) -> 
     ray_start = time.perf_counter() - t0
     say(f"ray.init (local instance, {w} CPUs): {ray_start:.1f} s")
 
+    server_cpu: dict[str, list[float]] = {"local": [], "ray": []}
+    own_cpu: list[float] = []  # this process's CPU in the local runs (1 worker: in process)
+
     def once(executor: str) -> tuple[float, dict]:
+        c0, p0 = cpu_seconds(server_pid), time.process_time()
         s = replay_all(
             root,
             workers=base_workers if executor == "local" else w,
@@ -127,6 +142,9 @@ def measure(args: argparse.Namespace, root: Path | str, catalog: str | None) -> 
             progress=False,
             catalog_url=catalog,
         )
+        server_cpu[executor].append(cpu_seconds(server_pid) - c0)
+        if executor == "local":
+            own_cpu.append(time.process_time() - p0)
         d = s.to_dict()
         return s.seconds, {k: d[k] for k in ("total", "pass", "diverged", "refused")} | {
             "histogram": d["first_divergent_stage_histogram"]
@@ -162,9 +180,21 @@ def measure(args: argparse.Namespace, root: Path | str, catalog: str | None) -> 
             f"(runs {per} s)"
         )
     say(f"ratio ray/local throughput (local median / ray median): {ratio:.3f}x")
+    ceiling = ""
     if on_s3:
         name = f"`replay --all` on S3 + PostgreSQL, Ray {w} workers / 1 local process"
         target = TARGET_S3
+        # the loopback server's CPU is this machine's too: with the replay's own CPU it
+        # bounds what W workers on W cores can reach (timed runs only, not the warm-ups)
+        srv = {k: statistics.median(v[1:]) for k, v in server_cpu.items()}
+        mine = statistics.median(own_cpu[1:])
+        best = med["local"] / ((mine + srv["local"]) / w)
+        ceiling = (
+            f"; S3 server CPU a run {srv['local']:.2f} s (local) / {srv['ray']:.2f} s (Ray), "
+            f"the local run's own CPU {mine:.2f} s: {w} fully busy cores could reach at most "
+            f"{best:.2f}x"
+        )
+        say(ceiling.removeprefix("; "))
     else:
         name = f"`replay --all` on Ray / the local pool, {w} workers each, same store"
         target = TARGET
@@ -184,12 +214,14 @@ def measure(args: argparse.Namespace, root: Path | str, catalog: str | None) -> 
                     f"{total} bundles, local ({base_workers} worker"
                     f"{'s' if base_workers > 1 else ''}) median {med['local']:.2f} s, Ray "
                     f"{med['ray']:.2f} s (runs alternate; one warm-up each; ray.init "
-                    f"{ray_start:.1f} s not counted)"
+                    f"{ray_start:.1f} s not counted){ceiling}"
                 ),
             )
         ],
         load_before,
         seconds=times,
+        server_cpu_seconds=server_cpu,
+        local_cpu_seconds=own_cpu,
         verdicts=verdicts,
     )
     return 0
