@@ -2,15 +2,16 @@
 """replay --all on Ray as a ratio to the local executor, same worker count, same store, one run.
 
     .venv/bin/python scripts/bench/bench_ray.py --build DIR [--steps 48] [--samples 256]
-        [--mean-tokens 1024] [--workers 2] [--reps 3] [--json OUT]
+        [--mean-tokens 3300] [--workers 2] [--reps 3] [--json OUT]
     .venv/bin/python scripts/bench/bench_ray.py --store DIR ...
 
 The store is built in the same run by `make_big_store.make_store(distinct=True)`
 (every bundle its own seeded content) unless `--store` names one. A local Ray
 instance with `--workers` CPUs is started in this process once (its start-up
 is reported, not counted: a deployment's cluster is already up); then
-`replay_all(executor="local", workers=W)` and `replay_all(executor="ray",
-workers=W)` run interleaved, one warm-up each (page cache and Ray's worker
+`replay_all(executor="local", workers=W, record=True, force=True)` (`replay
+--all --record`: every run replays and records every bundle) and the same with
+`executor="ray"` run interleaved, one warm-up each (page cache and Ray's worker
 processes warm), then `--reps` timed runs each. The figure is the ratio of
 median wall times, local / Ray (>= 1 means Ray is as fast); target >= 0.9 (issue 33).
 Verdicts of both executors must agree, or the script exits 1.
@@ -79,7 +80,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48)  # 60 bundles (issue 33)
     ap.add_argument("--steps-per-rollout", type=int, default=4)
     ap.add_argument("--samples", type=int, default=256)
-    ap.add_argument("--mean-tokens", type=int, default=1024)
+    # 60 bundles of 256 samples of ~3,300 tokens: ~1.2 GB of payloads (issue 33's workload)
+    ap.add_argument("--mean-tokens", type=int, default=3300)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
@@ -122,6 +124,12 @@ def measure(
             f"built {truth['bundles']} bundles at {root} in {truth['build_seconds']} s; "
             f"load {load1()}"
         )
+    from trajstore.store import Store
+    from trajstore.store.maintenance import stats
+
+    with Store.open(root, create=False, catalog_url=catalog) as store:
+        logical = stats(store)["logical_bytes"]
+    say(f"store: {logical / 1e9:.2f} GB of payloads (logical)")
     w = args.workers
     # the baseline: the local pool with as many workers, or on S3 one local process
     base_workers = 1 if on_s3 else w
@@ -141,6 +149,8 @@ def measure(
             executor=executor,
             progress=False,
             catalog_url=catalog,
+            record=True,  # `replay --all --record`: every run replays and records them all
+            force=True,
         )
         server_cpu[executor].append(cpu_seconds(server_pid) - c0)
         if executor == "local":
@@ -211,7 +221,8 @@ def measure(
                 target_workload=60,  # issue 33: 60 bundles (1.2 GB)
                 workload_unit="bundles",
                 detail=(
-                    f"{total} bundles, local ({base_workers} worker"
+                    f"{total} bundles ({logical / 1e9:.2f} GB logical), local ({base_workers} "
+                    f"worker"
                     f"{'s' if base_workers > 1 else ''}) median {med['local']:.2f} s, Ray "
                     f"{med['ray']:.2f} s (runs alternate; one warm-up each; ray.init "
                     f"{ray_start:.1f} s not counted){ceiling}"
