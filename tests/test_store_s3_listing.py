@@ -200,7 +200,7 @@ def test_a_corrupt_or_foreign_ref_cache_is_ignored_and_rebuilt(
     with Store.open(url) as store:
         assert sorted(e.step_id for e in store.refs.live().values()) == [0, 1, 2]
         assert store.space.listed == 3  # a full listing
-    assert json.loads(cache.read_text())["format"] == "trajstore-refindex-1"
+    assert json.loads(cache.read_text())["format"] == "trajstore-refindex-2"
 
 
 def test_list_names_of_an_s3_space_are_the_names_list_gives(s3_env: Any, tmp_path: Path) -> None:

@@ -105,9 +105,10 @@ class Store:
             objs if objs is not None else LocalObjectStore(root, durable=durable)
         )
         self.space: RefSpace = space if space is not None else LocalRefSpace(root, durable=durable)
-        # an S3 store keeps its parsed refs in its local cache directory (`root`), so
-        # opening it lists only the refs published since (RefIndex)
-        self.refs = RefIndex(self.space, cache=self.root / REF_CACHE if self.is_remote else None)
+        # the parsed refs persist in `root` (an S3 store's local cache directory, or the
+        # store directory beside its DuckDB catalog), so opening a store reads only the
+        # refs published since (RefIndex)
+        self.refs = RefIndex(self.space, cache=self.root / REF_CACHE)
 
     @property
     def is_remote(self) -> bool:
