@@ -106,8 +106,9 @@ def _damage(cache: Path, how: str) -> None:
         doc["location"] = "/elsewhere/st"
     elif how == "old-format":
         doc["format"] = "trajstore-refindex-1"
-    elif how == "wrong-type":
-        doc["refs"]["rollout_id"] = [str(x) for x in doc["refs"]["rollout_id"]]
+    elif how == "wrong-type":  # the oldest entry's: the newest still reads back the same
+        i = doc["refs"]["name"].index(min(doc["refs"]["name"]))
+        doc["refs"]["rollout_id"][i] = str(doc["refs"]["rollout_id"][i])
     elif how == "short-column":
         doc["refs"]["key"] = doc["refs"]["key"][:-1]
     elif how == "stale-newest":
