@@ -163,7 +163,7 @@ class AppState:
         self.store.close()
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
     """The app's state; 503 "starting" before the lifespan has opened the store."""
     state = getattr(request.app.state, "trajstore", None)
     if state is None:
