@@ -145,3 +145,24 @@ def test_an_unreadable_ref_is_a_problem_and_not_live(tmp_path: Path) -> None:
         assert sorted(store.refs.live()) == ["r/step-7-0/a1", "r/step-7-1/a1"]
         assert [p.split(":")[0] for p in store.refs.problems] == [f"ref {bad}"]
         _same_as_fresh(store)
+
+
+def test_a_create_in_progress_is_read_once_it_is_a_document(tmp_path: Path) -> None:
+    """A dot-named temp file and a folder in the refs folder are not refs: they are listed
+    (and remembered as listed) without being read, and the ref a rename then creates is."""
+    with Store.open(tmp_path / "st") as store:
+        store.ingest([_capture(tmp_path / "a", range(2))], run="r")
+        assert len(store.refs.live()) == 2
+        folder = store.root / "refs" / "bundles"
+        first = sorted(folder.iterdir())[0]
+        late = f"{first.name[:-5]}0.json"  # sorts among the others: not only the newest is new
+        (folder / f".{late}.tmp").write_bytes(first.read_bytes())
+        (folder / "not-a-ref.json").mkdir()
+        store.refs.invalidate()
+        reads = store.refs.reads
+        assert len(store.refs.live()) == 2 and store.refs.reads == reads
+        (folder / f".{late}.tmp").rename(folder / late)
+        store.refs.invalidate()
+        store.refs.live()
+        assert store.refs.reads == reads + 1  # the renamed one, and nothing listed before
+        _same_as_fresh(store)

@@ -76,6 +76,15 @@ class RefSpace(ABC):
         """The names of `list` alone (a backend may find them without their times)."""
         return [d.name for d in self.list(folder)]
 
+    def list_new(self, folder: str, seen: set[str]) -> tuple[set[str], list[str]]:
+        """Everything `folder` lists now (a set to pass as `seen` next time; it may hold
+        names that are not documents) and, sorted, the document names not in `seen`.
+
+        Why: a reader that keeps what it listed last needs only the difference, and a
+        backend may find it without building and sorting a list of every name."""
+        names = self.list_names(folder)
+        return set(names), [n for n in names if n not in seen]
+
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove `key` if present."""
@@ -262,6 +271,19 @@ class LocalRefSpace(RefSpace):
         """`list`'s names from one directory read: no stat per document (the entry's type
         comes with it), which is most of listing a folder of 100,000 refs."""
         return sorted(e.name for e in self._documents(folder))
+
+    def list_new(self, folder: str, seen: set[str]) -> tuple[set[str], list[str]]:
+        """One `listdir` into a set and a set difference, both in C; only the names not in
+        `seen` are checked (dot names are creates in progress, a folder is no document):
+        at 110,000 refs ~4x less CPU than `list_names`, which checks and sorts them all."""
+        try:
+            listed = set(os.listdir(self.root / folder))
+        except FileNotFoundError:
+            return set(), []
+        fresh = sorted(
+            n for n in listed - seen if not n.startswith(".") and (self.root / folder / n).is_file()
+        )
+        return listed, fresh
 
     def delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)

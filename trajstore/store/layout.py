@@ -81,11 +81,6 @@ class StoreLayout:
         return self.marker.is_file() and self.bundle_refs.is_dir()
 
 
-def list_docs(space: RefSpace, folder: str) -> list[str]:
-    """Names (without `.json`) of published documents in `folder`, oldest first."""
-    return [n[:-5] for n in space.list_names(folder) if n.endswith(".json")]
-
-
 def anchor_label(kind: str, rollout_id: int, step_id: int | None) -> str:
     """How messages name an anchor: ``step 120:0`` or ``rollout 120``."""
     return f"step {rollout_id}:{step_id}" if kind == "step" else f"rollout {rollout_id}"
@@ -206,6 +201,8 @@ class RefIndex:
         self._saved = False  # the cache was adopted or written by this index
         #: folders whose cached names are still to be checked against a full listing
         self._unchecked: set[str] = set()
+        #: a space listed in full: what each folder listed last (only the rest is new)
+        self._seen: dict[str, set[str]] = {BUNDLE_REFS_KEY: set(), TOMBSTONES_KEY: set()}
 
     def invalidate(self) -> None:
         """Forget when the folders were last listed: the next refresh lists them
@@ -237,9 +234,17 @@ class RefIndex:
                 self._save_cache()
 
     def _listing(self, folder: str, *, full: bool) -> list[str]:
-        """Names (without `.json`) to consider: all, or those after mark - margin."""
+        """Names (without `.json`) to consider: on a space listed in full, those it did not
+        list last time (all with `full`); otherwise all, or those after mark - margin."""
         if not self._incremental:
-            return list_docs(self.space, folder)
+            listed, fresh = self.space.list_new(folder, set() if full else self._seen[folder])
+            self._seen[folder] = listed
+            if folder in self._unchecked:  # cached names a full listing no longer has
+                self._unchecked.discard(folder)
+                known = self._refs if folder == BUNDLE_REFS_KEY else self._tombs
+                for gone in [n for n in known if f"{n}.json" not in listed]:
+                    del known[gone]
+            return [n[:-5] for n in fresh if n.endswith(".json")]
         if self._margin_s is None:
             self._margin_s = listing_margin_s()
         after = None if full else listing_start(self._marks.get(folder), self._margin_s)
@@ -252,17 +257,8 @@ class RefIndex:
             self._marks[folder] = names[-1]
         return names
 
-    def _checked(self, folder: str, names: list[str], known: dict[str, Any]) -> None:
-        """Drop from `known` the cached names a full listing of `folder` no longer has."""
-        if folder in self._unchecked:
-            self._unchecked.discard(folder)
-            listed = set(names)
-            for gone in [n for n in known if n not in listed]:
-                del known[gone]
-
     def _refresh_refs(self, names: list[str]) -> list[str]:
         """Read the refs among `names` not read before; the names of those added."""
-        self._checked(BUNDLE_REFS_KEY, names, self._refs)
         added = []
         for name in names:
             if name in self._refs or name in self._bad:
@@ -277,7 +273,6 @@ class RefIndex:
 
     def _refresh_tombstones(self, names: list[str]) -> list[str]:
         """Read the tombstones among `names` not read before; the names of those added."""
-        self._checked(TOMBSTONES_KEY, names, self._tombs)
         added = []
         for name in names:
             if name not in self._tombs:
