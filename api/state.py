@@ -34,6 +34,8 @@ _MAX_OPEN_BUNDLES = 256
 _MAX_CAPABILITY_ENTRIES = 10000
 #: encoded step/rollout details kept (a few KiB each)
 _MAX_DETAILS = 20000
+#: values shared by endpoints (a run's verdict rows: ~35,000 tuples at 100,000 steps)
+_MAX_SHARED = 8
 #: start-up time given to reading the bundles' capabilities (the rest load on first use)
 _PRELOAD_CAPABILITIES_S = 5.0
 
@@ -68,6 +70,7 @@ class AppState:
         )
         self._details: OrderedDict[tuple, bytes] = OrderedDict()
         self._details_generation = -1
+        self._shared: OrderedDict[tuple, Any] = OrderedDict()
         if not str(store_dir).startswith("s3://"):  # on S3 each manifest is a GET: lazily
             self.preload_capabilities(_PRELOAD_CAPABILITIES_S)
 
@@ -82,9 +85,7 @@ class AppState:
         """
         generation = self.view.generation
         with self._lock:
-            if generation != self._details_generation:
-                self._details.clear()
-                self._details_generation = generation
+            self._follow(generation)
             hit = self._details.get(key)
             if hit is not None:
                 self._details.move_to_end(key)
@@ -96,6 +97,30 @@ class AppState:
                 while len(self._details) > _MAX_DETAILS:
                     self._details.popitem(last=False)
         return body
+
+    def _follow(self, generation: int) -> None:
+        """Drop what an older catalog generation built (call with the lock held)."""
+        if generation != self._details_generation:
+            self._details.clear()
+            self._shared.clear()
+            self._details_generation = generation
+
+    def generation_value(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """A value several endpoints build from (a run's verdict rows: its summary and
+        every strip), built once per catalog generation; the newest few are kept."""
+        generation = self.view.generation
+        with self._lock:
+            self._follow(generation)
+            if key in self._shared:
+                self._shared.move_to_end(key)
+                return self._shared[key]
+        value = build()
+        with self._lock:
+            if generation == self._details_generation:
+                self._shared[key] = value
+                while len(self._shared) > _MAX_SHARED:
+                    self._shared.popitem(last=False)
+        return value
 
     @property
     def view(self) -> View:

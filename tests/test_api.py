@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import sqlalchemy as sa
 import torch
 import uvicorn
 import web_demo
@@ -820,6 +821,36 @@ def test_run_pages_built_once_per_generation_follow_a_recorded_result(tmp_path: 
         assert (summary["by_status"]["unreplayed"], summary["by_status"][status]) == (0, 1)
         assert [(b["unreplayed"], b[status]) for b in strip["bins"]] == [(0, 1)]
         assert steps["items"][0]["status"] == status
+
+
+def test_a_generations_summary_and_strips_read_the_run_verdicts_once(tmp_path: Path) -> None:
+    """The steps page's first load after a sync asks for the summary and the strip: both
+    come from one read of the run's verdict rows (the statement that grows with the run),
+    as does a strip over a range or with other bins; a new generation reads them again."""
+    store = tmp_path / "store"
+    with Store.open(store, durable=False) as st:
+        st.ingest([EXAMPLE], run="ex")
+    reads: list[str] = []
+
+    def count(conn, cursor, statement, *args) -> None:  # noqa: ANN001 (SQLAlchemy's hook)
+        if "GROUP BY steps.rollout_id" in statement:
+            reads.append(statement)
+
+    sa.event.listen(sa.engine.Engine, "before_cursor_execute", count)
+    try:
+        with serve(store) as c:
+            assert c.get("/v1/runs/ex/summary").json()["steps"] == 1
+            for params in ({}, {"bins": 4}, {"rollout_from": 120, "rollout_to": 120}):
+                bins = c.get("/v1/runs/ex/strip", params=params).json()["bins"]
+                assert [b["steps"] for b in bins] == [1]
+            assert c.get("/v1/runs/ex/strip", params={"rollout_from": 121}).json()["bins"] == []
+            assert len(reads) == 1
+            rec = c.post("/v1/replay", json={"run": "ex", "step": "120:0", "record": True})
+            assert rec.status_code == 200
+            assert c.get("/v1/runs/ex/summary").json()["by_status"]["unreplayed"] == 0
+            assert len(reads) == 2
+    finally:
+        sa.event.remove(sa.engine.Engine, "before_cursor_execute", count)
 
 
 def test_body_cache_stays_within_its_byte_bound() -> None:

@@ -133,6 +133,26 @@ def test_strip_bins_hold_every_step_once_and_name_the_first_bad_rollout(
         assert strip["first_bad_rollout"] == min(bad)
 
 
+def test_a_strip_over_a_rollout_range_counts_only_the_steps_in_it(
+    client: httpx.Client, store: Path
+) -> None:
+    rows = _steps(store, "--run", "synthetic")
+    rollouts = sorted({r["rollout_id"] for r in rows})
+    low, high = rollouts[1], rollouts[-2]
+    strip = client.get(
+        "/v1/runs/synthetic/strip", params={"rollout_from": low, "rollout_to": high, "bins": 400}
+    ).json()
+    inside = [r for r in rows if low <= r["rollout_id"] <= high]
+    assert (strip["rollout_from"], strip["rollout_to"]) == (low, high)
+    assert sum(cell["steps"] for cell in strip["bins"]) == len(inside) < len(rows)
+    for cell in strip["bins"]:
+        held = [r for r in inside if cell["rollout_from"] <= r["rollout_id"] <= cell["rollout_to"]]
+        assert (cell["steps"], cell["diverged"]) == (
+            len(held),
+            sum(r["status"] == "diverged" for r in held),
+        )
+
+
 @pytest.mark.parametrize("sort", ["-step", "status", "-stage", "tokens"])
 def test_sorted_steps_walk_every_step_once_in_order(
     client: httpx.Client, store: Path, sort: str

@@ -8,7 +8,13 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
 from trajstore.catalog import list_runs
-from trajstore.catalog.overview import MAX_STRIP_BINS, run_summary, step_strip
+from trajstore.catalog.overview import (
+    MAX_STRIP_BINS,
+    VerdictRows,
+    run_summary,
+    step_strip,
+    verdict_rows,
+)
 from trajstore.catalog.queries import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
@@ -25,7 +31,7 @@ from .. import models
 from ..detail import check_range, check_run
 from ..errors import ApiError
 from ..params import Cursor, Id, Limit, OptId, RunName, Text
-from ..state import StateDep
+from ..state import AppState, StateDep
 
 router = APIRouter()
 
@@ -41,13 +47,24 @@ def summary(state: StateDep, run: RunName) -> Response:
     """Steps by latest verdict, first-divergent-stage histogram, bytes and dedup ratio.
 
     Whole-run aggregates cost time in proportion to the run's steps (the web view's steps
-    page asks for them on every load): built once per catalog generation (`detail_json`)."""
+    page asks for them on every load): built once per catalog generation (`detail_json`),
+    from the run's verdict rows, which the strips share (`_verdicts`)."""
     check_run(state.view, run)
-    body = state.detail_json(
-        ("summary", run),
-        lambda: models.RunSummary(**json_safe(run_summary(state.snap.catalog, run))),
-    )
+
+    def build() -> models.RunSummary:
+        rows = _verdicts(state, run)
+        return models.RunSummary(**json_safe(run_summary(state.snap.catalog, run, rows=rows)))
+
+    body = state.detail_json(("summary", run), build)
     return Response(body, media_type="application/json")
+
+
+def _verdicts(state: AppState, run: str) -> VerdictRows:
+    """The run's verdict rows, read once per catalog generation for the summary and every
+    strip (the steps page's first load after a sync asked for them twice)."""
+    return state.generation_value(
+        ("verdict_rows", run), lambda: verdict_rows(state.snap.catalog, run)
+    )
 
 
 @router.get("/runs/{run}/strip", response_model=models.Strip)
@@ -65,7 +82,12 @@ def strip(
 
     def build() -> models.Strip:
         page = step_strip(
-            state.snap.catalog, run, rollout_from=rollout_from, rollout_to=rollout_to, bins=bins
+            state.snap.catalog,
+            run,
+            rollout_from=rollout_from,
+            rollout_to=rollout_to,
+            bins=bins,
+            rows=_verdicts(state, run),
         )
         return models.Strip(**json_safe(page))
 

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from trajstore.catalog import tables
 from trajstore.catalog.db import Catalog
 from trajstore.catalog.queries import _row, stats
-from trajstore.catalog.statements import step_verdicts
+from trajstore.catalog.statements import check_rollout_range, step_verdicts
 from trajstore.errors import UsageError
 from trajstore.vocab import STEP_STATUSES, UNREPLAYED, Verdict
 
@@ -33,24 +33,31 @@ STATUS_SEVERITY: tuple[str, ...] = (
 )
 
 
-def _verdict_rows(
+#: (rollout_id, status, first_divergent_stage, n: step count), a row per rollout and verdict
+VerdictRows = list[tuple[int, str, str | None, int]]
+
+
+def verdict_rows(
     catalog: Catalog, run: str, rollout_from: int | None = None, rollout_to: int | None = None
-) -> list[tuple[int, str, str | None, int]]:
+) -> VerdictRows:
     """`step_verdicts`' rows as plain tuples (rollout_id, status, first_divergent_stage, n).
 
     A row per rollout (and status and stage): tens of thousands on a 100,000-step run, where
     making each a dict of JSON values (`executor`) was most of the summary's and the strip's
-    time (~0.3 s each; the values are ints and strings already)."""
+    time (~0.3 s each; the values are ints and strings already). The whole run's rows answer
+    both the summary and any strip (`rows=`), so a server reads them once per catalog
+    generation rather than once for each (~0.15 s apiece at 100,000 steps)."""
     text, params = step_verdicts(run, rollout_from, rollout_to)
     with catalog.connect() as conn:
         return [tuple(row) for row in conn.execute(sa.text(text), params)]
 
 
-def run_summary(catalog: Catalog, run: str) -> dict[str, Any]:
-    """Steps of a run by verdict, the first-divergent-stage histogram, bytes and dedup."""
+def run_summary(catalog: Catalog, run: str, *, rows: VerdictRows | None = None) -> dict[str, Any]:
+    """Steps of a run by verdict, the first-divergent-stage histogram, bytes and dedup.
+    ``rows``: the run's `verdict_rows`, when the caller has them already."""
     by_status = dict.fromkeys(STEP_STATUSES, 0)
     histogram: dict[str, int] = {}
-    for _, status, stage, n in _verdict_rows(catalog, run):
+    for _, status, stage, n in verdict_rows(catalog, run) if rows is None else rows:
         by_status[status] = by_status.get(status, 0) + n
         if stage:
             histogram[stage] = histogram.get(stage, 0) + n
@@ -76,16 +83,28 @@ def step_strip(
     rollout_from: int | None = None,
     rollout_to: int | None = None,
     bins: int = 400,
+    rows: VerdictRows | None = None,
 ) -> dict[str, Any]:
     """The run over rollout id in at most ``bins`` equal-width bins of step counts per status.
 
     Each bin carries its worst status (STATUS_SEVERITY), so a chart can colour
     it by one verdict; ``first_bad_rollout`` is the lowest rollout with a
-    diverged or refused step in range (null when none).
+    diverged or refused step in range (null when none). ``rows``: the whole run's
+    `verdict_rows`, when the caller has them (the range is then applied here: a row is
+    one rollout's, so keeping those in range is what the ranged query returns).
     """
     if isinstance(bins, bool) or not 1 <= bins <= MAX_STRIP_BINS:
         raise UsageError(f"bins must be 1..{MAX_STRIP_BINS}, got {bins!r}")
-    rows = _verdict_rows(catalog, run, rollout_from, rollout_to)
+    if rows is None:
+        rows = verdict_rows(catalog, run, rollout_from, rollout_to)
+    else:
+        check_rollout_range(rollout_from, rollout_to)
+        rows = [
+            row
+            for row in rows
+            if (rollout_from is None or row[0] >= rollout_from)
+            and (rollout_to is None or row[0] <= rollout_to)
+        ]
     out: dict[str, Any] = {"run": run, "bins": [], "first_bad_rollout": None}
     if not rows:
         out.update(rollout_from=rollout_from, rollout_to=rollout_to, bin_width=None)
