@@ -82,10 +82,18 @@ def test_packed_payloads_are_each_samples_slice():
     assert mb["payloads"]["loss_mask"].tolist() == loss_mask
     assert [s["response_length"] for s in mb["samples"]] == lengths
     assert "rollout_log_probs" not in mb["payloads"]
-    # a new tensor: the record's later change does not reach the payload
-    before = mb["payloads"]["log_probs"].clone()
-    record.log_probs.add_(1.0)
-    assert torch.equal(mb["payloads"]["log_probs"], before)
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 7, 3, 1], [4, 4, 4]])
+def test_packed_payloads_are_new_tensors(lengths):
+    """Every position kept or not: the record's later change never reaches a payload."""
+    record = _record(list(range(len(lengths))), lengths, horizon=max(lengths), seed=5)
+    mb = _micro_batch(record, 0, SampleIds())
+    before = {name: value.clone() for name, value in mb["payloads"].items()}
+    for name in ("log_probs", "old_log_probs", "advantages", "entropy", "response_mask"):
+        getattr(record, name).add_(1)
+    for name, value in mb["payloads"].items():
+        assert torch.equal(value, before[name]), name
 
 
 def test_a_field_of_another_width_is_refused():
