@@ -38,6 +38,7 @@ from trajstore.integrations.verl.records import (
     ROW_KEY,
     MicroBatchRecord,
     step_records,
+    step_settings,
 )
 
 logger = logging.getLogger("trajstore.capture")
@@ -82,6 +83,8 @@ class _State:
     pending_routes: list[dict[str, torch.Tensor]] = field(default_factory=list)
     routing: Any = None
     router: dict[str, Any] | None = None
+    #: this update_actor call's `step_settings` (the config read at its first flush)
+    settings: dict[str, Any] | None = None
 
 
 class RecordingLoss:
@@ -139,6 +142,7 @@ class RecordingLoss:
         if state.step is not None and step != state.step:
             self._flush(state)  # a new update_actor call: whatever is left was its own step
             state.optimizer_step, state.rows_in_step, state.rows_in_update = 0, 0, 0
+            state.settings = None  # the config is read again, once, for the new call
         state.step = step
         log_probs = no_padding_2_padding(model_output["log_probs"], data)
         entropy = model_output.get("entropy") if hasattr(model_output, "get") else None
@@ -233,7 +237,9 @@ class RecordingLoss:
             return
         manager = state.manager
         try:
-            steps = step_records(records, self.config, step=state.step)
+            if state.settings is None:
+                state.settings = step_settings(self.config)
+            steps = step_records(records, self.config, step=state.step, settings=state.settings)
             by_record = iter(routes)
             for step in steps:
                 recompute = dict(step.recompute)

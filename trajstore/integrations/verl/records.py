@@ -354,6 +354,21 @@ def _metrics(record: MicroBatchRecord) -> dict[str, float]:
     return out
 
 
+def _packer(keep: torch.Tensor) -> Any:
+    """`pack` over one ``keep`` mask for many fields: the kept positions found once, then
+    one ``index_select`` per field (the same values in the same order as ``value[keep]``,
+    a new tensor). A field of another shape goes through `pack` (which refuses it)."""
+    flat = keep.reshape(-1).nonzero().squeeze(1)
+
+    def packed(value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().cpu()
+        if value.shape != keep.shape:
+            return pack(value, keep)
+        return value.reshape(-1).index_select(0, flat)
+
+    return packed
+
+
 def _micro_batch(record: MicroBatchRecord, number: int, ids: SampleIds) -> dict[str, Any]:
     """One record as ``StepCapture.add`` arguments plus its expected values."""
     rows = [
@@ -372,25 +387,27 @@ def _micro_batch(record: MicroBatchRecord, number: int, ids: SampleIds) -> dict[
             "(tag_batch) before update_actor"
         )
     groups = [int(g) for g in record.groups]
+    response_lengths = [int(n) for n in lengths.tolist()]  # one read, not one a sample
     samples = []
     for i, row in enumerate(rows):
         samples.append(
             {
                 "sample_id": ids(f"s{row}", row),
                 "group_index": groups[i],
-                "response_length": int(lengths[i]),
+                "response_length": response_lengths[i],
             }
         )
+    packed = _packer(keep)
     payloads: dict[str, Any] = {
-        "log_probs": pack(record.log_probs, keep).float(),
-        "old_log_probs": pack(record.old_log_probs, keep).float(),
-        "advantages": pack(record.advantages, keep).float(),
-        "loss_mask": pack(mask, keep).to(torch.int64),
+        "log_probs": packed(record.log_probs).float(),
+        "old_log_probs": packed(record.old_log_probs).float(),
+        "advantages": packed(record.advantages).float(),
+        "loss_mask": packed(mask).to(torch.int64),
     }
     for name in OPTIONAL_TOKEN_FIELDS:
         value = getattr(record, name)
         if value is not None:
-            payloads[name] = pack(value, keep).float()
+            payloads[name] = packed(value).float()
     expected = {
         "loss": _number(record.loss),
         **_metrics(record),
@@ -409,23 +426,38 @@ def _micro_batch(record: MicroBatchRecord, number: int, ids: SampleIds) -> dict[
     }
 
 
+def step_settings(config: Any, *, kl_coef: float | None = None) -> dict[str, Any]:
+    """``config.verl`` of a step bundle but for its ``horizon`` (None here): the trainer
+    config read and converted once, for every step bundle of an ``update_actor`` call
+    (`step_records` ``settings``). Reading an OmegaConf config costs milliseconds, which
+    a read per flush spent on the training thread."""
+    return algorithm_config(config, kl_coef=kl_coef)
+
+
 def step_records(
     records: Sequence[MicroBatchRecord],
     config: Any,
     *,
     step: int,
     kl_coef: float | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> list[StepRecord]:
     """The step bundles of one ``update_actor`` call's micro-batch records: one per
     ``optimizer_step``, rollout id ``step`` (verl's global step), step id the optimizer
-    step; micro-batches numbered in the order they ran."""
+    step; micro-batches numbered in the order they ran.
+
+    ``settings``: `step_settings` of ``config`` (and ``kl_coef``) when the caller read it
+    already (the actor reads it once per ``update_actor``); ``config`` and ``kl_coef`` are
+    then not read. Without it ``config`` is read here, once a call."""
+    if settings is None:
+        settings = step_settings(config, kl_coef=kl_coef)
     by_step: dict[int, list[MicroBatchRecord]] = {}
     for record in records:
         by_step.setdefault(int(record.optimizer_step), []).append(record)
     out = []
     for optimizer_step, members in sorted(by_step.items()):
         horizon = int(members[0].response_mask.shape[-1])
-        recompute = VERL.recompute_config(config, kl_coef=kl_coef, horizon=horizon)
+        recompute = {KEY: {**settings, "horizon": horizon}}  # the key keeps its place
         ids = SampleIds()
         batches = [_micro_batch(record, n, ids) for n, record in enumerate(members)]
         per_mb = {mb["mb_id"]: mb["expected"] for mb in batches}
