@@ -14,6 +14,7 @@ reader skip a no-op sync (`listing_record`, `listing_unchanged`; docs/catalog.md
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -262,9 +263,35 @@ def listing_record(names: list[str], stat: list[int] | None, listed_ns: int | No
     `stat`/`listed_ns`: the directory's stat, taken at `listed_ns` before the listing
     (None for a ref space without local directories)."""
     return json.dumps(
-        {"names": len(names), "digest": _digest(names), "stat": stat, "listed_ns": listed_ns},
+        {
+            "names": len(names),
+            "digest": _digest(names),
+            "stat": stat,
+            "listed_ns": listed_ns,
+            "last": max(names) if names else None,
+        },
         sort_keys=True,
     )
+
+
+def accounted_last(recorded: str | None, names: list[str]) -> str | None:
+    """The greatest name of the recorded listing when the sorted `names` that are <= it
+    are exactly that listing (same count and digest): then only names after it can be
+    new to the catalog. None (compare in full): no record, an old record without
+    `last`, a late document with an older name, a removed one, any mismatch."""
+    if not recorded:
+        return None
+    try:
+        rec = json.loads(recorded)
+        last, count, digest = rec["last"], rec["names"], rec["digest"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(last, str) or not isinstance(count, int) or count <= 0:
+        return None
+    older = bisect.bisect_right(names, last)
+    if older != count or _digest(names[:older]) != digest:
+        return None
+    return last
 
 
 def listing_unchanged(recorded: str | None, folder: Path) -> tuple[bool, str | None]:

@@ -10,6 +10,7 @@ scratch (`reindex`) answers every query exactly as the incremental catalog.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import time
@@ -27,7 +28,7 @@ from trajstore.catalog.apply import (
     recompute_latest,
 )
 from trajstore.catalog.db import Catalog
-from trajstore.catalog.direct import dir_stat, listing_record
+from trajstore.catalog.direct import accounted_last, dir_stat, listing_record
 from trajstore.catalog.rows import Doc, LoadDocument, MismatchOf
 from trajstore.errors import StoreError
 from trajstore.listing import DEFAULT_MARGIN_S, listing_start
@@ -66,18 +67,31 @@ def _list_names(space: RefSpace, directory: str) -> list[str]:
 # -- sync --------------------------------------------------------------------------
 
 
-def _synced_names(conn: sa.Connection, directory: str) -> set[str]:
-    """Names of one directory's documents already applied to the catalog."""
+def _synced_names(conn: sa.Connection, directory: str, after: str | None = None) -> set[str]:
+    """Names of one directory's documents already applied to the catalog (only those
+    greater than `after` when given)."""
     synced = tables.synced_documents
     if conn.dialect.name == "duckdb":
         # fetched in bulk by the driver: SQLAlchemy's per-row result handling costs about
         # 20 us a row, most of a no-op sync on a store of 10,000 refs
         sql = f"SELECT name FROM {synced.name} WHERE directory = ?"
-        rows = conn.connection.driver_connection.execute(sql, [directory]).fetchall()
+        params = [directory]
+        if after is not None:
+            sql += " AND name > ?"
+            params.append(after)
+        rows = conn.connection.driver_connection.execute(sql, params).fetchall()
         return {row[0] for row in rows}
-    return set(
-        conn.execute(sa.select(synced.c.name).where(synced.c.directory == directory)).scalars()
-    )
+    query = sa.select(synced.c.name).where(synced.c.directory == directory)
+    if after is not None:
+        query = query.where(synced.c.name > after)
+    return set(conn.execute(query).scalars())
+
+
+def _recorded_listing(conn: sa.Connection, directory: str) -> str | None:
+    state = tables.sync_state
+    return conn.execute(
+        sa.select(state.c.listing).where(state.c.directory == directory)
+    ).scalar_one_or_none()
 
 
 #: the PostgreSQL advisory lock every apply transaction takes (pg_advisory_xact_lock):
@@ -281,8 +295,15 @@ def sync_catalog(
         stat = dir_stat(folder) if folder is not None else None
         names = _list_names(store, directory)
         with catalog.connect() as conn:
-            done = _synced_names(conn, directory)
-        new = [n for n in names if n not in done]
+            last = None
+            if catalog.is_duckdb and folder is not None:
+                # the recorded listing accounted for: only names after its last can be new
+                last = accounted_last(_recorded_listing(conn, directory), names)
+            done = _synced_names(conn, directory, after=last)
+        if last is not None:
+            new = [n for n in names[bisect.bisect_right(names, last) :] if n not in done]
+        else:
+            new = [n for n in names if n not in done]
         counts[directory] = 0
         for start in range(0, len(new), batch_size):
             batch = new[start : start + batch_size]
