@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -130,29 +131,33 @@ def oracle_logprob(parts: list, name: str, clip: float | None = CLIP) -> dict[st
     return {k: (None if v is None else float(v)) for k, v in out.items()}
 
 
+def valid_tokens(c) -> Iterator[int]:
+    """The flat route rows of `c`'s masked-in response tokens, in order."""
+    start = 0
+    for s in c.samples:
+        head = s["total_length"] - s["response_length"]
+        for j, m in enumerate(s["loss_mask"]):
+            if m == 1:
+                yield start + head + j
+        start += s["total_length"]
+
+
 def oracle_routes(parts: list) -> dict[str, float]:
     """router-metrics.md's route numbers, by sets, token by token, in plain Python."""
     observed = mismatched = missing = tokens = any_tokens = 0
     for c in parts:
         a, b = c.payloads["rollout_routed_experts"], c.payloads["train_routed_experts"]
-        start = 0
-        for s in c.samples:
-            head = s["total_length"] - s["response_length"]
-            for j, m in enumerate(s["loss_mask"]):
-                if m != 1:
-                    continue
-                t = start + head + j
-                tokens += 1
-                differs = False
-                for layer in range(L):
-                    x, y = set(a[t, layer].tolist()), set(b[t, layer].tolist())
-                    observed += 1
-                    missing += K - len(x & y)
-                    if x != y:
-                        mismatched += 1
-                        differs = True
-                any_tokens += differs
-            start += s["total_length"]
+        for t in valid_tokens(c):
+            tokens += 1
+            differs = False
+            for layer in range(L):
+                x, y = set(a[t, layer].tolist()), set(b[t, layer].tolist())
+                observed += 1
+                missing += K - len(x & y)
+                if x != y:
+                    mismatched += 1
+                    differs = True
+            any_tokens += differs
     return {
         "route_mismatch_rate": mismatched / observed,
         "expert_slot_mismatch": missing / (K * observed),
@@ -296,6 +301,78 @@ def test_one_flipped_expert_in_one_layer_is_counted(tmp_path):
         (0, 0, n),
         (1, 0, n),
         (2, 1, n),
+    ]
+
+
+def oracle_layer_counts(c) -> list[tuple[int, int]]:
+    """(mismatched, observed) token-layers per layer, by sets, in plain Python."""
+    a, b = c.payloads["rollout_routed_experts"], c.payloads["train_routed_experts"]
+    counts = [[0, 0] for _ in range(L)]
+    for t in valid_tokens(c):
+        for layer in range(L):
+            counts[layer][0] += set(a[t, layer].tolist()) != set(b[t, layer].tolist())
+            counts[layer][1] += 1
+    return [(m, o) for m, o in counts]
+
+
+@pytest.fixture(params=["duckdb", "postgresql"])
+def catalog_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """None: the store's own DuckDB catalog; else a fresh PostgreSQL schema."""
+    if request.param == "duckdb":
+        yield None
+        return
+    from pg_server import fresh_schema
+
+    with fresh_schema() as url:
+        yield url
+
+
+def test_a_binned_heat_map_sums_consecutive_steps(tmp_path, catalog_url):
+    """7 steps in 3 columns: 3 + 3 + 1 steps, each (column, layer) the plain sums of its
+    steps' counts and their ratio, on either catalog."""
+    from trajstore.catalog.queries import query_mismatch_heat
+
+    steps = [contents(seed=r, rollout_id=r) for r in range(1, 8)]
+    with Store.open(tmp_path / "store", catalog_url=catalog_url) as store:
+        for i, c in enumerate(steps):
+            write_bundle(tmp_path / "in" / f"b{i}", c)
+            assert [o.status for o in store.ingest([tmp_path / "in" / f"b{i}"], run="h")] == [
+                "published"
+            ]
+        with store.catalog() as cat:
+            binned = query_mismatch_heat(cat, "h", bins=3)
+            fits = query_mismatch_heat(cat, "h", bins=7)
+            plain = query_mismatch_heat(cat, "h")
+    want = []
+    for first, last in ((1, 3), (4, 6), (7, 7)):
+        per_step = [oracle_layer_counts(steps[r - 1]) for r in range(first, last + 1)]
+        for layer in range(L):
+            m = sum(counts[layer][0] for counts in per_step)
+            o = sum(counts[layer][1] for counts in per_step)
+            want.append((first, last, last - first + 1, layer, m, o, m / o))
+    got = [
+        (
+            c["first"]["rollout_id"],
+            c["last"]["rollout_id"],
+            c["steps"],
+            c["layer"],
+            c["mismatches"],
+            c["observations"],
+            c["rate"],
+        )
+        for c in binned["items"]
+    ]
+    assert (binned["steps"], binned["bin_steps"]) == (7, 3)
+    assert got == [w[:6] + (pytest.approx(w[6], rel=1e-15),) for w in want]
+    # routes drawn apart: every column counts some mismatches, and not every token-layer
+    assert all(w[4] > 0 for w in want) and any(w[4] < w[5] for w in want)
+    assert fits == plain and (plain["steps"], plain["bin_steps"]) == (7, 1)
+    assert [
+        (c["rollout_id"], c["layer"], c["mismatches"], c["observations"]) for c in plain["items"]
+    ] == [
+        (r, layer, *oracle_layer_counts(steps[r - 1])[layer])
+        for r in range(1, 8)
+        for layer in range(L)
     ]
 
 

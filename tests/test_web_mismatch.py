@@ -134,6 +134,29 @@ def test_rest_serves_every_samples_worst_token_of_a_step(store, base):
     assert no_step.status_code == 404
 
 
+def test_rest_heat_map_in_bins_holds_the_drift_in_one_column(base):
+    """8 steps in at most 3 columns (3 + 3 + 2 steps): the drift (steps 4-6, layer 2) is
+    exactly the middle column's layer 2, its counts the sums of those steps' cells."""
+    with httpx.Client(base_url=base) as client:
+        per_step = client.get("/v1/runs/drift/mismatch/layers").json()
+        binned = client.get("/v1/runs/drift/mismatch/layers", params={"bins": 3}).json()
+        fits = client.get("/v1/runs/drift/mismatch/layers", params={"bins": STEPS}).json()
+        zero = client.get("/v1/runs/drift/mismatch/layers", params={"bins": 0})
+    assert (binned["steps"], binned["bin_steps"]) == (STEPS, 3)
+    columns = sorted(
+        {(c["first"]["rollout_id"], c["last"]["rollout_id"], c["steps"]) for c in binned["items"]}
+    )
+    assert columns == [(1, 3, 3), (4, 6, 3), (7, 8, 2)]
+    hot = [c for c in binned["items"] if c["mismatches"]]
+    assert [(c["first"]["rollout_id"], c["layer"]) for c in hot] == [(DRIFT[0], 2)]
+    cells = [c for c in per_step["items"] if c["rollout_id"] in DRIFT and c["layer"] == 2]
+    assert hot[0]["mismatches"] == sum(c["mismatches"] for c in cells) == len(DRIFT)
+    assert hot[0]["observations"] == sum(c["observations"] for c in cells)
+    assert hot[0]["rate"] == hot[0]["mismatches"] / hot[0]["observations"]
+    assert fits["items"] == per_step["items"] and fits["bin_steps"] == 1
+    assert zero.status_code == 422 and "bins" in zero.text
+
+
 # --------------------------------------------------------------------------- the browser
 
 _MISSING = [str(path) for path in (CHROMIUM, CHROMEDRIVER) if not path.exists()]
@@ -197,3 +220,34 @@ def test_chart_shows_the_drift_range_and_a_click_lands_on_the_worst_token(base, 
     )
     assert "highlight" in token.get_attribute("class")
     assert "response token 1" in token.text
+
+
+def test_a_binned_heat_map_column_zooms_into_its_steps(base, browser):
+    """With 3 columns for 8 steps the drift is one column; a click on it opens the page
+    over that column's rollouts, where each step is its own column again."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, WAIT_S)
+    browser.get(f"{base}/runs/drift/mismatch?metric=old_abs_dlogp_max&bins=3")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#mismatch-chart[data-loaded]"))
+    assert "each column sums 3" in browser.find_element(By.ID, "mismatch-heat-bins").text
+    cells = browser.find_elements(By.CSS_SELECTOR, "#mismatch-heat rect.cell")
+    hot = [c for c in cells if float(c.get_attribute("data-rate")) > 0]
+    assert [(c.get_attribute("data-step"), c.get_attribute("data-layer")) for c in hot] == [
+        ("4:0..6:0", "2")
+    ]
+    hot[0].click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#mismatch-range"))
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#mismatch-chart[data-loaded]"))
+    assert "from=4" in browser.current_url and "to=6" in browser.current_url
+    cells = browser.find_elements(By.CSS_SELECTOR, "#mismatch-heat rect.cell")
+    assert {c.get_attribute("data-step") for c in cells} == {f"{r}:0" for r in DRIFT}
+    assert {
+        (c.get_attribute("data-step"), c.get_attribute("data-layer"))
+        for c in cells
+        if float(c.get_attribute("data-rate")) > 0
+    } == {(f"{r}:0", "2") for r in DRIFT}
+    points = browser.find_elements(By.CSS_SELECTOR, "#mismatch-chart circle.pt")
+    assert sorted(p.get_attribute("data-step") for p in points) == [f"{r}:0" for r in DRIFT]
+    assert not browser.find_elements(By.ID, "mismatch-heat-bins")

@@ -22,7 +22,7 @@ from trajstore.catalog.queries import (
     encode_cursor,
     executor,
     query_mismatch,
-    query_mismatch_layers,
+    query_mismatch_heat,
 )
 from trajstore.errors import UsageError
 from trajstore.jsonio import json_safe
@@ -34,6 +34,8 @@ from ..params import Cursor, Id, Limit, OptId, RunName, Text
 from ..state import AppState, StateDep
 
 router = APIRouter()
+#: the most columns a heat map is asked for (the web view asks for its width's worth)
+MAX_HEAT_BINS = 10_000
 
 
 @router.get("/runs", response_model=models.RunList)
@@ -138,17 +140,20 @@ def mismatch_layers(
     run: RunName,
     rollout_from: OptId = None,
     rollout_to: OptId = None,
+    bins: Annotated[int | None, Query(ge=1, le=MAX_HEAT_BINS)] = None,
 ) -> models.Open:
     """Route mismatch per (step, layer): the web view's heat map. ``metrics``: every
-    metric name `/mismatch` takes."""
+    metric name `/mismatch` takes. With ``bins``, at most that many columns: past that
+    many steps each column sums consecutive steps (``bin_steps`` of them; its items name
+    their ``first`` and ``last`` step); ``steps`` is how many steps have cells."""
     from trajstore.mismatch.metrics import METRICS
 
     check_run(state.view, run)
     check_range(rollout_from, rollout_to)
-    items = query_mismatch_layers(
-        state.snap.catalog, run, rollout_from=rollout_from, rollout_to=rollout_to
+    heat = query_mismatch_heat(
+        state.snap.catalog, run, rollout_from=rollout_from, rollout_to=rollout_to, bins=bins
     )
-    return models.Open(**json_safe({"items": items, "metrics": sorted(METRICS)}))
+    return models.Open(**json_safe({**heat, "metrics": sorted(METRICS)}))
 
 
 @router.get("/runs/{run}/mismatch/{rollout_id}:{step_id}/samples", response_model=models.Open)

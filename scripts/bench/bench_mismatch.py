@@ -8,7 +8,8 @@ what computing the sums costs an ingest.
    most 0.3 s each.
 2. `trajstore serve` on that store: p99 of GET /v1/runs/bench/mismatch (--top 20, and
    the first page of 100), target at most 50 ms; and the web chart's data fetch (every
-   page of one metric with limit=1000, plus /mismatch/layers for the heat map).
+   page of one metric with limit=1000, plus /mismatch/layers for the heat map in the
+   columns a 1,200 px page asks for, and with a column a step for comparison).
 3. Ingest of M real bundles (routes [T, 48, 8] and four log-prob payloads) into two fresh
    stores, once as shipped and once with the mismatch computation replaced by a stub
    (in this process only), --repeats alternating pairs: the median of the pairs' ratios,
@@ -161,7 +162,15 @@ def p99_ms(
     return statistics.median(times), p99(times), [p99(t) for t in thirds if t]
 
 
-def chart_fetch_s(client: httpx.Client, metric: str) -> tuple[float, int, int]:
+#: the heat map's columns the web view asks for on a 1,200 px page (app.js HEAT_CELL_PX)
+PAGE_BINS = (1200 - 62) // 2
+
+
+def chart_fetch_s(client: httpx.Client, metric: str) -> dict[str, float | int]:
+    """What the web view's mismatch page fetches, timed by part: every page of one
+    metric (limit=1000) and the heat map in PAGE_BINS columns; and, for comparison, the
+    heat map with a column for every step (what the page fetched before it asked for
+    bins)."""
     t0 = time.perf_counter()
     rows, cursor = 0, None
     while True:
@@ -171,8 +180,19 @@ def chart_fetch_s(client: httpx.Client, metric: str) -> tuple[float, int, int]:
         cursor = page["next_cursor"]
         if not cursor:
             break
-    cells = len(client.get("/v1/runs/bench/mismatch/layers").json()["items"])
-    return time.perf_counter() - t0, rows, cells
+    t1 = time.perf_counter()
+    binned = client.get("/v1/runs/bench/mismatch/layers", params={"bins": PAGE_BINS}).json()
+    t2 = time.perf_counter()
+    every = client.get("/v1/runs/bench/mismatch/layers").json()
+    t3 = time.perf_counter()
+    return {
+        "rows": rows,
+        "rows_s": t1 - t0,
+        "binned_cells": len(binned["items"]),
+        "binned_s": t2 - t1,
+        "cells": len(every["items"]),
+        "cells_s": t3 - t2,
+    }
 
 
 def make_bundles(root: Path, count: int, samples: int, resp: int, prompt: int) -> list[Path]:
@@ -246,8 +266,8 @@ def ingest_ratio(root: Path, args: argparse.Namespace) -> tuple[float, float, li
     return statistics.median(with_s), statistics.median(ratios), ratios
 
 
-def query_figures(tmp: Path, args: argparse.Namespace) -> tuple[list[dict], float]:
-    """Parts 1 and 2 on a store of --steps refs: (their figures, the chart fetch seconds)."""
+def query_figures(tmp: Path, args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Parts 1 and 2 on a store of --steps refs: (their figures, the chart fetch's parts)."""
     size = {"workload": args.steps, "target_workload": 10_000}
     root = tmp / "store"
     docs = build_store(root, args.steps)
@@ -270,8 +290,13 @@ def query_figures(tmp: Path, args: argparse.Namespace) -> tuple[list[dict], floa
                 med, p99, thirds = p99_ms(client, "/v1/runs/bench/mismatch", params, args.requests)
                 print(f"REST mismatch{what}: median {med:.1f} ms, p99 {p99:.1f} ms (<= 50 ms)")
                 rest.append((p99, what, med, thirds))
-            secs, rows, cells = chart_fetch_s(client, "old_kl_k3")
-            print(f"web chart data: {rows} steps + {cells} heat-map cells in {secs:.2f} s")
+            chart = chart_fetch_s(client, "old_kl_k3")
+            print(
+                f"web chart data: {chart['rows']} steps in {chart['rows_s']:.2f} s + the heat "
+                f"map in {PAGE_BINS} columns ({chart['binned_cells']} cells) in "
+                f"{chart['binned_s']:.2f} s; a column a step ({chart['cells']} cells) "
+                f"{chart['cells_s']:.2f} s"
+            )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -301,7 +326,7 @@ def query_figures(tmp: Path, args: argparse.Namespace) -> tuple[list[dict], floa
             )
             for p99, what, med, thirds in rest
         ),
-    ], secs
+    ], chart
 
 
 def main() -> int:
@@ -326,7 +351,7 @@ def main() -> int:
     extra: dict = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         if not args.ingest_only:
-            figures, extra["chart_fetch_s"] = query_figures(Path(tmp), args)
+            figures, extra["chart_fetch"] = query_figures(Path(tmp), args)
         with_s, ratio, pairs = ingest_ratio(Path(tmp), args)
         print(
             f"ingest of {args.ingest_bundles} MoE bundles: {with_s:.2f} s with the mismatch "

@@ -220,7 +220,7 @@ class Listings:
         return steps(self.execute, q, limit)
 
     def mismatch_layers(self, q: Any) -> list[dict]:
-        """As query_mismatch_layers."""
+        """Route mismatch per (step, layer) (`mismatch.query.layers`)."""
         from trajstore.mismatch.query import layers
 
         return layers(self.execute, q)

@@ -409,14 +409,17 @@ def query_mismatch(
     return {"items": items, "next_cursor": nxt}
 
 
-def query_mismatch_layers(
+def query_mismatch_heat(
     catalog: Catalog,
     run: str,
     rollout_from: int | None = None,
     rollout_to: int | None = None,
-) -> list[dict]:
-    """Route mismatch per (step, layer) of a run: the web view's heat map."""
-    from trajstore.mismatch.query import MismatchQuery, layers
+    bins: int | None = None,
+) -> dict:
+    """The web view's heat map of a run in at most `bins` columns (`mismatch.query.heat`):
+    a long run's columns each sum consecutive steps, so the map stays a few thousand
+    cells however many steps it has."""
+    from trajstore.mismatch.query import MismatchQuery, heat
 
     q = MismatchQuery(run=run, rollout_from=rollout_from, rollout_to=rollout_to)
-    return layers(executor(catalog), q)
+    return heat(executor(catalog), q, bins)

@@ -143,8 +143,13 @@ def step_sql(q: MismatchQuery, limit: int | None = None, offset: int = 0) -> tup
     return sql, params
 
 
-def layer_sql(q: MismatchQuery) -> tuple[str, dict]:
-    """Route mismatch rate per (step, layer) of `q`'s run and range (the heat map)."""
+#: a run's steps in the heat map's order (its columns, and the bins over them)
+_STEP_ORDER = "c.rollout_id, coalesce(c.step_id, -1), c.kind"
+
+
+def _cells_sql(q: MismatchQuery) -> tuple[str, dict]:
+    """Route mismatches and observations per (step, layer) of `q`'s run and range, as a
+    statement to select from (no order)."""
     params: dict[str, Any] = {"p0": q.run}
     where = [*_run_where(q, params), "m.route_error IS NULL"]
     sql = (
@@ -153,8 +158,39 @@ def layer_sql(q: MismatchQuery) -> tuple[str, dict]:
         "JOIN bundles AS b ON b.key = m.bundle_key "
         "JOIN mismatch_layers AS l ON l.bundle_key = m.bundle_key "
         f"WHERE {' AND '.join(where)} "
-        "GROUP BY m.kind, m.rollout_id, m.step_id, l.layer "
-        "ORDER BY m.rollout_id, coalesce(m.step_id, -1), m.kind, l.layer"
+        "GROUP BY m.kind, m.rollout_id, m.step_id, l.layer"
+    )
+    return sql, params
+
+
+def layer_sql(q: MismatchQuery) -> tuple[str, dict]:
+    """Route mismatch per (step, layer) of `q`'s run and range (the heat map)."""
+    cells, params = _cells_sql(q)
+    return f"SELECT c.* FROM ({cells}) AS c ORDER BY {_STEP_ORDER}, c.layer", params
+
+
+def heat_steps_sql(q: MismatchQuery) -> tuple[str, dict]:
+    """The steps that have heat-map cells, in the heat map's order."""
+    cells, params = _cells_sql(q)
+    sql = (
+        f"SELECT c.kind, c.rollout_id, c.step_id FROM ({cells}) AS c "
+        f"GROUP BY c.kind, c.rollout_id, c.step_id ORDER BY {_STEP_ORDER}"
+    )
+    return sql, params
+
+
+def binned_layer_sql(q: MismatchQuery, width: int) -> tuple[str, dict]:
+    """Route mismatches and observations per (bin, layer): a bin is `width` consecutive
+    steps of `heat_steps_sql`'s order, named by its first step's index there."""
+    cells, params = _cells_sql(q)
+    params["p7"] = int(width)
+    sql = (
+        f"WITH indexed AS (SELECT c.*, DENSE_RANK() OVER (ORDER BY {_STEP_ORDER}) - 1 AS idx "
+        f"FROM ({cells}) AS c), "
+        "binned AS (SELECT i.layer, i.mismatches, i.observations, i.idx - i.idx % :p7 AS bin "
+        "FROM indexed AS i) "
+        "SELECT bin, layer, sum(mismatches) AS mismatches, sum(observations) AS observations "
+        "FROM binned GROUP BY bin, layer ORDER BY bin, layer"
     )
     return sql, params
 
@@ -196,16 +232,54 @@ def steps(
     return out
 
 
+def _rate(mismatches: Any, observations: Any) -> float | None:
+    return int(mismatches) / int(observations) if observations else None
+
+
 def layers(execute: Execute, q: MismatchQuery) -> list[dict[str, Any]]:
     """Per (step, layer): mismatches, observations and their rate (None when nothing
     was compared at that layer)."""
     sql, params = layer_sql(q)
     out = []
     for row in execute(sql, params):
-        obs = row["observations"]
-        row["rate"] = row["mismatches"] / obs if obs else None
+        row["rate"] = _rate(row["mismatches"], row["observations"])
         out.append(row)
     return out
+
+
+def heat(execute: Execute, q: MismatchQuery, bins: int | None = None) -> dict[str, Any]:
+    """The heat map of `q`'s run and range in at most `bins` columns: ``steps`` (how many
+    steps have cells), ``bin_steps`` (steps a column) and ``items``. One step a column
+    (`layers`' items) while the steps fit; past that, consecutive steps are summed into
+    columns of ``bin_steps`` (the last may hold fewer), each item a column's layer with
+    its summed mismatches and observations, their rate, ``steps`` and the ``first`` and
+    ``last`` step it holds. A rate over a column is its sums' ratio, never a mean of
+    rates, so a column weighs its steps by what they compared."""
+    if bins is not None and bins < 1:
+        raise UsageError(f"bins must be >= 1, got {bins}")
+    sql, params = heat_steps_sql(q)
+    order = execute(sql, params)
+    n = len(order)
+    if bins is None or n <= bins:
+        return {"steps": n, "bin_steps": 1, "items": layers(execute, q)}
+    width = -(-n // bins)
+    sql, params = binned_layer_sql(q, width)
+    items = []
+    for row in execute(sql, params):
+        start = int(row["bin"])
+        end = min(start + width, n) - 1
+        items.append(
+            {
+                "layer": row["layer"],
+                "mismatches": int(row["mismatches"]),
+                "observations": int(row["observations"]),
+                "rate": _rate(row["mismatches"], row["observations"]),
+                "steps": end - start + 1,
+                "first": dict(order[start]),
+                "last": dict(order[end]),
+            }
+        )
+    return {"steps": n, "bin_steps": width, "items": items}
 
 
 #: the latest bundles (ranks) of one actor step and the digests of their documents

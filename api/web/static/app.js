@@ -663,11 +663,27 @@ async function allMismatch(run, query) {
   return rows;
 }
 
+// The heat map's columns: one a step while they fit at HEAT_CELL_PX each, else each
+// column sums consecutive steps (the server bins them) and a click on it zooms in.
+const HEAT_CELL_PX = 2;
+const HEAT_MARGIN_PX = 62;
+
+// A heat-map column's step, or its first..last step when it sums several.
+function heatLabel(c) {
+  if (!c.first) return stepRef(c);
+  return c.steps > 1 ? `${stepRef(c.first)}..${stepRef(c.last)}` : stepRef(c.first);
+}
+
 async function mismatchPage(run) {
   document.title = `trajstore: ${run} mismatch`;
   const params = new URLSearchParams(location.search);
   const metric = params.get("metric") || MISMATCH_DEFAULT;
-  const heatData = await api(`/v1/runs/${enc(run)}/mismatch/layers`);
+  const range = {};
+  if (params.get("from")) range.rollout_from = params.get("from");
+  if (params.get("to")) range.rollout_to = params.get("to");
+  const width = Math.min(Math.max(document.getElementById("main").clientWidth - 40, 300), 1200);
+  const bins = params.get("bins") || String(Math.max(1, Math.floor((width - HEAT_MARGIN_PX) / HEAT_CELL_PX)));
+  const heatData = await api(`/v1/runs/${enc(run)}/mismatch/layers?${new URLSearchParams({ ...range, bins })}`);
   const chartBox = h("div", { id: "mismatch-chart" }, h("span", { class: "muted" }, "loading"));
   const heatBox = h("div", { id: "mismatch-heat" });
   const tbody = h("tbody", {});
@@ -677,26 +693,47 @@ async function mismatchPage(run) {
     h("label", {}, "metric", h("select", { name: "metric", id: "mismatch-metric" }, heatData.metrics.map((name) =>
       h("option", { value: name, selected: name === metric }, name),
     ))),
+    ...Object.entries({ from: params.get("from"), to: params.get("to"), bins: params.get("bins") })
+      .filter(([, value]) => value)
+      .map(([name, value]) => h("input", { type: "hidden", name, value })),
     h("button", { type: "submit" }, "show"),
   );
+  const ranged = range.rollout_from !== undefined || range.rollout_to !== undefined;
+  const whole = new URLSearchParams({ metric });
+  if (params.get("bins")) whole.set("bins", params.get("bins"));
   render(
     h("p", {}, h("a", { href: "/" }, "runs"), " / ", h("a", { href: `/runs/${enc(run)}` }, run), " / mismatch"),
     h("h1", {}, `Training-inference mismatch of ${run}`),
+    ranged
+      ? h("p", { id: "mismatch-range" }, `rollouts ${range.rollout_from ?? "first"} to ${range.rollout_to ?? "last"}; `,
+        h("a", { href: `/runs/${enc(run)}/mismatch?${whole}` }, "the whole run"))
+      : "",
     picker,
     h("p", { class: "muted" }, "each point is a step (all ranks); click one to open the step at its worst token; a null step is a gap"),
     chartBox,
     h("h2", {}, "Route mismatch per layer"),
+    heatData.bin_steps > 1
+      ? h("p", { class: "muted", id: "mismatch-heat-bins" },
+        `${heatData.steps} steps, each column sums ${heatData.bin_steps} of them (the rate of the column's summed counts); click a column to zoom in`)
+      : "",
     heatBox,
     h("h2", {}, "Steps"),
     table([ "step", metric, "tokens", "worst token", "reason"], tbody, { id: "mismatch-steps" }),
   );
-  const width = Math.min(Math.max(document.getElementById("main").clientWidth - 40, 300), 1200);
-  const heatItems = heatData.items.map((c) => Object.assign({}, c, { step: stepRef(c) }));
+  const heatItems = heatData.items.map((c) => Object.assign({}, c, { step: heatLabel(c) }));
   fill(heatBox, Charts.heat(heatItems, {
     width,
-    onPick: (c) => { location.href = `/runs/${enc(run)}/steps/${c.step}?mismatch=route_mismatch_rate`; },
+    onPick: (c) => {
+      if (c.first && c.steps > 1) {
+        const zoom = new URLSearchParams({ metric, from: c.first.rollout_id, to: c.last.rollout_id });
+        if (params.get("bins")) zoom.set("bins", params.get("bins"));
+        location.href = `/runs/${enc(run)}/mismatch?${zoom}`;
+      } else {
+        location.href = `/runs/${enc(run)}/steps/${c.first ? stepRef(c.first) : c.step}?mismatch=route_mismatch_rate`;
+      }
+    },
   }));
-  const rows = await allMismatch(run, { metric });
+  const rows = await allMismatch(run, { ...range, metric });
   const points = rows.map((row, i) => ({ x: i, y: row.value, label: stepRef(row), row }));
   fill(chartBox, Charts.lines([{ name: metric, points }], {
     width,

@@ -186,8 +186,8 @@ const Charts = (() => {
   }
 
   // heat: route mismatch rate per (step, layer) (GET /v1/runs/{run}/mismatch/layers):
-  // one column per step, one row per layer, darker = higher; a layer with nothing
-  // compared is left blank (never drawn as 0).
+  // one column per step (or per bin of steps: c.step is then its label), one row per
+  // layer, darker = higher; a layer with nothing compared is left blank (never drawn as 0).
   function heat(items, { width = 900, rowHeight = 12, onPick } = {}) {
     const steps = [...new Set(items.map((c) => c.step))];
     const layers = Math.max(0, ...items.map((c) => c.layer + 1));
@@ -227,12 +227,13 @@ const Charts = (() => {
         "data-step": c.step,
         "data-layer": c.layer,
         "data-rate": c.rate,
+        "data-steps": c.steps,
       }, svg);
       el("title", {}, rect).textContent = `${c.step} layer ${c.layer}: ${fmt(c.rate)} (${c.mismatches}/${c.observations})`;
       if (onPick) rect.addEventListener("click", () => onPick(c));
     }
-    text(svg, margin.left, height - 8, `step ${steps[0]}`);
-    text(svg, width, height - 8, `step ${steps[steps.length - 1]}`, { "text-anchor": "end" });
+    text(svg, margin.left, height - 8, `step ${steps[0].split("..")[0]}`);
+    text(svg, width, height - 8, `step ${steps[steps.length - 1].split("..").pop()}`, { "text-anchor": "end" });
     return svg;
   }
 
