@@ -350,11 +350,12 @@ def test_a_binned_heat_map_sums_consecutive_steps(tmp_path, catalog_url):
             m = sum(counts[layer][0] for counts in per_step)
             o = sum(counts[layer][1] for counts in per_step)
             want.append((first, last, last - first + 1, layer, m, o, m / o))
+    columns = binned["columns"]
     got = [
         (
-            c["first"]["rollout_id"],
-            c["last"]["rollout_id"],
-            c["steps"],
+            columns[c["column"]]["first"]["rollout_id"],
+            columns[c["column"]]["last"]["rollout_id"],
+            columns[c["column"]]["steps"],
             c["layer"],
             c["mismatches"],
             c["observations"],

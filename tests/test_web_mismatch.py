@@ -143,12 +143,12 @@ def test_rest_heat_map_in_bins_holds_the_drift_in_one_column(base):
         fits = client.get("/v1/runs/drift/mismatch/layers", params={"bins": STEPS}).json()
         zero = client.get("/v1/runs/drift/mismatch/layers", params={"bins": 0})
     assert (binned["steps"], binned["bin_steps"]) == (STEPS, 3)
-    columns = sorted(
-        {(c["first"]["rollout_id"], c["last"]["rollout_id"], c["steps"]) for c in binned["items"]}
-    )
+    columns = [
+        (c["first"]["rollout_id"], c["last"]["rollout_id"], c["steps"]) for c in binned["columns"]
+    ]
     assert columns == [(1, 3, 3), (4, 6, 3), (7, 8, 2)]
     hot = [c for c in binned["items"] if c["mismatches"]]
-    assert [(c["first"]["rollout_id"], c["layer"]) for c in hot] == [(DRIFT[0], 2)]
+    assert [(c["column"], c["layer"]) for c in hot] == [(1, 2)]
     cells = [c for c in per_step["items"] if c["rollout_id"] in DRIFT and c["layer"] == 2]
     assert hot[0]["mismatches"] == sum(c["mismatches"] for c in cells) == len(DRIFT)
     assert hot[0]["observations"] == sum(c["observations"] for c in cells)

@@ -251,10 +251,11 @@ def heat(execute: Execute, q: MismatchQuery, bins: int | None = None) -> dict[st
     """The heat map of `q`'s run and range in at most `bins` columns: ``steps`` (how many
     steps have cells), ``bin_steps`` (steps a column) and ``items``. One step a column
     (`layers`' items) while the steps fit; past that, consecutive steps are summed into
-    columns of ``bin_steps`` (the last may hold fewer), each item a column's layer with
-    its summed mismatches and observations, their rate, ``steps`` and the ``first`` and
-    ``last`` step it holds. A rate over a column is its sums' ratio, never a mean of
-    rates, so a column weighs its steps by what they compared."""
+    ``columns`` of ``bin_steps`` (the last may hold fewer), each naming its ``first`` and
+    ``last`` step and how many ``steps`` it holds, and each item is a column's layer
+    (``column``, its index) with its summed mismatches and observations and their rate.
+    A column's rate is its sums' ratio, never a mean of rates, so a column weighs its
+    steps by what they compared."""
     if bins is not None and bins < 1:
         raise UsageError(f"bins must be >= 1, got {bins}")
     sql, params = heat_steps_sql(q)
@@ -263,23 +264,24 @@ def heat(execute: Execute, q: MismatchQuery, bins: int | None = None) -> dict[st
     if bins is None or n <= bins:
         return {"steps": n, "bin_steps": 1, "items": layers(execute, q)}
     width = -(-n // bins)
-    sql, params = binned_layer_sql(q, width)
-    items = []
-    for row in execute(sql, params):
-        start = int(row["bin"])
+    columns = []
+    for start in range(0, n, width):
         end = min(start + width, n) - 1
-        items.append(
-            {
-                "layer": row["layer"],
-                "mismatches": int(row["mismatches"]),
-                "observations": int(row["observations"]),
-                "rate": _rate(row["mismatches"], row["observations"]),
-                "steps": end - start + 1,
-                "first": dict(order[start]),
-                "last": dict(order[end]),
-            }
+        columns.append(
+            {"first": dict(order[start]), "last": dict(order[end]), "steps": end - start + 1}
         )
-    return {"steps": n, "bin_steps": width, "items": items}
+    sql, params = binned_layer_sql(q, width)
+    items = [
+        {
+            "column": int(row["bin"]) // width,
+            "layer": row["layer"],
+            "mismatches": int(row["mismatches"]),
+            "observations": int(row["observations"]),
+            "rate": _rate(row["mismatches"], row["observations"]),
+        }
+        for row in execute(sql, params)
+    ]
+    return {"steps": n, "bin_steps": width, "columns": columns, "items": items}
 
 
 #: the latest bundles (ranks) of one actor step and the digests of their documents

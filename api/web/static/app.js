@@ -669,9 +669,9 @@ const HEAT_CELL_PX = 2;
 const HEAT_MARGIN_PX = 62;
 
 // A heat-map column's step, or its first..last step when it sums several.
-function heatLabel(c) {
-  if (!c.first) return stepRef(c);
-  return c.steps > 1 ? `${stepRef(c.first)}..${stepRef(c.last)}` : stepRef(c.first);
+function heatLabel(column) {
+  const { first, last, steps } = column;
+  return steps > 1 ? `${stepRef(first)}..${stepRef(last)}` : stepRef(first);
 }
 
 async function mismatchPage(run) {
@@ -720,16 +720,19 @@ async function mismatchPage(run) {
     h("h2", {}, "Steps"),
     table([ "step", metric, "tokens", "worst token", "reason"], tbody, { id: "mismatch-steps" }),
   );
-  const heatItems = heatData.items.map((c) => Object.assign({}, c, { step: heatLabel(c) }));
+  const columns = heatData.columns || [];
+  const heatItems = heatData.items.map((c) => columns.length
+    ? Object.assign({}, c, columns[c.column], { step: heatLabel(columns[c.column]) })
+    : Object.assign({}, c, { step: stepRef(c), first: c, steps: 1 }));
   fill(heatBox, Charts.heat(heatItems, {
     width,
     onPick: (c) => {
-      if (c.first && c.steps > 1) {
+      if (c.steps > 1) {
         const zoom = new URLSearchParams({ metric, from: c.first.rollout_id, to: c.last.rollout_id });
         if (params.get("bins")) zoom.set("bins", params.get("bins"));
         location.href = `/runs/${enc(run)}/mismatch?${zoom}`;
       } else {
-        location.href = `/runs/${enc(run)}/steps/${c.first ? stepRef(c.first) : c.step}?mismatch=route_mismatch_rate`;
+        location.href = `/runs/${enc(run)}/steps/${stepRef(c.first)}?mismatch=route_mismatch_rate`;
       }
     },
   }));
