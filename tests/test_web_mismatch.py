@@ -154,6 +154,7 @@ def test_rest_heat_map_in_bins_holds_the_drift_in_one_column(base):
     assert hot[0]["observations"] == sum(c["observations"] for c in cells)
     assert hot[0]["rate"] == hot[0]["mismatches"] / hot[0]["observations"]
     assert fits["items"] == per_step["items"] and fits["bin_steps"] == 1
+    assert per_step["steps"] == fits["steps"] == STEPS and "columns" not in per_step
     assert zero.status_code == 422 and "bins" in zero.text
 
 

@@ -143,9 +143,10 @@ def mismatch_layers(
     bins: Annotated[int | None, Query(ge=1, le=MAX_HEAT_BINS)] = None,
 ) -> models.Open:
     """Route mismatch per (step, layer): the web view's heat map. ``metrics``: every
-    metric name `/mismatch` takes. With ``bins``, at most that many columns: past that
-    many steps each column sums consecutive steps (``bin_steps`` of them; its items name
-    their ``first`` and ``last`` step); ``steps`` is how many steps have cells."""
+    metric name `/mismatch` takes; ``steps``: how many steps have cells. With ``bins``,
+    at most that many columns: past that many steps, ``columns`` of ``bin_steps``
+    consecutive steps (each naming its ``first`` and ``last`` step) and ``items`` of a
+    column index, a layer and the column's summed counts (docs/rest.md)."""
     from trajstore.mismatch.metrics import METRICS
 
     check_run(state.view, run)

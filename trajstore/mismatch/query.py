@@ -258,10 +258,14 @@ def heat(execute: Execute, q: MismatchQuery, bins: int | None = None) -> dict[st
     steps by what they compared."""
     if bins is not None and bins < 1:
         raise UsageError(f"bins must be >= 1, got {bins}")
+    if bins is None:
+        items = layers(execute, q)
+        seen = {(c["kind"], c["rollout_id"], c["step_id"]) for c in items}
+        return {"steps": len(seen), "bin_steps": 1, "items": items}
     sql, params = heat_steps_sql(q)
     order = execute(sql, params)
     n = len(order)
-    if bins is None or n <= bins:
+    if n <= bins:
         return {"steps": n, "bin_steps": 1, "items": layers(execute, q)}
     width = -(-n // bins)
     columns = []
