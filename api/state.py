@@ -83,20 +83,9 @@ class AppState:
         immutable per generation, so its encoded answer is too. A new generation
         (a sync that applied something) empties the cache.
         """
-        generation = self.view.generation
-        with self._lock:
-            self._follow(generation)
-            hit = self._details.get(key)
-            if hit is not None:
-                self._details.move_to_end(key)
-                return hit
-        body = build().model_dump_json().encode()
-        with self._lock:
-            if generation == self._details_generation:
-                self._details[key] = body
-                while len(self._details) > _MAX_DETAILS:
-                    self._details.popitem(last=False)
-        return body
+        return self._per_generation(
+            self._details, _MAX_DETAILS, key, lambda: build().model_dump_json().encode()
+        )
 
     def _follow(self, generation: int) -> None:
         """Drop what an older catalog generation built (call with the lock held)."""
@@ -108,18 +97,26 @@ class AppState:
     def generation_value(self, key: tuple, build: Callable[[], Any]) -> Any:
         """A value several endpoints build from (a run's verdict rows: its summary and
         every strip), built once per catalog generation; the newest few are kept."""
+        return self._per_generation(self._shared, _MAX_SHARED, key, build)
+
+    def _per_generation(
+        self, cache: OrderedDict[tuple, Any], limit: int, key: tuple, build: Callable[[], Any]
+    ) -> Any:
+        """`cache[key]`, built (outside the lock) when this generation has not yet; the
+        newest `limit` entries are kept, and a value built from a generation that a sync
+        has meanwhile replaced is returned but not kept."""
         generation = self.view.generation
         with self._lock:
             self._follow(generation)
-            if key in self._shared:
-                self._shared.move_to_end(key)
-                return self._shared[key]
+            if key in cache:
+                cache.move_to_end(key)
+                return cache[key]
         value = build()
         with self._lock:
             if generation == self._details_generation:
-                self._shared[key] = value
-                while len(self._shared) > _MAX_SHARED:
-                    self._shared.popitem(last=False)
+                cache[key] = value
+                while len(cache) > limit:
+                    cache.popitem(last=False)
         return value
 
     @property
