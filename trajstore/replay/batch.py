@@ -138,7 +138,7 @@ _stores: dict[tuple[int, str, str | None], Any] = {}
 #: (store, replay-all run) the last job came from (keys are unique only within a store)
 _rollout_cache: dict = {}
 _rollout_cache_owner: list[tuple[str, str]] = []
-#: targets per job: a rollout and its steps travel together (linkage reuses the rollout)
+#: targets per job of small rollout ids sharing one (a larger rollout id is a job of its own)
 CHUNK = 4
 #: a rollout id's targets go to one job up to this many: each step's linkage check replays
 #: its rollout, once a worker (`_rollout_cache`), so a rollout id split over two jobs that
