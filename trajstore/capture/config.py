@@ -19,6 +19,7 @@ accepted too; both spellings set to different values is an error):
 | TRAJSTORE_RUN | run name (``[A-Za-z0-9._-]``, default ``default``) |
 | TRAJSTORE_CAPTURE_QUEUE_SIZE | bounded queue length in bundles (default 64) |
 | TRAJSTORE_CAPTURE_BLOCK | 1: wait for queue space instead of dropping |
+| TRAJSTORE_CAPTURE_WRITER | ``thread`` (default) or ``process``: where bundles are written |
 | TRAJSTORE_CAPTURE_REDACT | e.g. ``prompt=hash,response=truncate:64,tool_output=drop`` |
 | TRAJSTORE_PRODUCER_COMMIT | trainer commit recorded as manifest ``producer.commit`` |
 | TRAJSTORE_CAPTURE_SESSION | s3:// store: an id all ranks of one launch share (the job id) |
@@ -40,6 +41,8 @@ from trajstore.jsonio import user_path
 
 DEFAULT_QUEUE_SIZE = 64
 DEFAULT_RUN = "default"
+#: where bundles are written: a thread of the training process, or a process of its own
+WRITERS = ("thread", "process")
 # fullmatch everywhere: with .match, "$" also matches before a final "\n" ("run\n" passed)
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STEP = re.compile(r"(\d+):(\d+)")
@@ -57,6 +60,7 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "run": ("TRAJSTORE_RUN",),
     "queue_size": ("TRAJSTORE_CAPTURE_QUEUE_SIZE",),
     "block": ("TRAJSTORE_CAPTURE_BLOCK",),
+    "writer": ("TRAJSTORE_CAPTURE_WRITER",),
     "redaction": ("TRAJSTORE_CAPTURE_REDACT",),
     "producer_commit": ("TRAJSTORE_PRODUCER_COMMIT",),
     "session": ("TRAJSTORE_CAPTURE_SESSION",),
@@ -239,6 +243,10 @@ class CaptureConfig:
     rollouts: frozenset[int] | None = None
     queue_size: int = DEFAULT_QUEUE_SIZE
     block: bool = False
+    #: "thread": a thread of the training process writes the bundles; "process": a process
+    #: of its own does (`trajstore.capture.writer_process`: its Python holds no GIL the
+    #: training loop needs)
+    writer: str = "thread"
     redaction: RedactionPolicy = field(default_factory=RedactionPolicy)
     rank: int | None = None
     producer_ranks: tuple[int, ...] | None = None
@@ -271,6 +279,10 @@ class CaptureConfig:
             raise CaptureConfigError(
                 "steps and rollouts are both empty: capture is on but would write nothing "
                 "(None means every step / every rollout)"
+            )
+        if self.writer not in WRITERS:
+            raise CaptureConfigError(
+                f"writer must be one of {', '.join(WRITERS)}, got {self.writer!r}"
             )
         try:
             set_(self, "redaction", RedactionPolicy.parse(self.redaction))
@@ -381,6 +393,13 @@ class CaptureConfig:
         got = _read(env, "block")
         if got:
             kw["block"] = parse_bool(got[1], got[0])
+        got = _read(env, "writer")
+        if got:
+            kw["writer"] = got[1].strip().lower()
+            if kw["writer"] not in WRITERS:
+                raise CaptureConfigError(
+                    f"{got[0]}={got[1]!r} is not a writer (one of {', '.join(WRITERS)})"
+                )
         got = _read(env, "redaction")
         if got:
             try:

@@ -361,14 +361,17 @@ class CaptureManager:
                 "capture: config keys outside the recompute set are not written: %d key(s)",
                 len(dropped),
             )
-        self._writer: CaptureWriter | None = None
+        self._writer: Any = None  # a CaptureWriter or a ProcessWriter
         self._closed = False
         self._lock = threading.Lock()
         #: steps given data but not yet ended/discarded: token -> (rollout_id, step_id)
         self._open_steps: dict[int, tuple[int, int]] = {}
         self._tokens = itertools.count()
         if self.config.enabled:
-            self._writer = CaptureWriter(self.config, self.stats, self._recompute)
+            writer: Any = CaptureWriter
+            if self.config.writer == "process":
+                from trajstore.capture.writer_process import ProcessWriter as writer
+            self._writer = writer(self.config, self.stats, self._recompute)
             _LIVE.add(self)
             _register_atexit()
 

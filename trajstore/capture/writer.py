@@ -38,8 +38,11 @@ STAGING = ".capture-staging"
 _STOP = object()
 
 
-class CaptureWriter:
-    """A bounded queue of snapshot records and the daemon thread that drains it."""
+class BundleSink:
+    """Writes captured records as bundles (and ingests them in store mode), one at a time.
+
+    The part of the writer that is neither a queue nor a thread: the writer thread runs
+    one, and the writer process (`trajstore.capture.writer_process`) one per manager."""
 
     def __init__(
         self, config: CaptureConfig, stats: CaptureStats, default_recompute: dict[str, Any]
@@ -47,62 +50,32 @@ class CaptureWriter:
         self.config = config
         self.stats = stats
         self._default_recompute = default_recompute
-        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
         self._remote = str(config.store_dir or "").startswith("s3://")
-        #: the store, opened once for the writer's life and closed when it stops: a Store
-        #: keeps its parsed refs and pack index and refreshes them by what is new, so
-        #: ingesting a bundle reads the refs published since the last one, where opening it
-        #: per bundle re-read the ref cache (~1 s of the writer's CPU at 100,000 refs)
+        #: the store, opened once for the sink's life and closed with it: a Store keeps
+        #: its parsed refs and pack index and refreshes them by what is new, so ingesting a
+        #: bundle reads the refs published since the last one, where opening it per bundle
+        #: re-read the ref cache (~1 s of the writer's CPU at 100,000 refs)
         self._store: Any = None
         self._private: Path | None = None  # this process's staging for an s3:// store
-        self._thread = threading.Thread(
-            target=self._run, name="trajstore-capture-writer", daemon=True
-        )
-        self._thread.start()
 
-    def put(self, rec: CapturedRecord) -> bool:
-        """Queue a record (waiting for space when configured to block); False when full."""
+    def write(self, rec: CapturedRecord) -> None:
+        """Write ``rec``, counting it written or (logged) failed; never raises."""
         try:
-            if self.config.block:
-                self._queue.put(rec)
-            else:
-                self._queue.put_nowait(rec)
-        except queue.Full:
-            return False
-        return True
+            self._write(rec)
+            self.stats.count_written()
+        except Exception:  # noqa: BLE001 - logged and counted, never raised
+            what = (
+                f"writing step {rec.rollout_id}:{rec.step_id}"
+                if rec.kind == "step"
+                else f"writing rollout {rec.rollout_id}"
+            )
+            self.stats.count_error(what)
 
-    def stop(self, timeout: float | None = None) -> bool:
-        """Write everything queued, then stop. False when still busy after ``timeout``."""
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        with contextlib.suppress(Exception):  # a lower priority: training first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        try:
-            self._drain()
-        finally:
-            if self._store is not None:
-                with contextlib.suppress(Exception):
-                    self._store.close()
-                self._store = None
-
-    def _drain(self) -> None:
-        while True:
-            rec = self._queue.get()
-            if rec is _STOP:
-                return
-            try:
-                self._write(rec)
-                self.stats.count_written()
-            except Exception:  # noqa: BLE001 - logged and counted, never raised
-                what = (
-                    f"writing step {rec.rollout_id}:{rec.step_id}"
-                    if rec.kind == "step"
-                    else f"writing rollout {rec.rollout_id}"
-                )
-                self.stats.count_error(what)
+    def close(self) -> None:
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.close()
+            self._store = None
 
     def _base_dir(self) -> Path:
         cfg = self.config
@@ -198,3 +171,45 @@ class CaptureWriter:
             raise RuntimeError(f"store refused {path.name}: {why}; staged copy kept at {path}")
         self.stats.ingested += 1
         shutil.rmtree(path, ignore_errors=True)
+
+
+class CaptureWriter:
+    """A bounded queue of snapshot records and the daemon thread that drains it."""
+
+    def __init__(
+        self, config: CaptureConfig, stats: CaptureStats, default_recompute: dict[str, Any]
+    ):
+        self.config = config
+        self.stats = stats
+        self._sink = BundleSink(config, stats, default_recompute)
+        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._thread = threading.Thread(
+            target=self._run, name="trajstore-capture-writer", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, rec: CapturedRecord) -> bool:
+        """Queue a record (waiting for space when configured to block); False when full."""
+        try:
+            if self.config.block:
+                self._queue.put(rec)
+            else:
+                self._queue.put_nowait(rec)
+        except queue.Full:
+            return False
+        return True
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Write everything queued, then stop. False when still busy after ``timeout``."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):  # a lower priority: training first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        try:
+            while (rec := self._queue.get()) is not _STOP:
+                self._sink.write(rec)
+        finally:
+            self._sink.close()
