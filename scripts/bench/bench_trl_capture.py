@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import capture_figures, emit, load1
+from harness import capture_figures, emit, load1, start_writer, writer_process_cpu_s
 
 VOCAB = 64
 
@@ -111,10 +111,12 @@ def block(args: argparse.Namespace, capture_on: bool, out: Path) -> dict[str, An
 
     trainer.remove_callback(PrinterCallback)
     start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()
+    writer_start = writer_process_cpu_s()
     trainer.train()
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
     main_cpu = time.thread_time() - main_start
+    writer_cpu = writer_process_cpu_s() - writer_start
     steps = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
     stats = trainer.trajstore_capture.stats
     return {
@@ -122,6 +124,7 @@ def block(args: argparse.Namespace, capture_on: bool, out: Path) -> dict[str, An
         "wall_s": wall,
         "cpu_s": cpu,
         "main_cpu_s": main_cpu,
+        "writer_process_cpu_s": writer_cpu,
         "written": stats.written,
         "dropped": stats.dropped,
         "errors": stats.errors,
@@ -136,10 +139,16 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=32, help="max completion length")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--writer", choices=("thread", "process"), default="thread",
+        help="TRAJSTORE_CAPTURE_WRITER: the capture writer measured",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = parser.parse_args()
     load_before = load1()
     import torch
+
+    writer_start_s = start_writer(args.writer)
 
     torch.set_num_threads(args.threads)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
@@ -168,6 +177,12 @@ def main() -> None:
         "cpu_s_on": cpu["on"],
         "cpu_ratio_on_off": cpu["on"] / cpu["off"],
         "training_thread_cpu_ratio_on_off": main_cpu["on"] / main_cpu["off"],
+        "writer_process_start_s": writer_start_s,
+        "writer_process_cpu_ms_per_step": statistics.median(
+            r["writer_process_cpu_s"] for r in runs["on"]
+        )
+        * 1000
+        / args.steps,
         "other_threads_cpu_ms_per_step_on_minus_off": 1000
         * (other_cpu["on"] - other_cpu["off"])
         / args.steps,
@@ -183,14 +198,22 @@ def main() -> None:
     emit(
         args.json,
         capture_figures(
-            "TRL loop (~80 ms steps), whole run incl. final flush",
+            "TRL loop (~80 ms steps), whole run incl. final flush"
+            + (", process writer" if args.writer == "process" else ""),
             result["wall_ratio_on_off"],
             reps,
             result["dropped"],
             f"TRL GRPOTrainer, tiny Qwen3 (hidden {args.hidden}), {args.reps} on/off pairs of "
             f"{args.steps} optimizer steps; steps {step['off'] * 1000:.0f} ms off / "
             f"{step['on'] * 1000:.0f} ms on; writer CPU "
-            f"{result['other_threads_cpu_ms_per_step_on_minus_off']:.1f} ms a step; "
+            f"{result['other_threads_cpu_ms_per_step_on_minus_off']:.1f} ms a step"
+            + (
+                f" (writer process: {result['writer_process_cpu_ms_per_step']:.1f} ms a step; "
+                f"started once in {writer_start_s:.2f} s, before the blocks)"
+                if args.writer == "process"
+                else ""
+            )
+            + "; "
             f"training-thread CPU {result['training_thread_cpu_ratio_on_off']:.3f}x",
         ),
         load_before,

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, capture_figures, emit, load1
+from harness import ROOT, capture_figures, emit, load1, start_writer, writer_process_cpu_s
 
 
 def _size(path: Path) -> int:
@@ -42,13 +42,20 @@ def main() -> None:
     emit(
         args.json,
         capture_figures(
-            "verl update_actor",
+            "verl update_actor" + (", process writer" if args.writer == "process" else ""),
             result["ratio"],
             result["per_rep_ratio"],
             result["dropped"],
             f"verl ActorRolloutRefWorker on the CPU (tiny Qwen2, fsdp2), {args.rows} rows a "
             f"batch, {args.reps} on/off pairs: update_actor {result['update_actor_s_off']:.2f} s "
-            f"off / {result['update_actor_s_on']:.2f} s on; CPU {result['cpu_ratio']:.3f}x; "
+            f"off / {result['update_actor_s_on']:.2f} s on; CPU {result['cpu_ratio']:.3f}x"
+            + (
+                f" (the writer process's CPU while update_actor ran: "
+                f"{result['writer_process_cpu_ms_per_update']:.0f} ms a call)"
+                if args.writer == "process"
+                else ""
+            )
+            + "; "
             f"bytes per step {result['bytes_ratio']:.3f}x verl's save_to_disk",
         ),
         load_before,
@@ -61,8 +68,13 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     parser.add_argument("--reps", type=int, default=6, help="on/off block pairs")
     parser.add_argument("--rows", type=int, default=16, help="samples per driver batch")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--writer", choices=("thread", "process"), default="thread",
+        help="TRAJSTORE_CAPTURE_WRITER: the capture writer measured",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = parser.parse_args()
+    writer_start_s = start_writer(args.writer)
     tmp = Path(tempfile.mkdtemp(prefix="bench-verl-"))
     os.environ["TRAJSTORE_CAPTURE"] = "1"
     os.environ["TRAJSTORE_CAPTURE_DIR"] = str(tmp / "capture")
@@ -80,6 +92,7 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     recording = capture_actor(worker, cfg)
     times: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
+    writer_cpu: dict[str, list[float]] = {"off": [], "on": []}  # the writer process's
     driver_s: list[float] = []
     dumped: list[int] = []
     step = 0
@@ -92,11 +105,14 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
                 tv.tag_batch(batch)
                 batch.meta_info[STEP_KEY] = step
             start, cpu_start = time.perf_counter(), time.process_time()
+            writer_start = writer_process_cpu_s()
             h.update_actor(worker, batch, cfg)
             wall, used = time.perf_counter() - start, time.process_time() - cpu_start
+            writer_used = writer_process_cpu_s() - writer_start
             if rep:
                 times[mode].append(wall)
                 cpu[mode].append(used)
+                writer_cpu[mode].append(writer_used)
             if mode == "on":
                 start = time.perf_counter()
                 tv.capture_batch(batch, cfg, step=step)
@@ -119,6 +135,8 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
         "ratio": on / off,
         "per_rep_ratio": [a / b for a, b in zip(times["on"], times["off"], strict=True)],
         "cpu_ratio": statistics.median(cpu["on"]) / statistics.median(cpu["off"]),
+        "writer_process_start_s": writer_start_s,
+        "writer_process_cpu_ms_per_update": statistics.median(writer_cpu["on"]) * 1000,
         "capture_batch_s": statistics.median(driver_s),
         "bytes_per_step": statistics.median(stored),
         "dataproto_save_to_disk_bytes": statistics.median(dumped),

@@ -181,6 +181,34 @@ def capture_figures(
     ]  # fmt: skip
 
 
+def writer_process_cpu_s() -> float:
+    """The CPU seconds the capture writer process (TRAJSTORE_CAPTURE_WRITER=process) has
+    used so far, 0 when there is none: the training process's own clocks miss it."""
+    from trajstore.capture import writer_process
+
+    shared = writer_process._SHARED
+    if shared is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{shared.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def start_writer(writer: str) -> float:
+    """Select the capture writer for this process; for ``process`` start it now and return
+    the seconds that took (once per training process, so outside the timed blocks)."""
+    os.environ["TRAJSTORE_CAPTURE_WRITER"] = writer
+    if writer != "process":
+        return 0.0
+    from trajstore.capture import writer_process
+
+    start = time.perf_counter()
+    writer_process._shared()
+    return time.perf_counter() - start
+
+
 def emit(
     path: Path | None,
     figures: list[dict[str, Any]],
