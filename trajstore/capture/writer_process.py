@@ -13,11 +13,10 @@ One writer process serves every `CaptureManager` of a training process: it start
 the first (importing torch: ~1.4 s, waited for once, so that a writer process that cannot
 start is an error at start-up, not a count of lost bundles later) and outlives them, idle,
 until the training process exits and its pipe closes. A manager's queue, its bound and its
-drop/block behaviour are the thread writer's; what the pipe holds on top of it is one
-record. If the writer process dies, the records it held and every later one are counted in
-``CaptureStats.errors`` (logged once); training goes on. A record already handed over
-is still written if the training process dies: the writer process reads to the end of its
-pipe before it exits.
+drop/block behaviour are the thread writer's; on top of it the writer process holds the
+record it is writing and the pipe up to 1 MiB of the next. If the writer process dies,
+the records it held and every later one are counted in ``CaptureStats.errors`` (logged
+once); training goes on.
 
 Frames, both ways: ``<B op><Q writer id><I parts>``, then each part's length (``<Q``),
 then the parts: a pickle (protocol 5) and its out-of-band buffers.
@@ -143,22 +142,16 @@ class _WriterProcess:
         child_in, to_child = os.pipe()  # (read end, write end)
         from_child, child_out = os.pipe()
         _bigger_pipe(to_child)
-        env = dict(os.environ)
-        # the package this process imported, whatever put it on sys.path
+        # trajstore as this process found it, after everything else on the child's path (a
+        # checkout put on sys.path by hand is found; nothing installed is shadowed)
         root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        code = f"import sys; sys.path.append({root!r}); from {__name__} import main; main()"
+        argv = [sys.executable, "-c", code, str(child_in), str(child_out)]
         try:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "trajstore.capture.writer_process",
-                    str(child_in),
-                    str(child_out),
-                ],
+                argv,
                 pass_fds=(child_in, child_out),
                 stdin=subprocess.DEVNULL,
-                env=env,
             )
         finally:
             os.close(child_in)
@@ -365,7 +358,7 @@ def _send_reply(fd: int, op: int, wid: int, body: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The writer process: ``python -m trajstore.capture.writer_process IN_FD OUT_FD``."""
+    """The writer process (arguments: the pipe's file descriptors, IN_FD OUT_FD)."""
     from trajstore.capture.writer import BundleSink
 
     args = sys.argv[1:] if argv is None else argv
