@@ -5,6 +5,7 @@ survived."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import threading
@@ -79,14 +80,21 @@ def test_the_writer_is_chosen_by_its_variable(tmp_path):
         CaptureConfig(writer="threads")
 
 
-def test_a_bundle_the_writer_process_fails_is_counted_in_the_training_process(tmp_path):
+def test_a_bundle_the_writer_process_fails_is_counted_and_logged_in_the_training_process(
+    tmp_path, caplog
+):
     out = tmp_path / "out"
     cap = CaptureManager(enabled(out, writer="process"))
     if out.exists():
         out.rmdir()
     out.write_text("a file where the capture directory was")  # every bundle now fails
-    stats = _capture(out, "process", steps=2, cap=cap).close()
+    with caplog.at_level(logging.ERROR, logger="trajstore.capture"):
+        stats = _capture(out, "process", steps=2, cap=cap).close()
     assert (stats.enqueued, stats.written, stats.errors) == (2, 0, 2)
+    logged = [r.getMessage() for r in caplog.records if r.name == "trajstore.capture"]
+    assert len(logged) == 2, logged
+    assert "error while writing step 0:0" in logged[0]
+    assert "Traceback" in logged[0] and "out" in logged[0]
 
 
 def test_store_mode_through_the_writer_process_counts_what_it_ingested(tmp_path):

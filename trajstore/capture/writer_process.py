@@ -48,7 +48,7 @@ from trajstore.capture.stats import CaptureStats
 logger = logging.getLogger("trajstore.capture")
 
 _OPEN, _RECORD, _CLOSE = 1, 2, 3  # to the writer process
-_READY, _WRITTEN, _FAILED, _CLOSED = 11, 12, 13, 14  # from it
+_READY, _WRITTEN, _FAILED, _CLOSED, _LOG = 11, 12, 13, 14, 15  # from it
 _HEAD = struct.Struct("<BQI")
 _STOP = object()
 #: how long the first manager waits for the writer process to import what it needs
@@ -194,6 +194,10 @@ class _WriterProcess:
                 op, wid, body = _read_frame(f)
                 if op == _READY:
                     self._ready.set()
+                    continue
+                if op == _LOG:  # through this process's logging, as the thread's would go
+                    level, name, text = body()
+                    logging.getLogger(name).log(level, "%s", text)
                     continue
                 writer = self._writers.get(wid)
                 if writer is not None:
@@ -357,6 +361,24 @@ def _send_reply(fd: int, op: int, wid: int, body: Any) -> None:
     _write_all(fd, _frame(op, wid, body))
 
 
+class _ToTrainingProcess(logging.Handler):
+    """trajstore's log records (a failed bundle, a full disk, with their tracebacks) sent
+    to the training process, which logs them through its own handlers."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self.fd = fd
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            _send_reply(self.fd, _LOG, 0, (record.levelno, record.name, text))
+        except Exception:  # noqa: BLE001 - logging never raises
+            self.handleError(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The writer process (arguments: the pipe's file descriptors, IN_FD OUT_FD)."""
     from trajstore.capture.writer import BundleSink
@@ -365,11 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     in_fd, out_fd = int(args[0]), int(args[1])
     with contextlib.suppress(Exception):  # a lower priority: training first
         os.setpriority(os.PRIO_PROCESS, 0, 10)
-    logging.basicConfig(
+    logging.basicConfig(  # anything else (a library's warning) goes to the shared stderr
         level=logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s (capture writer process %(process)d): "
         "%(message)s",
     )
+    ours = logging.getLogger("trajstore")
+    ours.addHandler(_ToTrainingProcess(out_fd))
+    ours.setLevel(logging.INFO)  # the training process's own levels decide what shows
+    ours.propagate = False
     import torch  # noqa: F401 - every bundle needs it: imported before saying ready
 
     _send_reply(out_fd, _READY, 0, None)
@@ -383,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 value = body()
             except Exception:  # noqa: BLE001 - one unreadable record, not the process
-                logger.exception("trajstore capture: a record could not be read")
+                logger.exception("trajstore capture: the writer process could not read a record")
                 if op == _RECORD:
                     _send_reply(out_fd, _FAILED, wid, False)
                 continue
