@@ -56,7 +56,10 @@ def _step(cap: CaptureManager, rollout_id: int, step_id: int) -> None:
 
 
 def _capture(store_dir: Path, run: str, steps: int) -> None:
-    cap = CaptureManager(CaptureConfig(enabled=True, store_dir=store_dir, run=run, block=True))
+    # the writer thread: the probe counts this process's reads (a writer process holds
+    # its store the same way, `BundleSink`)
+    config = CaptureConfig(enabled=True, store_dir=store_dir, run=run, block=True, writer="thread")
+    cap = CaptureManager(config)
     for r in range(steps):
         _step(cap, r, 0)
     stats = cap.close()

@@ -9,10 +9,11 @@ directory: the worst case). On and off blocks alternate in one process, each a f
 trainer from the same seed; a block's step time is the median of TRL's own ``step_time``
 metric (generation, scoring and the loss's forward/backward of one optimizer step, which
 includes capture's copies and enqueue), and its whole time is ``train()`` wall time,
-including the final flush of the capture queue; its CPU time is the process's (training
-thread and capture writer together), which a loaded machine disturbs less than wall time;
-the training thread's own CPU time and the other threads' (the capture writer's) extra CPU
-per step are reported apart.
+including the final flush of the capture queue; its CPU time is the training process's,
+which a loaded machine disturbs less than wall time; the training thread's own CPU time,
+the other threads' extra CPU per step (the writer thread with ``--writer thread``, the
+feeder otherwise) and the writer process's CPU per step (``--writer process``, the
+default: started once before the blocks, its start timed apart) are reported apart.
 Prints one JSON object.
 """
 
@@ -140,8 +141,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
-        "--writer", choices=("thread", "process"), default="thread",
-        help="TRAJSTORE_CAPTURE_WRITER: the capture writer measured",
+        "--writer", choices=("thread", "process"), default="process",
+        help="TRAJSTORE_CAPTURE_WRITER: the capture writer measured (default: the default)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = parser.parse_args()
@@ -199,7 +200,7 @@ def main() -> None:
         args.json,
         capture_figures(
             "TRL loop (~80 ms steps), whole run incl. final flush"
-            + (", process writer" if args.writer == "process" else ""),
+            + (", thread writer" if args.writer == "thread" else ""),
             result["wall_ratio_on_off"],
             reps,
             result["dropped"],

@@ -8,7 +8,8 @@ own loss (capture off: the baseline, in the same run) and the recording loss of
 ``capture_actor`` (on, every micro-batch captured into a temporary directory: the worst
 case). A block is one ``update_actor`` call on a fresh driver batch (two optimizer steps);
 its time is wall time of that call (which includes the recording's copies and enqueue), its
-CPU time the process's. The driver's ``capture_batch`` is timed apart. Bytes: the step's
+CPU time the training process's (``--writer process``, the default: the writer process's
+CPU is reported apart). The driver's ``capture_batch`` is timed apart. Bytes: the step's
 bundles on disk (its rollout bundle and its step bundles) against verl's own
 ``DataProto.save_to_disk`` of the same batch. Reports through harness.emit.
 """
@@ -42,7 +43,7 @@ def main() -> None:
     emit(
         args.json,
         capture_figures(
-            "verl update_actor" + (", process writer" if args.writer == "process" else ""),
+            "verl update_actor" + (", thread writer" if args.writer == "thread" else ""),
             result["ratio"],
             result["per_rep_ratio"],
             result["dropped"],
@@ -69,8 +70,8 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     parser.add_argument("--rows", type=int, default=16, help="samples per driver batch")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
-        "--writer", choices=("thread", "process"), default="thread",
-        help="TRAJSTORE_CAPTURE_WRITER: the capture writer measured",
+        "--writer", choices=("thread", "process"), default="process",
+        help="TRAJSTORE_CAPTURE_WRITER: the capture writer measured (default: the default)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the figures here (harness.py)")
     args = parser.parse_args()

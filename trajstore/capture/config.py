@@ -19,7 +19,7 @@ accepted too; both spellings set to different values is an error):
 | TRAJSTORE_RUN | run name (``[A-Za-z0-9._-]``, default ``default``) |
 | TRAJSTORE_CAPTURE_QUEUE_SIZE | bounded queue length in bundles (default 64) |
 | TRAJSTORE_CAPTURE_BLOCK | 1: wait for queue space instead of dropping |
-| TRAJSTORE_CAPTURE_WRITER | ``thread`` (default) or ``process``: where bundles are written |
+| TRAJSTORE_CAPTURE_WRITER | ``process`` (default on POSIX) or ``thread``: who writes bundles |
 | TRAJSTORE_CAPTURE_REDACT | e.g. ``prompt=hash,response=truncate:64,tool_output=drop`` |
 | TRAJSTORE_PRODUCER_COMMIT | trainer commit recorded as manifest ``producer.commit`` |
 | TRAJSTORE_CAPTURE_SESSION | s3:// store: an id all ranks of one launch share (the job id) |
@@ -43,6 +43,7 @@ DEFAULT_QUEUE_SIZE = 64
 DEFAULT_RUN = "default"
 #: where bundles are written: a thread of the training process, or a process of its own
 WRITERS = ("thread", "process")
+DEFAULT_WRITER = "process" if os.name == "posix" else "thread"
 # fullmatch everywhere: with .match, "$" also matches before a final "\n" ("run\n" passed)
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STEP = re.compile(r"(\d+):(\d+)")
@@ -243,10 +244,10 @@ class CaptureConfig:
     rollouts: frozenset[int] | None = None
     queue_size: int = DEFAULT_QUEUE_SIZE
     block: bool = False
-    #: "thread": a thread of the training process writes the bundles; "process": a process
-    #: of its own does (`trajstore.capture.writer_process`: its Python holds no GIL the
-    #: training loop needs)
-    writer: str = "thread"
+    #: "process": a process of its own writes the bundles (`trajstore.capture.
+    #: writer_process`: its Python holds no GIL the training loop needs); "thread": a thread
+    #: of the training process does (the default where pipes cannot be passed: not POSIX)
+    writer: str = DEFAULT_WRITER
     redaction: RedactionPolicy = field(default_factory=RedactionPolicy)
     rank: int | None = None
     producer_ranks: tuple[int, ...] | None = None

@@ -1,4 +1,5 @@
-"""The capture writer in a process of its own (``TRAJSTORE_CAPTURE_WRITER=process``).
+"""The capture writer in a process of its own (``TRAJSTORE_CAPTURE_WRITER=process``, the
+default on POSIX).
 
 Why: the writer thread's work (assembling a bundle, ``torch.save``, the JSON documents,
 the store's ingest) is Python, and holds the GIL a Python-bound training loop waits for
@@ -74,10 +75,9 @@ class _Pickler(pickle.Pickler):
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
             return NotImplemented
-        t = obj.detach()
-        if t.device.type != "cpu" or t.is_sparse or t.is_quantized:
+        if obj.is_sparse or obj.is_quantized:
             return NotImplemented
-        t = t.contiguous()
+        t = obj.detach().cpu().contiguous()  # what the thread's `as_torch` writes
         try:
             if t.dtype == torch.bfloat16:
                 return _tensor, (t.view(torch.int16).numpy(), "bfloat16")
