@@ -4,7 +4,9 @@ Why it is shaped like this: capture must never slow training noticeably nor
 change a single number, and must never raise into training. So the training
 thread only *snapshots* (detaches and copies tensors to CPU, so a later
 in-place update of a reused buffer cannot change what is written) and
-enqueues; a daemon writer thread builds and publishes the bundles. The queue
+enqueues; a writer builds and publishes the bundles (a process of its own,
+`writer_process`, by default: its Python takes no GIL from training; or a daemon
+thread, `writer`, with ``TRAJSTORE_CAPTURE_WRITER=thread``). The queue
 is bounded: when it is full the record is dropped and counted (or, with
 ``block=True``, the training thread waits). Writer failures are logged and
 counted. `close()` (and interpreter exit) flushes.

@@ -1,4 +1,5 @@
-"""`CaptureStats`: the counters the training thread and the writer thread share.
+"""`CaptureStats`: the counters the training thread and the writer share (the writer
+thread, or the thread reading the writer process's replies).
 
 Its own module so the hot path (`manager`) and the writer thread (`writer`)
 both count into it without importing each other.

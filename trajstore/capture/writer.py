@@ -1,6 +1,8 @@
-"""The capture writer thread: assemble, write and (in store mode) ingest bundles.
+"""The capture writer: assemble, write and (in store mode) ingest bundles (`BundleSink`),
+on a thread of the training process (`CaptureWriter`, ``TRAJSTORE_CAPTURE_WRITER=thread``)
+or in the writer process (`trajstore.capture.writer_process`, the default on POSIX).
 
-Why a thread of its own: the training thread only snapshots and enqueues
+Why apart from the training thread: it only snapshots and enqueues
 (`trajstore.capture.manager`); everything slow (assembling the bundle, torch
 serialization, fsync, the store's ingest) happens here, at a lower OS
 priority, and every failure is logged and counted instead of raised.
