@@ -5,7 +5,8 @@ threads); a process forked after that has none of those threads, and its first
 request waits for them forever. So once obstore is loaded the local executor's
 workers come from a fork server, never from a fork of the command that has just
 listed the store, and a process that was forked after S3 use (a user's own fork, a
-capture writer in it) gets one clear error instead of hanging.
+capture writer thread in it) gets one clear error instead of hanging; capture's writer
+process (the default) is started, not forked, and publishes.
 
 A command that hangs never returns: each runs in its own session under a generous
 harness timeout (`HANG_S`, not a measured bound), after which it and every process
@@ -107,7 +108,8 @@ url = sys.argv[1]
 Store.open(url).close()  # S3 requests: this process's runtime is started
 pid = os.fork()
 if pid == 0:
-    cap = CaptureManager(CaptureConfig(enabled=True, store_dir=url, run="t", block=True))
+    config = CaptureConfig(enabled=True, store_dir=url, run="t", block=True, writer=sys.argv[3])
+    cap = CaptureManager(config)
     one_step(cap, 0, 0)
     stats = cap.close()
     os._exit(10 + stats.errors)
@@ -119,13 +121,28 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_capture_in_a_process_forked_after_s3_use_counts_a_clear_error_not_a_hang(
     s3_env: Any, tmp_path: Path
 ) -> None:
+    """The writer thread would make the forked process's S3 requests itself."""
     url = s3_env.fresh_url("fork-capture")
     proc = run(
         "capture in a forked child",
-        [sys.executable, "-c", CAPTURE_IN_A_FORKED_CHILD, url, str(TESTS)],
+        [sys.executable, "-c", CAPTURE_IN_A_FORKED_CHILD, url, str(TESTS), "thread"],
     )
     assert proc.returncode == 11, proc.stderr  # the child counted one error, and returned
     why = [line for line in proc.stderr.splitlines() if "was forked from one" in line]
     assert len(why) == 1 and "'spawn' or 'forkserver'" in why[0], proc.stderr
     with Store.open(url, create=False) as store:
         assert store.bundles() == []
+
+
+def test_capture_in_a_process_forked_after_s3_use_publishes_through_the_writer_process(
+    s3_env: Any, tmp_path: Path
+) -> None:
+    """The writer process is started, not forked: its S3 runtime is its own."""
+    url = s3_env.fresh_url("fork-capture-process")
+    proc = run(
+        "capture in a forked child, writer process",
+        [sys.executable, "-c", CAPTURE_IN_A_FORKED_CHILD, url, str(TESTS), "process"],
+    )
+    assert proc.returncode == 10, proc.stderr  # no error counted
+    with Store.open(url, create=False) as store:
+        assert [(b["rollout_id"], b["step_id"]) for b in store.bundles()] == [(0, 0)]
