@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -127,3 +128,27 @@ def test_a_killed_writer_process_costs_bundles_not_the_training(tmp_path):
     again = _capture(tmp_path / "after", "process", steps=1).close()
     assert (again.written, again.errors) == (1, 0)
     assert writer_process._shared().proc.pid != child.pid
+
+
+def test_ctrl_c_in_the_terminal_leaves_the_writer_process_to_the_trainer(tmp_path):
+    """SIGINT reaches the whole process group; the trainer decides, and its close() still
+    flushes through the writer process."""
+    cap = CaptureManager(enabled(tmp_path / "out", writer="process"))
+    child = writer_process._shared().proc
+    os.kill(child.pid, signal.SIGINT)
+    assert one_step(cap, 0, 0)
+    stats = cap.close(timeout=30)
+    assert (stats.written, stats.errors) == (1, 0)
+    assert child.poll() is None
+
+
+def test_a_writer_process_that_cannot_start_is_an_error_at_start_up(tmp_path, monkeypatch):
+    old = writer_process._shared().proc
+    os.kill(old.pid, signal.SIGKILL)  # no writer process left to share
+    old.wait(timeout=30)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # exits at once, says nothing
+    with pytest.raises(RuntimeError, match="the capture writer process did not start"):
+        CaptureManager(enabled(tmp_path / "out", writer="process"))
+    monkeypatch.undo()
+    stats = _capture(tmp_path / "again", "process", steps=1).close()
+    assert (stats.written, stats.errors) == (1, 0)

@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -387,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     in_fd, out_fd = int(args[0]), int(args[1])
     with contextlib.suppress(Exception):  # a lower priority: training first
         os.setpriority(os.PRIO_PROCESS, 0, 10)
+    # Ctrl-C reaches the whole process group: the training process decides what it means
+    # (usually: close capture, which flushes through here); this one ends with its pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(  # anything else (a library's warning) goes to the shared stderr
         level=logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s (capture writer process %(process)d): "
@@ -416,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
             if op == _OPEN:
                 config, recompute = value
                 sinks[wid] = BundleSink(config, CaptureStats(), recompute)
+            elif op == _RECORD and wid not in sinks:  # its open was unreadable (logged)
+                _send_reply(out_fd, _FAILED, wid, False)
             elif op == _RECORD:
                 sink = sinks[wid]
                 written, ingested, full = (
@@ -429,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     _send_reply(out_fd, _FAILED, wid, sink.stats.disk_full > full)
             elif op == _CLOSE:
-                sinks.pop(wid).close()
+                if wid in sinks:
+                    sinks.pop(wid).close()
                 _send_reply(out_fd, _CLOSED, wid, None)
     for sink in sinks.values():
         sink.close()
