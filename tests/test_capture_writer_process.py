@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +153,23 @@ def test_a_writer_process_that_cannot_start_is_an_error_at_start_up(tmp_path, mo
     monkeypatch.undo()
     stats = _capture(tmp_path / "again", "process", steps=1).close()
     assert (stats.written, stats.errors) == (1, 0)
+
+
+def test_beyond_its_queue_a_stalled_writer_process_holds_one_record(tmp_path):
+    """queue_size=1 with the writer process stopped (SIGSTOP): the first record is handed
+    over, the second waits in the queue, the rest are dropped, as with a busy thread."""
+    cap = CaptureManager(enabled(tmp_path / "out", writer="process", queue_size=1))
+    child = writer_process._shared().proc
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        one_step(cap, 0, 0)
+        deadline = time.monotonic() + 30
+        while not cap._writer._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the feeder has taken the first record
+        for s in range(1, 10):
+            one_step(cap, 0, s)
+        assert (cap.stats.enqueued, cap.stats.dropped) == (2, 8)
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    stats = cap.close(timeout=30)
+    assert (stats.written, stats.errors) == (2, 0)

@@ -37,7 +37,8 @@ logger = logging.getLogger("trajstore.capture")
 
 #: store mode stages bundles under ``<store>/.capture-staging/<run>/`` before ingest
 STAGING = ".capture-staging"
-_STOP = object()
+#: queued behind every record by `stop`: the writer has nothing more to write
+STOP = object()
 
 
 class BundleSink:
@@ -175,20 +176,15 @@ class BundleSink:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class CaptureWriter:
-    """A bounded queue of snapshot records and the daemon thread that drains it."""
+class QueuedWriter:
+    """The bounded queue of snapshot records both writers drain (the thread here, the
+    feeder of `trajstore.capture.writer_process`): `put` drops or waits as configured, and
+    `stop` queues `STOP` behind everything queued."""
 
-    def __init__(
-        self, config: CaptureConfig, stats: CaptureStats, default_recompute: dict[str, Any]
-    ):
+    def __init__(self, config: CaptureConfig, stats: CaptureStats):
         self.config = config
         self.stats = stats
-        self._sink = BundleSink(config, stats, default_recompute)
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
-        self._thread = threading.Thread(
-            target=self._run, name="trajstore-capture-writer", daemon=True
-        )
-        self._thread.start()
 
     def put(self, rec: CapturedRecord) -> bool:
         """Queue a record (waiting for space when configured to block); False when full."""
@@ -201,9 +197,23 @@ class CaptureWriter:
             return False
         return True
 
+
+class CaptureWriter(QueuedWriter):
+    """The writer thread: drains the queue into a `BundleSink`."""
+
+    def __init__(
+        self, config: CaptureConfig, stats: CaptureStats, default_recompute: dict[str, Any]
+    ):
+        super().__init__(config, stats)
+        self._sink = BundleSink(config, stats, default_recompute)
+        self._thread = threading.Thread(
+            target=self._run, name="trajstore-capture-writer", daemon=True
+        )
+        self._thread.start()
+
     def stop(self, timeout: float | None = None) -> bool:
         """Write everything queued, then stop. False when still busy after ``timeout``."""
-        self._queue.put(_STOP)
+        self._queue.put(STOP)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -211,7 +221,7 @@ class CaptureWriter:
         with contextlib.suppress(Exception):  # a lower priority: training first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         try:
-            while (rec := self._queue.get()) is not _STOP:
+            while (rec := self._queue.get()) is not STOP:
                 self._sink.write(rec)
         finally:
             self._sink.close()

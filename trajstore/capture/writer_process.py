@@ -14,8 +14,9 @@ One writer process serves every `CaptureManager` of a training process: it start
 the first (importing torch: ~1.4 s, waited for once, so that a writer process that cannot
 start is an error at start-up, not a count of lost bundles later) and outlives them, idle,
 until the training process exits and its pipe closes. A manager's queue, its bound and its
-drop/block behaviour are the thread writer's; on top of it the writer process holds the
-record it is writing and the pipe up to 1 MiB of the next. If the writer process dies,
+drop/block behaviour are the thread writer's: the feeder hands over one record and waits
+for its answer before the next, so beyond the queue only the record being written is
+held, as with the thread. If the writer process dies,
 the records it held and every later one are counted in ``CaptureStats.errors`` (logged
 once); training goes on.
 
@@ -32,7 +33,6 @@ import itertools
 import logging
 import os
 import pickle
-import queue
 import signal
 import struct
 import subprocess
@@ -46,13 +46,13 @@ from trajstore.bundle.assemble import CapturedRecord
 from trajstore.capture.config import CaptureConfig
 from trajstore.capture.redaction import filter_config
 from trajstore.capture.stats import CaptureStats
+from trajstore.capture.writer import STOP, BundleSink, QueuedWriter
 
 logger = logging.getLogger("trajstore.capture")
 
 _OPEN, _RECORD, _CLOSE = 1, 2, 3  # to the writer process
 _READY, _WRITTEN, _FAILED, _CLOSED, _LOG = 11, 12, 13, 14, 15  # from it
 _HEAD = struct.Struct("<BQI")
-_STOP = object()
 #: how long the first manager waits for the writer process to import what it needs
 START_TIMEOUT_S = 120.0
 _PIPE_BYTES = 1 << 20  # F_SETPIPE_SZ: fewer wake-ups per large record (Linux; best effort)
@@ -249,18 +249,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-class ProcessWriter:
+class ProcessWriter(QueuedWriter):
     """`CaptureWriter`'s interface (``put``, ``stop``) over the shared writer process."""
 
     def __init__(
         self, config: CaptureConfig, stats: CaptureStats, default_recompute: dict[str, Any]
     ):
-        self.config = config
-        self.stats = stats
-        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        super().__init__(config, stats)
         self._closed = threading.Event()
         self._in_flight = 0  # sent, not yet answered (the feeder adds, the replies take)
-        self._count_lock = threading.Lock()
+        #: guards _in_flight and _gone; the feeder waits on it for the last record's answer
+        self._count_lock = threading.Condition()
         self._lost_logged = False
         self._gone = False  # the writer process exited (set with _in_flight's lock)
         self._close_sent = False
@@ -272,24 +271,18 @@ class ProcessWriter:
         )
         self._thread.start()
 
-    def put(self, rec: CapturedRecord) -> bool:
-        """Queue a record (waiting for space when configured to block); False when full."""
-        try:
-            if self.config.block:
-                self._queue.put(rec)
-            else:
-                self._queue.put_nowait(rec)
-        except queue.Full:
-            return False
-        return True
-
     def stop(self, timeout: float | None = None) -> bool:
         """Write everything queued, then stop. False when still busy after ``timeout``."""
-        self._queue.put(_STOP)
+        self._queue.put(STOP)
         return self._closed.wait(timeout)
 
     def _feed(self) -> None:
-        while (rec := self._queue.get()) is not _STOP:
+        while True:
+            with self._count_lock:  # the last record answered before the next is taken:
+                # beyond the queue only the record being written is held, as by the thread
+                self._count_lock.wait_for(lambda: self._gone or not self._in_flight)
+            if (rec := self._queue.get()) is STOP:
+                break
             with self._count_lock:
                 gone = self._gone
                 if not gone:
@@ -327,6 +320,7 @@ class ProcessWriter:
             return
         with self._count_lock:
             self._in_flight -= 1
+            self._count_lock.notify()
         if op == _WRITTEN:
             self.stats.count_written()
             self.stats.ingested += int(body)
@@ -339,6 +333,7 @@ class ProcessWriter:
         the feeder reaches them, so `stop` still returns after the last is counted."""
         with self._count_lock:
             lost, self._in_flight, self._gone = self._in_flight, 0, True
+            self._count_lock.notify()
         self._count_lost(lost, code)
         if self._close_sent:
             self._closed.set()
@@ -382,8 +377,6 @@ class _ToTrainingProcess(logging.Handler):
 
 def main(argv: list[str] | None = None) -> int:
     """The writer process (arguments: the pipe's file descriptors, IN_FD OUT_FD)."""
-    from trajstore.capture.writer import BundleSink
-
     args = sys.argv[1:] if argv is None else argv
     in_fd, out_fd = int(args[0]), int(args[1])
     with contextlib.suppress(Exception):  # a lower priority: training first
