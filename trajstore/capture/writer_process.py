@@ -324,7 +324,7 @@ class ProcessWriter(QueuedWriter):
         if op == _WRITTEN:
             self.stats.count_written()
             self.stats.ingested += int(body)
-        elif op == _FAILED:  # logged by the writer process, with its traceback
+        elif op == _FAILED:  # logged there, and its log record sent back (_LOG)
             self.stats.errors += 1
             self.stats.disk_full += int(bool(body))
 
@@ -353,8 +353,15 @@ class ProcessWriter(QueuedWriter):
 # --------------------------------------------------------------------------- child
 
 
+#: one frame at a time on the reply pipe: the main loop answers records while a store's
+#: worker threads may log (each log record is a frame too)
+_REPLY_LOCK = threading.Lock()
+
+
 def _send_reply(fd: int, op: int, wid: int, body: Any) -> None:
-    _write_all(fd, _frame(op, wid, body))
+    parts = _frame(op, wid, body)
+    with _REPLY_LOCK:
+        _write_all(fd, parts)
 
 
 class _ToTrainingProcess(logging.Handler):
