@@ -11,8 +11,9 @@ release the GIL. The bundles written are the same bytes (`BundleSink` does the w
 both modes).
 
 One writer process serves every `CaptureManager` of a training process: it starts with
-the first (importing torch: ~1.4 s, waited for once, so that a writer process that cannot
-start is an error at start-up, not a count of lost bundles later) and outlives them, idle,
+the first (importing torch: 0.5-1.4 s here, waited for once, so that a writer process
+that cannot start is an error at start-up, not a count of lost bundles later) and
+outlives them, idle,
 until the training process exits and its pipe closes. A manager's queue, its bound and its
 drop/block behaviour are the thread writer's: the feeder hands over one record and waits
 for its answer before the next, so beyond the queue only the record being written is
