@@ -13,12 +13,11 @@ both modes).
 One writer process serves every `CaptureManager` of a training process: it starts with
 the first (importing torch: 0.5-1.4 s here, waited for once, so that a writer process
 that cannot start is an error at start-up, not a count of lost bundles later) and
-outlives them, idle,
-until the training process exits and its pipe closes. A manager's queue, its bound and its
-drop/block behaviour are the thread writer's: the feeder hands over one record and waits
-for its answer before the next, so beyond the queue only the record being written is
-held, as with the thread. If the writer process dies,
-the records it held and every later one are counted in ``CaptureStats.errors`` (logged
+outlives them, idle, until the training process exits and its pipe closes. A manager's
+queue, its bound and its drop/block behaviour are the thread writer's: the feeder hands
+over one record and waits for its answer before the next, so beyond the queue only the
+record being written is held, as with the thread. If the writer process dies, the
+records it held and every later one are counted in ``CaptureStats.errors`` (logged
 once); training goes on.
 
 Frames, both ways: ``<B op><Q writer id><I parts>``, then each part's length (``<Q``),
