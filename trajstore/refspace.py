@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trajstore.errors import NotFoundError, StoreError
-from trajstore.jsonio import atomic_create, fsync_path, temp_sibling
-from trajstore.pools import SharedPool
+from trajstore.jsonio import atomic_create, fsync_all, fsync_path, temp_sibling
 
 __all__ = [
     "DocInfo",
@@ -164,21 +163,6 @@ class DocRef:
         return self.space.where(self.key)
 
 
-#: threads fsyncing a batch of documents (they wait on the disk, not the CPU)
-_FSYNC_THREADS = 8
-_fsync_pool = SharedPool(_FSYNC_THREADS, "refspace-fsync")
-
-
-def _fsync_all(paths: list[Path]) -> None:
-    if len(paths) < 2:
-        for p in paths:
-            fsync_path(p)
-        return
-    pool = _fsync_pool.get()
-    for f in [pool.submit(fsync_path, p) for p in paths]:
-        f.result()
-
-
 class LocalRefSpace(RefSpace):
     """Documents as files under `root` (today's store directory layout)."""
 
@@ -218,7 +202,7 @@ class LocalRefSpace(RefSpace):
                 with open(tmp, "wb") as f:
                     f.write(data)
             if self.durable:
-                _fsync_all(tmps)
+                fsync_all(tmps)
             created = []
             for tmp, path in zip(tmps, paths, strict=True):
                 try:
@@ -338,7 +322,7 @@ class _LocalStaged(StagedDocs):
                 with open(tmp, "wb") as f:
                     f.write(data)
             if self.durable:
-                _fsync_all([t for t in self.tmps if t is not None])
+                fsync_all([t for t in self.tmps if t is not None])
         except BaseException:
             self.close()
             raise

@@ -6,6 +6,14 @@ never overwritten, and the temp directory is removed on failure. Multi-rank
 producers write ``<cohort>/rank-<r>/`` plus a cohort shard ``COMPLETE.<r>``
 and call `try_finalize`, which never waits: whoever completes the set
 publishes the cohort ``COMPLETE``.
+
+``durable`` (the default) also survives a power loss: every file ``COMPLETE``
+vouches for, payloads included, is fsynced (in one round, on threads) before
+``COMPLETE`` is written, and the directories after it. Without it nothing is
+fsynced: a process that dies still never leaves a partial bundle under its final
+name, and after an OS crash a bundle whose files did not all reach the disk is
+refused by every reader by the hashes ``COMPLETE`` holds. Capture writes without
+(``TRAJSTORE_CAPTURE_DURABLE``): its fsyncs slowed a fast trainer by 5-10%.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from trajstore.errors import BundleError
 from trajstore.jsonio import (
     atomic_create,
     canonical_bytes,
+    fsync_all,
+    fsync_path,
     read_json,
     sha256_bytes,
     temp_sibling,
@@ -176,7 +186,7 @@ def _disk_full_or(error: RuntimeError, path: Path, nbytes: int) -> Exception:
     return error
 
 
-def _write_file(path: Path, data: bytes, *, durable: bool) -> None:
+def _write_file(path: Path, data: bytes, *, durable: bool = False) -> None:
     """Create ``path`` with ``data`` in as few system calls as Python allows (each one
     releases and retakes the GIL a training thread is waiting for); fsync if durable."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -190,18 +200,16 @@ def _write_file(path: Path, data: bytes, *, durable: bool) -> None:
         os.close(fd)
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    _write_file(path, data, durable=True)
-
-
 def write_bundle(
     dest: Path | str,
     contents: BundleContents,
     *,
     rank: int | None = None,
     expected_ranks: list[int] | None = None,
+    durable: bool = True,
 ) -> Path:
-    """Write ``contents`` as a complete bundle at ``dest`` (which must not exist)."""
+    """Write ``contents`` as a complete bundle at ``dest`` (which must not exist);
+    ``durable``: fsynced so that it survives a power loss (the module docstring)."""
     dest = Path(dest)
     if dest.exists():
         raise BundleError(f"{dest}: already exists; refusing to overwrite a bundle")
@@ -246,7 +254,7 @@ def write_bundle(
             "expected.json": canonical_bytes(contents.expected),
         }
         for fname, data in docs.items():
-            _fsync_write(tmp / fname, data)
+            _write_file(tmp / fname, data)
         metadata = {fname: sha256_bytes(data) for fname, data in docs.items()}
         ident = parsed_index.identity.raw
         shard = {
@@ -256,17 +264,27 @@ def write_bundle(
             "payloads": {name: spec["sha256"] for name, spec in specs.items()},
             "rollout_id": ident.get("rollout_id"),
         }
-        _fsync_write(tmp / f"COMPLETE.{r}", canonical_bytes(shard))
-        _fsync_write(
+        _write_file(tmp / f"COMPLETE.{r}", canonical_bytes(shard))
+        if durable:  # what COMPLETE vouches for is on disk before COMPLETE is
+            payload_files = [tmp / "payloads" / f"{name}.pt" for name in specs]
+            fsync_all(
+                [*payload_files, tmp / "payloads", *(tmp / f for f in docs), tmp / f"COMPLETE.{r}"]
+            )
+        _write_file(
             tmp / "COMPLETE",
             canonical_bytes({"expected_ranks": ranks, "metadata": metadata, "ranks": [r]}),
+            durable=durable,
         )
+        if durable:
+            fsync_path(tmp)
         try:
             os.rename(tmp, dest)
         except OSError as e:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise  # e.g. a full disk: not a bundle that appeared meanwhile
             raise BundleError(f"{dest}: appeared while writing; refusing to overwrite") from None
+        if durable:
+            fsync_path(dest.parent)
         return dest
     finally:
         if tmp.exists():
@@ -274,25 +292,35 @@ def write_bundle(
 
 
 def write_rank(
-    cohort_dir: Path | str, contents: BundleContents, *, rank: int, expected_ranks: list[int]
+    cohort_dir: Path | str,
+    contents: BundleContents,
+    *,
+    rank: int,
+    expected_ranks: list[int],
+    durable: bool = True,
 ) -> Path:
-    """Write one rank of a cohort, its cohort shard, then try to finalize."""
+    """Write one rank of a cohort, its cohort shard, then try to finalize (``durable`` as
+    in `write_bundle`, for all three)."""
     cohort_dir = Path(cohort_dir)
     if rank not in expected_ranks:
         raise BundleError(f"rank {rank} is not among expected ranks {expected_ranks}")
     cohort_dir.mkdir(parents=True, exist_ok=True)
     member = write_bundle(
-        cohort_dir / f"rank-{rank}", contents, rank=rank, expected_ranks=expected_ranks
+        cohort_dir / f"rank-{rank}",
+        contents,
+        rank=rank,
+        expected_ranks=expected_ranks,
+        durable=durable,
     )
     shard = read_json(member / f"COMPLETE.{rank}", f"COMPLETE.{rank}")
     shard["relpath"] = f"rank-{rank}"
-    if not atomic_create(cohort_dir / f"COMPLETE.{rank}", canonical_bytes(shard)):
+    if not atomic_create(cohort_dir / f"COMPLETE.{rank}", canonical_bytes(shard), durable=durable):
         raise BundleError(f"{cohort_dir}: cohort shard COMPLETE.{rank} already exists")
-    try_finalize(cohort_dir)
+    try_finalize(cohort_dir, durable=durable)
     return member
 
 
-def try_finalize(cohort_dir: Path | str) -> bool:
+def try_finalize(cohort_dir: Path | str, *, durable: bool = True) -> bool:
     """Publish the cohort COMPLETE if every expected shard is present. Never waits.
 
     Idempotent and safe to race: the sentinel is created with an atomic link,
@@ -321,5 +349,5 @@ def try_finalize(cohort_dir: Path | str) -> bool:
         raise BundleError(f"{cohort_dir}: cohort shards disagree on the anchor; not finalizing")
     doc = {"ranks": want, "shards": {str(r): shards[r].raw for r in want}}
     CohortComplete.from_dict(doc)
-    atomic_create(cohort_dir / "COMPLETE", canonical_bytes(doc))
+    atomic_create(cohort_dir / "COMPLETE", canonical_bytes(doc), durable=durable)
     return True

@@ -113,13 +113,19 @@ class BundleSink:
         dest = self._base_dir() / name
         ranks = self._producers(rec.kind)
         if ranks is not None and len(ranks) > 1:
-            write_rank(dest, contents, rank=int(self.config.rank), expected_ranks=list(ranks))
+            write_rank(
+                dest,
+                contents,
+                rank=int(self.config.rank),
+                expected_ranks=list(ranks),
+                durable=self.config.durable,
+            )
             if self._remote:
                 self._store_shard(dest, int(self.config.rank))
                 return
             complete = (dest / "COMPLETE").exists()
         else:
-            write_bundle(dest, contents)
+            write_bundle(dest, contents, durable=self.config.durable)
             complete = True
         if complete and self.config.store_dir is not None:
             self._ingest(dest)

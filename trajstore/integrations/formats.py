@@ -87,7 +87,8 @@ def stage(name: str, paths: list[str], *, run: str, config: str | None) -> Stage
     staged = Staged(Path(tempfile.mkdtemp(prefix=f"trajstore-{name}-")))
     try:
         for b in module.convert(paths, run=run, config=config):
-            write_bundle(staged.root / b.run / b.child, b.contents)
+            # staging: the ingest that follows is what makes them durable
+            write_bundle(staged.root / b.run / b.child, b.contents, durable=False)
             staged.bundles.append((b.run, b.child, b.sources))
         if not staged.bundles:
             raise UsageError(f"no {name} dumps found in {', '.join(paths)}")
