@@ -159,6 +159,15 @@ class RecordingLoss:
             lengths = attention[:, prompts.shape[1] :].sum(-1).tolist()
         actor_config = getattr(self.inner, "keywords", {}).get("config")
         dp_size = int(_field(data, "dp_size", 1) or 1)
+        global_batch = _field(data, "global_batch_size")
+        optional = {  # each field read once: a TensorDict lookup is tens of microseconds
+            name: _dense(data, key)
+            for name, key in (
+                ("ref_log_probs", "ref_log_prob"),
+                ("rollout_log_probs", "rollout_log_probs"),
+                ("rollout_is_weights", "rollout_is_weights"),
+            )
+        }
         row_ids = (
             cpu(rows).tolist()
             if rows is not None
@@ -173,21 +182,13 @@ class RecordingLoss:
             loss=float(cpu(loss)),
             metrics={name: _metric(value) for name, value in dict(metrics or {}).items()},
             entropy=None if entropy is None else cpu(entropy).float(),
-            ref_log_probs=None
-            if _dense(data, "ref_log_prob") is None
-            else cpu(_dense(data, "ref_log_prob")).float(),
-            rollout_log_probs=None
-            if _dense(data, "rollout_log_probs") is None
-            else cpu(_dense(data, "rollout_log_probs")).float(),
-            rollout_is_weights=None
-            if _dense(data, "rollout_is_weights") is None
-            else cpu(_dense(data, "rollout_is_weights")).float(),
+            **{name: None if v is None else cpu(v).float() for name, v in optional.items()},
             groups=row_ids if groups is None else cpu(groups).tolist(),  # untagged: own group
             response_lengths=None if lengths is None else [int(x) for x in lengths],
             optimizer_step=state.optimizer_step,
             dp_size=dp_size,
             batch_num_tokens=_field(data, "batch_num_tokens"),
-            global_batch_size=_field(data, "global_batch_size"),
+            global_batch_size=global_batch,
             loss_scale_factor=getattr(actor_config, "loss_scale_factor", None),
             dp_rank=_dp_rank(dp_group),
         )
@@ -198,7 +199,6 @@ class RecordingLoss:
         state.pending_routes.append(routes)
         state.rows_in_step += rows_in
         state.rows_in_update += rows_in
-        global_batch = _field(data, "global_batch_size")
         per_rank = None if global_batch is None else int(global_batch) // dp_size
         if per_rank and state.rows_in_step >= per_rank:
             self._flush(state)
