@@ -1,17 +1,20 @@
 """Capture overhead on verl's actor update, and bytes stored per step vs verl's own dump.
 
-    .venv/bin/python scripts/bench/bench_verl_capture.py [--reps 6] [--rows 16]
+    .venv/bin/python scripts/bench/bench_verl_capture.py [--reps 6] [--rows 16] [--updates 1]
 
 verl 0.9.1's real ``ActorRolloutRefWorker`` on the CPU (tests/verl_cpu.py: a tiny Qwen2
 built from a config, fsdp2, nothing downloaded). One worker; blocks alternate between verl's
 own loss (capture off: the baseline, in the same run) and the recording loss of
 ``capture_actor`` (on, every micro-batch captured into a temporary directory: the worst
-case). A block is one ``update_actor`` call on a fresh driver batch (two optimizer steps);
-its time is wall time of that call (which includes the recording's copies and enqueue), its
-CPU time the training process's (``--writer process``, the default: the writer process's
-CPU is reported apart). The driver's ``capture_batch`` is timed apart. Bytes: the step's
-bundles on disk (its rollout bundle and its step bundles) against verl's own
-``DataProto.save_to_disk`` of the same batch. Reports through harness.emit.
+case). A block is ``--updates`` ``update_actor`` calls, each on a fresh driver batch (two
+optimizer steps); its time is the wall time of those calls a call (which includes the
+recording's copies and enqueue; the writer's work for one call overlaps the next call, or
+after a block's last, the next block, on or off: longer blocks measure more of it where
+it belongs, and have less noise), its CPU time the training process's (``--writer
+process``, the default: the writer process's CPU is reported apart). The driver's
+``capture_batch`` is timed apart. Bytes: the step's bundles on disk (its rollout bundle and
+its step bundles) against verl's own ``DataProto.save_to_disk`` of the same batch. Reports
+through harness.emit.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def main() -> None:
             result["per_rep_ratio"],
             result["dropped"],
             f"verl ActorRolloutRefWorker on the CPU (tiny Qwen2, fsdp2), {args.rows} rows a "
-            f"batch, {args.reps} on/off pairs: update_actor {result['update_actor_s_off']:.2f} s "
+            f"batch, {args.reps} on/off pairs of {args.updates} call(s) a block: "
+            f"update_actor {result['update_actor_s_off']:.2f} s "
             f"off / {result['update_actor_s_on']:.2f} s on; CPU {result['cpu_ratio']:.3f}x"
             + (
                 f" (the writer process's CPU while update_actor ran: "
@@ -68,6 +72,11 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=6, help="on/off block pairs")
     parser.add_argument("--rows", type=int, default=16, help="samples per driver batch")
+    parser.add_argument(
+        "--updates", type=int, default=1,
+        help="update_actor calls a block (each on a fresh batch): longer blocks, less noise, "
+        "and the writer's work for one update lands in the next update of its own block",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
         "--writer", choices=("thread", "process"), default="process",
@@ -99,28 +108,36 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     step = 0
     for rep in range(args.reps + 1):  # the first pair warms up and is not counted
         for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-            step += 1
-            batch = h.prepare(h.make_batch(args.rows, seed=step), worker, cfg)
             worker.set_loss_fn(recording if mode == "on" else own)
+            batches = []
+            for _ in range(args.updates):
+                step += 1
+                batch = h.prepare(h.make_batch(args.rows, seed=step), worker, cfg)
+                if mode == "on":
+                    tv.tag_batch(batch)
+                    batch.meta_info[STEP_KEY] = step
+                batches.append((step, batch))
+            wall = used = writer_used = 0.0
+            for step_id, batch in batches:
+                start, cpu_start = time.perf_counter(), time.process_time()
+                writer_start = writer_process_cpu_s()
+                h.update_actor(worker, batch, cfg)
+                wall += time.perf_counter() - start
+                used += time.process_time() - cpu_start
+                writer_used += writer_process_cpu_s() - writer_start
+                if mode == "on":
+                    start = time.perf_counter()
+                    tv.capture_batch(batch, cfg, step=step_id)
+                    driver_s.append(time.perf_counter() - start)
+            if rep:  # per update_actor call
+                times[mode].append(wall / args.updates)
+                cpu[mode].append(used / args.updates)
+                writer_cpu[mode].append(writer_used / args.updates)
             if mode == "on":
-                tv.tag_batch(batch)
-                batch.meta_info[STEP_KEY] = step
-            start, cpu_start = time.perf_counter(), time.process_time()
-            writer_start = writer_process_cpu_s()
-            h.update_actor(worker, batch, cfg)
-            wall, used = time.perf_counter() - start, time.process_time() - cpu_start
-            writer_used = writer_process_cpu_s() - writer_start
-            if rep:
-                times[mode].append(wall)
-                cpu[mode].append(used)
-                writer_cpu[mode].append(writer_used)
-            if mode == "on":
-                start = time.perf_counter()
-                tv.capture_batch(batch, cfg, step=step)
-                driver_s.append(time.perf_counter() - start)
-                dump = tmp / f"dataproto-{step}.pkl"
-                batch.save_to_disk(str(dump))
-                dumped.append(_size(dump))
+                for step_id, batch in batches:
+                    dump = tmp / f"dataproto-{step_id}.pkl"
+                    batch.save_to_disk(str(dump))
+                    dumped.append(_size(dump))
     stats = tv.close()
     per_step: dict[int, int] = {}
     for path in (tmp / "capture").iterdir():
