@@ -13,7 +13,8 @@ vouches for, payloads included, is fsynced (in one round, on threads) before
 fsynced: a process that dies still never leaves a partial bundle under its final
 name, and after an OS crash a bundle whose files did not all reach the disk is
 refused by every reader by the hashes ``COMPLETE`` holds. Capture writes without
-(``TRAJSTORE_CAPTURE_DURABLE``): its fsyncs slowed a fast trainer by 5-10%.
+(``TRAJSTORE_CAPTURE_DURABLE``): its fsyncs slowed verl's ``update_actor`` by ~5%,
+from the other core (docs/capture.md, Durability).
 """
 
 from __future__ import annotations
