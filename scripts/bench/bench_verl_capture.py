@@ -1,6 +1,6 @@
 """Capture overhead on verl's actor update, and bytes stored per step vs verl's own dump.
 
-    .venv/bin/python scripts/bench/bench_verl_capture.py [--reps 6] [--rows 16] [--updates 1]
+    .venv/bin/python scripts/bench/bench_verl_capture.py [--reps 6] [--rows 16] [--updates 4]
 
 verl 0.9.1's real ``ActorRolloutRefWorker`` on the CPU (tests/verl_cpu.py: a tiny Qwen2
 built from a config, fsdp2, nothing downloaded). One worker; blocks alternate between verl's
@@ -73,9 +73,11 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     parser.add_argument("--reps", type=int, default=6, help="on/off block pairs")
     parser.add_argument("--rows", type=int, default=16, help="samples per driver batch")
     parser.add_argument(
-        "--updates", type=int, default=1,
-        help="update_actor calls a block (each on a fresh batch): longer blocks, less noise, "
-        "and the writer's work for one update lands in the next update of its own block",
+        "--updates", type=int, default=4,
+        help="update_actor calls a block (each on a fresh batch; 1 before 2026-12-04 08:30): "
+        "the writer's work for one call lands in the next call of its own block, as in a run "
+        "with capture on throughout; with one call a block, each call's last bundles were "
+        "written during the next block, on or off",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(

@@ -4,7 +4,7 @@ or in the writer process (`trajstore.capture.writer_process`, the default on POS
 
 Why apart from the training thread: it only snapshots and enqueues
 (`trajstore.capture.manager`); everything slow (assembling the bundle, torch
-serialization, fsync, the store's ingest) happens here, at a lower OS
+serialization, fsync when durable, the store's ingest) happens here, at a lower OS
 priority, and every failure is logged and counted instead of raised.
 
 Into an `s3://` store no rank sees another's files: each stages in a private
