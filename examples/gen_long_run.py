@@ -227,10 +227,11 @@ def write_step(
             if (ro.rid, step) in args.fault_nan and r == 0:
                 new[len(new) // 2] = np.nan
         c = ro.contents(idx, step=step, args=args, world=args.ranks, new=new, eps_fault=eps_fault)
+        # a generated workload, made again at will: not fsynced (hundreds of MB to wait for)
         if args.ranks == 1:
-            write_bundle(dest, c)
+            write_bundle(dest, c, durable=False)
         else:
-            write_rank(dest, c, rank=r, expected_ranks=list(range(args.ranks)))
+            write_rank(dest, c, rank=r, expected_ranks=list(range(args.ranks)), durable=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         write_bundle(
             args.out / f"replay-rollout-{rid}",
             ro.contents(list(range(args.samples)), step=None, args=args, world=1),
+            durable=False,
         )
         n += 1
         prompts = np.arange(ro.n_prompts) + rid * ro.n_prompts
