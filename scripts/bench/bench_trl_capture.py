@@ -1,6 +1,6 @@
 """Capture overhead on TRL's GRPO loop: optimizer-step time with capture on vs off, as a ratio.
 
-    .venv/bin/python scripts/bench/bench_trl_capture.py [--reps 4] [--steps 8]
+    .venv/bin/python scripts/bench/bench_trl_capture.py [--reps 4] [--steps 8] [--step-ms 80]
 
 A tiny randomly initialised ``Qwen3ForCausalLM`` built from a config (nothing downloaded),
 ``trajstore.integrations.trl.GRPOTrainer`` with capture off (the baseline, measured in the
@@ -15,6 +15,15 @@ the other threads' extra CPU per step (the writer thread with ``--writer thread`
 feeder otherwise) and the writer process's CPU per step (``--writer process``, the
 default: started once before the blocks, its start timed apart) are reported apart.
 Prints one JSON object.
+
+The steps' length is the workload: the longer a step, the smaller capture's share of it.
+Issue 33 names ~80 ms steps, which one ``max_completion_length`` gives only on one machine
+in one state (56 tokens: 77-83 ms on this project's machine kind at 06:31 UTC, 114-121 ms
+at 08:00 the same day). So unless ``--completion`` is given, short calibration runs with
+capture off find it (`calibrate`: 24 and 56 tokens, then where the line through the last
+two points reaches ``--step-ms``, until a run is within 5%). The figure counts as
+measured on the target's workload only when the off blocks' median step is at most 10%
+longer than ``--step-ms`` (a workload in steps a second).
 """
 
 from __future__ import annotations
@@ -132,14 +141,47 @@ def block(args: argparse.Namespace, capture_on: bool, out: Path) -> dict[str, An
     }
 
 
+def calibrate(args: argparse.Namespace, tmp: Path) -> tuple[int, list[tuple[int, float]]]:
+    """The completion length whose steps take about ``--step-ms`` with capture off: short
+    runs (median of 5 steps after a warm-up one), first at 24 and 56 tokens, then at the
+    length the line through the last two points gives, until a run is within 5% (at most
+    three more). Returns that length and every (length, step seconds) tried."""
+    target = args.step_ms / 1000
+
+    def step_s(length: int) -> float:
+        probe = argparse.Namespace(**{**vars(args), "completion": length, "steps": 6})
+        return block(probe, False, tmp / f"calibrate-{len(points)}")["step_median_s"]
+
+    points: list[tuple[int, float]] = []
+    for length in (24, 56):
+        points.append((length, step_s(length)))
+    for _ in range(3):
+        (a, ta), (b, tb) = points[-2], points[-1]
+        per_token = (tb - ta) / (b - a) if b != a else 0.0
+        if per_token <= 0:  # no slope to follow (noise): keep the closest point
+            break
+        length = max(8, min(256, round(b + (target - tb) / per_token)))
+        if any(length == p for p, _ in points):
+            break
+        points.append((length, step_s(length)))
+        if abs(points[-1][1] / target - 1) <= 0.05:
+            break
+    best = min(points, key=lambda p: abs(p[1] - target))
+    return best[0], points
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=4, help="on/off block pairs")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per block")
     parser.add_argument("--batch", type=int, default=8, help="per-device train batch size")
     parser.add_argument(
-        "--completion", type=int, default=56,
-        help="max completion length (56: the ~80 ms steps of issue 33 on this machine kind)",
+        "--completion", type=int, default=None,
+        help="max completion length (default: calibrated to --step-ms)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--step-ms", type=float, default=80.0,
+        help="the off steps' length the figure is for (issue 33: ~80 ms)",
     )  # fmt: skip
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -156,7 +198,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    calibration: list[tuple[int, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.completion is None:
+            args.completion, calibration = calibrate(args, Path(tmp))
         for rep in range(args.reps):
             order = ("off", "on") if rep % 2 == 0 else ("on", "off")
             for mode in order:
@@ -171,6 +216,7 @@ def main() -> None:
     }
     result = {
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "calibration_step_s": {str(length): s for length, s in calibration},
         "step_s_off": step["off"],
         "step_s_on": step["on"],
         "step_ratio_on_off": step["on"] / step["off"],
@@ -202,7 +248,7 @@ def main() -> None:
     emit(
         args.json,
         capture_figures(
-            "TRL loop (~80 ms steps), whole run incl. final flush"
+            f"TRL loop (~{args.step_ms:.0f} ms steps), whole run incl. final flush"
             + (", thread writer" if args.writer == "thread" else ""),
             result["wall_ratio_on_off"],
             reps,
@@ -218,7 +264,13 @@ def main() -> None:
                 else ""
             )
             + "; "
-            f"training-thread CPU {result['training_thread_cpu_ratio_on_off']:.3f}x",
+            f"training-thread CPU {result['training_thread_cpu_ratio_on_off']:.3f}x; "
+            f"--completion {args.completion}" + (" (calibrated)" if calibration else ""),
+            # steps a second off: a step more than 10% longer than --step-ms is not the
+            # workload the figure names (capture's share would look smaller)
+            workload=1 / step["off"],
+            target_workload=1000 / (1.1 * args.step_ms),
+            workload_unit="steps/s",
         ),
         load_before,
         results=result,

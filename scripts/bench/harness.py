@@ -170,13 +170,14 @@ def figure(
 
 
 def capture_figures(
-    loop: str, ratio: float, reps: Sequence[float], dropped: int, detail: str
+    loop: str, ratio: float, reps: Sequence[float], dropped: int, detail: str, **workload: Any
 ) -> list[dict[str, Any]]:
     """The two figures of a capture-overhead script: wall time on / off (issue 33's
-    <= 1.05x) and the bundles dropped (none, exactly)."""
+    <= 1.05x; `workload`: `figure`'s workload keywords, for the ratio) and the bundles
+    dropped (none, exactly)."""
     return [
         figure(f"capture overhead, {loop} (on / off)", "<= 1.05x", ratio, "x", reps=reps,
-               detail=detail),
+               detail=detail, **workload),
         figure(f"capture, {loop}: bundles dropped", "<= 0", dropped, "", exact=True),
     ]  # fmt: skip
 

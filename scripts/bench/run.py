@@ -58,11 +58,11 @@ FIGURES: list[Entry] = [
     Entry("capture", "bench_capture.py", ("--reps", "4", "--rollouts", "3"),
           ("--reps", "1", "--rollouts", "1", "--hidden", "32", "--vocab", "32",
            "--max-response", "8")),
-    # --completion 56: the ~80 ms steps issue 33 names, on this project's machine kind
+    # the completion length calibrated to the ~80 ms steps issue 33 names (--step-ms)
     Entry("trl_capture", "bench_trl_capture.py",
-          ("--reps", "4", "--steps", "8", "--completion", "56"), ("--reps", "1", "--steps", "3")),
+          ("--reps", "4", "--steps", "8"), ("--reps", "1", "--steps", "3")),
     Entry("trl_capture_thread", "bench_trl_capture.py",
-          ("--reps", "4", "--steps", "8", "--completion", "56", "--writer", "thread"),
+          ("--reps", "4", "--steps", "8", "--writer", "thread"),
           ("--reps", "1", "--steps", "3", "--writer", "thread")),
     Entry("verl_capture", "bench_verl_capture.py", (), ("--reps", "1", "--rows", "4")),
     Entry("verl_capture_thread", "bench_verl_capture.py", ("--writer", "thread"),
