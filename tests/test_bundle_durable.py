@@ -146,3 +146,62 @@ def test_a_bundle_an_os_crash_tore_is_refused_not_read(tmp_path):
         assert proc.returncode == 2, (argv, proc.stdout, proc.stderr)
         assert "Traceback" not in proc.stderr
         assert f"payload '{payload.stem}'" in proc.stderr, (argv, proc.stdout, proc.stderr)
+
+
+_PROBE = """
+import os
+
+_real = os.fsync
+
+
+def _fsync(fd):
+    _real(fd)
+    with open(os.environ["FSYNC_LOG"], "a") as log:
+        log.write(os.readlink(f"/proc/self/fd/{fd}") + "\\n")
+
+
+os.fsync = _fsync
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_the_writer_process_fsyncs_as_configured(tmp_path, monkeypatch):
+    """The writer process gets the config pickled and runs the same `BundleSink`: its own
+    fsyncs (a `sitecustomize` loaded by that process alone logs them) follow `durable`."""
+    from test_capture import enabled, one_step
+
+    from trajstore.capture import writer_process
+
+    def fresh_writer_process() -> None:  # the shared one was started without the probe
+        shared = writer_process._SHARED
+        if shared is not None and shared.proc.poll() is None:
+            shared.proc.kill()
+            shared.proc.wait(timeout=30)
+
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(_PROBE)
+    log = tmp_path / "fsyncs.log"
+    log.touch()
+    fresh_writer_process()
+    monkeypatch.setenv("FSYNC_LOG", str(log))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(probe), os.environ.get("PYTHONPATH", "")])
+    )
+    try:
+        for durable in (False, True):
+            cap = CaptureManager(
+                enabled(tmp_path / f"cap-{durable}", writer="process", durable=durable)
+            )
+            assert one_step(cap, 0, 0)
+            stats = cap.close(timeout=60)
+            assert (stats.written, stats.errors) == (1, 0), stats
+        assert writer_process._SHARED.proc.pid != os.getpid()
+    finally:
+        monkeypatch.undo()
+        fresh_writer_process()  # later tests start one without the probe
+    synced = [Path(line) for line in log.read_text().splitlines()]
+    assert not [p for p in synced if "cap-False" in str(p)], synced
+    bundle = tmp_path / "cap-True" / "replay-0-0"
+    order = _in_bundle(synced, bundle)
+    assert set(order) >= _files(bundle) and order.index("COMPLETE") == len(order) - 2, order
