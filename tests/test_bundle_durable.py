@@ -15,14 +15,16 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import make_contents
+from test_capture import enabled, one_step
 
 from trajstore.bundle.writer import write_bundle, write_rank
 from trajstore.capture import CaptureConfig, CaptureManager
 from trajstore.capture.config import CaptureConfigError
 
 pytestmark = pytest.mark.integration
+#: the recorder reads which file a descriptor is through /proc
+needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def _in_bundle(seen: list[Path], bundle: Path) -> list[str]:
     return out
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+@needs_proc
 def test_a_durable_bundle_has_every_file_on_disk_before_complete(tmp_path, fsyncs):
     bundle = write_bundle(tmp_path / "b", make_contents())
     order = _in_bundle(fsyncs, bundle)
@@ -71,7 +73,7 @@ def test_a_durable_bundle_has_every_file_on_disk_before_complete(tmp_path, fsync
     assert fsyncs[-1] == tmp_path  # and the rename's, after it
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+@needs_proc
 def test_a_durable_cohort_member_has_its_files_shard_and_complete_on_disk(tmp_path, fsyncs):
     cohort = tmp_path / "c"
     member = write_rank(cohort, make_contents(), rank=0, expected_ranks=[0])
@@ -92,20 +94,9 @@ def test_a_bundle_written_without_durable_is_never_fsynced(tmp_path, fsyncs):
 
 def _capture_one_step(out: Path, **config) -> None:
     # the writer thread: the fsyncs happen in this process, where the wrapper sees them
-    # (the writer process runs the same `BundleSink` with the same config)
-    cap = CaptureManager(
-        CaptureConfig(enabled=True, output_dir=out, block=True, writer="thread", **config)
-    )
-    samples = [{"sample_id": "s0", "group_index": 0, "response_length": 3, "total_length": 5}]
-    with cap.step(0, 0) as st:
-        st.add(
-            0,
-            samples=samples,
-            log_probs=torch.tensor([-1.0, -0.5, -2.0]),
-            old_log_probs=torch.tensor([-1.1, -0.4, -2.0]),
-            advantages=torch.tensor([0.7, 0.7, 0.7]),
-            loss_mask=torch.tensor([1.0, 1.0, 1.0]),
-        )
+    # (the writer process runs the same `BundleSink`: the last test watches it)
+    cap = CaptureManager(enabled(out, block=True, writer="thread", **config))
+    assert one_step(cap, 0, 0)
     stats = cap.close()
     assert (stats.written, stats.errors) == (1, 0), stats
 
@@ -164,12 +155,10 @@ os.fsync = _fsync
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+@needs_proc
 def test_the_writer_process_fsyncs_as_configured(tmp_path, monkeypatch):
     """The writer process gets the config pickled and runs the same `BundleSink`: its own
     fsyncs (a `sitecustomize` loaded by that process alone logs them) follow `durable`."""
-    from test_capture import enabled, one_step
-
     from trajstore.capture import writer_process
 
     def fresh_writer_process() -> None:  # the shared one was started without the probe
@@ -196,7 +185,6 @@ def test_the_writer_process_fsyncs_as_configured(tmp_path, monkeypatch):
             assert one_step(cap, 0, 0)
             stats = cap.close(timeout=60)
             assert (stats.written, stats.errors) == (1, 0), stats
-        assert writer_process._SHARED.proc.pid != os.getpid()
     finally:
         monkeypatch.undo()
         fresh_writer_process()  # later tests start one without the probe

@@ -147,12 +147,12 @@ def calibrate(args: argparse.Namespace, tmp: Path) -> tuple[int, list[tuple[int,
     length the line through the last two points gives, until a run is within 5% (at most
     three more). Returns that length and every (length, step seconds) tried."""
     target = args.step_ms / 1000
+    points: list[tuple[int, float]] = []
 
     def step_s(length: int) -> float:
         probe = argparse.Namespace(**{**vars(args), "completion": length, "steps": 6})
         return block(probe, False, tmp / f"calibrate-{len(points)}")["step_median_s"]
 
-    points: list[tuple[int, float]] = []
     for length in (24, 56):
         points.append((length, step_s(length)))
     for _ in range(3):
