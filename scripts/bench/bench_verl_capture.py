@@ -7,14 +7,16 @@ built from a config, fsdp2, nothing downloaded). One worker; blocks alternate be
 own loss (capture off: the baseline, in the same run) and the recording loss of
 ``capture_actor`` (on, every micro-batch captured into a temporary directory: the worst
 case). A block is ``--updates`` ``update_actor`` calls, each on a fresh driver batch (two
-optimizer steps); its time is the wall time of those calls a call (which includes the
-recording's copies and enqueue; the writer's work for one call overlaps the next call, or
-after a block's last, the next block, on or off: longer blocks measure more of it where
-it belongs, and have less noise), its CPU time the training process's (``--writer
-process``, the default: the writer process's CPU is reported apart). The driver's
-``capture_batch`` is timed apart. Bytes: the step's bundles on disk (its rollout bundle and
-its step bundles) against verl's own ``DataProto.save_to_disk`` of the same batch. Reports
-through harness.emit.
+optimizer steps); both blocks of a pair get the same batches (a batch's random prompt and
+response lengths set its update's cost: until 2026-12-04 every block drew its own, and
+the pairs' ratios spread 0.8-1.5). A block's time is the wall time of its calls a call
+(which includes the recording's copies and enqueue; the writer's work for one call
+overlaps the next call, or after a block's last, the next block, on or off: longer blocks
+measure more of it where it belongs, and have less noise), its CPU time the training
+process's (``--writer process``, the default: the writer process's CPU is reported
+apart). The driver's ``capture_batch`` is timed apart. Bytes: the step's bundles on disk
+(its rollout bundle and its step bundles) against verl's own ``DataProto.save_to_disk``
+of the same batch. Reports through harness.emit.
 """
 
 from __future__ import annotations
@@ -74,10 +76,10 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
     parser.add_argument("--rows", type=int, default=16, help="samples per driver batch")
     parser.add_argument(
         "--updates", type=int, default=4,
-        help="update_actor calls a block (each on a fresh batch; 1 before 2026-12-04 08:30): "
-        "the writer's work for one call lands in the next call of its own block, as in a run "
-        "with capture on throughout; with one call a block, each call's last bundles were "
-        "written during the next block, on or off",
+        help="update_actor calls a block (each on a fresh batch, the same in both blocks of a "
+        "pair; 1 before 2026-12-04 08:30): the writer's work for one call lands in the next "
+        "call of its own block, as in a run with capture on throughout; with one call a "
+        "block, each call's last bundles were written during the next block, on or off",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
@@ -112,9 +114,12 @@ def measure() -> tuple[dict[str, Any], argparse.Namespace]:
         for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
             worker.set_loss_fn(recording if mode == "on" else own)
             batches = []
-            for _ in range(args.updates):
-                step += 1
-                batch = h.prepare(h.make_batch(args.rows, seed=step), worker, cfg)
+            for u in range(args.updates):
+                step += 1  # a capture step id: unique, so on blocks never share a bundle name
+                # the same batches for both blocks of a pair: a batch's prompt and response
+                # lengths are random, and the update's cost follows its tokens
+                seed = rep * args.updates + u + 1
+                batch = h.prepare(h.make_batch(args.rows, seed=seed), worker, cfg)
                 if mode == "on":
                     tv.tag_batch(batch)
                     batch.meta_info[STEP_KEY] = step
