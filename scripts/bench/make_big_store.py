@@ -353,6 +353,8 @@ def make_store(
     p = plan(steps, per_rollout, fault_every, clip_every)
     t0 = time.perf_counter()
     where = scratch_dir or (None if remote else Path(out).parent)
+    if where is not None:
+        Path(where).mkdir(parents=True, exist_ok=True)  # e.g. --build /tmp/bench/NEW
     scratch = Path(tempfile.mkdtemp(prefix="bigstore-", dir=where))
     try:
         if distinct:
