@@ -13,9 +13,13 @@ what computing the sums costs an ingest.
 3. Ingest of M real bundles (routes [T, 48, 8] and four log-prob payloads) into two fresh
    stores, once as shipped and once with the mismatch computation replaced by a stub
    (in this process only), --repeats alternating pairs: the median of the pairs' ratios,
-   target <= 1.05x. `--ingest-only` measures this figure alone.
+   target <= 1.05x. `--ingest-only` measures this figure alone. `--capture DIR` measures
+   it on the bundles of a capture directory instead, e.g. issue 33's routed long run
+   (`python -m trajstore.examples.gen_long_run DIR --rollouts 6 --steps 4 --samples 64
+   --routes --resumed 0.1 --seed 1`: a rollout's routes in each of its steps' bundles).
 
     .venv/bin/python scripts/bench/bench_mismatch.py [--steps 10000] [--ingest-bundles 8]
+        [--capture DIR]
 
 Tiny smoke run (proves the script works; no figure): --quick (--steps 200 --ingest-bundles 2
 --requests 20 --repeats 1 --commands 2). `--json PATH` writes the figures (harness.py).
@@ -253,7 +257,12 @@ def ingest_ratio(root: Path, args: argparse.Namespace) -> tuple[float, float, li
     import trajstore.store.ingest_write as ingest
     from trajstore.mismatch.compute import not_computed
 
-    bundles = make_bundles(root / "in", args.ingest_bundles, args.samples, args.resp, 256)
+    if args.capture is not None:
+        bundles = sorted(p.parent for p in args.capture.rglob("manifest.json"))
+        if not bundles:
+            raise SystemExit(f"--capture {args.capture}: no bundle (manifest.json) under it")
+    else:
+        bundles = make_bundles(root / "in", args.ingest_bundles, args.samples, args.resp, 256)
     real = ingest.bundle_entry
     stub = lambda put, payloads, index: not_computed("bench: not computed")  # noqa: E731
     with_s, ratios = [], []
@@ -339,6 +348,7 @@ def main() -> int:
     ap.add_argument("--resp", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ingest-only", action="store_true", help="only the ingest-cost figure")
+    ap.add_argument("--capture", type=Path, help="the ingest figure on these bundles")
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="the tiny smoke sizes below")
     ap.add_argument("--json", type=Path, help="write the figures here (harness.py)")
@@ -353,10 +363,14 @@ def main() -> int:
         if not args.ingest_only:
             figures, extra["chart_fetch"] = query_figures(Path(tmp), args)
         with_s, ratio, pairs = ingest_ratio(Path(tmp), args)
+        what = (
+            f"the bundles of {args.capture}"
+            if args.capture is not None
+            else f"{args.ingest_bundles} MoE bundles (routes [T, 48, 8], four log-prob payloads)"
+        )
         print(
-            f"ingest of {args.ingest_bundles} MoE bundles: {with_s:.2f} s with the mismatch "
-            f"sums, {ratio:.3f}x the ingest without them (target <= 1.05x; pairs "
-            f"{', '.join(f'{r:.3f}' for r in pairs)})"
+            f"ingest of {what}: {with_s:.2f} s with the mismatch sums, {ratio:.3f}x the "
+            f"ingest without them (target <= 1.05x; pairs {', '.join(f'{r:.3f}' for r in pairs)})"
         )
     figures.append(
         harness.figure(
@@ -366,8 +380,7 @@ def main() -> int:
             "x",
             reps=pairs,
             detail=(
-                f"{args.ingest_bundles} MoE bundles (routes [T, 48, 8], four log-prob "
-                f"payloads), median of {args.repeats} alternating pairs "
+                f"{what}, median of {args.repeats} alternating pairs "
                 f"({min(pairs):.3f}-{max(pairs):.3f}): {with_s:.2f} s with the sums"
             ),
         )
