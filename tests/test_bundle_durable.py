@@ -60,6 +60,12 @@ def _in_bundle(seen: list[Path], bundle: Path) -> list[str]:
     return out
 
 
+def _assert_fsynced_complete_last(seen: list[Path], bundle: Path) -> None:
+    """Every file of `bundle` was fsynced, `COMPLETE` last but for the bundle's folder."""
+    order = _in_bundle(seen, bundle)
+    assert set(order) >= _files(bundle) and order.index("COMPLETE") == len(order) - 2, order
+
+
 @needs_proc
 def test_a_durable_bundle_has_every_file_on_disk_before_complete(tmp_path, fsyncs):
     bundle = write_bundle(tmp_path / "b", make_contents())
@@ -112,8 +118,7 @@ def test_durable_capture_fsyncs_each_bundle_before_publishing_it(tmp_path, fsync
     assert config.durable
     _capture_one_step(tmp_path / "cap", durable=config.durable)
     bundle = tmp_path / "cap" / "replay-0-0"
-    order = _in_bundle(fsyncs, bundle)
-    assert set(order) >= _files(bundle) and order.index("COMPLETE") == len(order) - 2, order
+    _assert_fsynced_complete_last(fsyncs, bundle)
 
 
 def test_a_misspelt_durable_setting_is_refused_at_start(tmp_path):
@@ -191,5 +196,4 @@ def test_the_writer_process_fsyncs_as_configured(tmp_path, monkeypatch):
     synced = [Path(line) for line in log.read_text().splitlines()]
     assert not [p for p in synced if "cap-False" in str(p)], synced
     bundle = tmp_path / "cap-True" / "replay-0-0"
-    order = _in_bundle(synced, bundle)
-    assert set(order) >= _files(bundle) and order.index("COMPLETE") == len(order) - 2, order
+    _assert_fsynced_complete_last(synced, bundle)

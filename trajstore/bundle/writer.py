@@ -220,9 +220,10 @@ def write_bundle(
     tmp = temp_sibling(dest)
     try:
         (tmp / "payloads").mkdir(parents=True)
+        files = {name: tmp / "payloads" / f"{name}.pt" for name in sorted(contents.payloads)}
         specs = {
-            name: _write_payload(tmp / "payloads" / f"{name}.pt", name, value)
-            for name, value in sorted(contents.payloads.items())
+            name: _write_payload(path, name, contents.payloads[name])
+            for name, path in files.items()
         }
         contracts = contents.stage_contracts
         if contracts is None:
@@ -267,9 +268,8 @@ def write_bundle(
         }
         _write_file(tmp / f"COMPLETE.{r}", canonical_bytes(shard))
         if durable:  # what COMPLETE vouches for is on disk before COMPLETE is
-            payload_files = [tmp / "payloads" / f"{name}.pt" for name in specs]
             fsync_all(
-                [*payload_files, tmp / "payloads", *(tmp / f for f in docs), tmp / f"COMPLETE.{r}"]
+                [*files.values(), tmp / "payloads", *(tmp / f for f in docs), tmp / f"COMPLETE.{r}"]
             )
         _write_file(
             tmp / "COMPLETE",
